@@ -1,0 +1,45 @@
+"""Test set-up shared by every test module.
+
+* Without a GPU, Triton kernels run in Triton's CPU interpreter. TRITON_INTERPRET must be set before any
+  `@triton.jit` decorator runs, i.e. before detinfer's kernel modules are imported, so it is set here.
+* `@pytest.mark.gpu` tests are skipped (and reported as skipped) when CUDA is not available.
+* Hypothesis profiles: "ci" (default, small example counts for the 2-core CPU CI) and "gpu" (more
+  examples; select with HYPOTHESIS_PROFILE=gpu).
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "ci", max_examples=15, deadline=None, derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "gpu", max_examples=60, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (marker gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device():
+    """The device kernel tests run on: cuda when present, else cpu (Triton interpreter)."""
+    return torch.device("cuda" if HAS_CUDA else "cpu")
