@@ -1,0 +1,3 @@
+from detinfer.cli import main
+
+raise SystemExit(main())

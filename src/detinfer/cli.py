@@ -1,0 +1,37 @@
+"""`detinfer` command line: one subcommand per job; each module owns its own flags."""
+
+from __future__ import annotations
+
+import sys
+
+# subcommand -> (module, one-line help). Imported lazily so `detinfer --help` stays fast.
+_COMMANDS = {
+    "demo": ("detinfer.demo", "measure batch-(in)variance of stock kernels vs detinfer on this machine"),
+    "pull": ("detinfer.models.pull", "fetch a known model into the local cache as an HF-format directory"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: detinfer <command> [options]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in _COMMANDS.items()]
+    lines += ["", "run `detinfer <command> --help` for a command's options"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd not in _COMMANDS:
+        print(f"detinfer: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    import importlib
+
+    module = importlib.import_module(_COMMANDS[cmd][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

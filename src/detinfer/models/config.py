@@ -1,0 +1,242 @@
+"""`ModelConfig`: the architecture facts the model code needs, parsed and validated from a HF config.json.
+
+One decoder-only transformer covers Llama, Qwen2 and Qwen3; what differs between them is expressed as flags
+here (qkv/output/MLP biases, per-head q/k RMSNorm) so the model code has no per-architecture branches.
+
+Two spellings of the rotary parameters exist in the wild: transformers 4 writes `rope_theta` and
+`rope_scaling` at the top level, transformers 5 writes one `rope_parameters` dict (and may keep a top-level
+`rope_theta` as well). Both are accepted and normalised into `rope_theta` + `RopeScaling`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# HF `architectures[0]` -> model_type, and the attention flags each architecture implies.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Rotary variants whose frequencies are a fixed function of the config. "dynamic" NTK scaling is left out on
+# purpose: its frequencies depend on the current sequence length, so a token's result would depend on how
+# long its sequence happens to be at that step.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary frequency scaling. `linear`: inv_freq / factor. `llama3`: Llama 3.1's wavelength-banded scaling."""
+
+    rope_type: str
+    factor: float = 1.0
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+
+    def __post_init__(self):
+        if self.rope_type not in SUPPORTED_ROPE_TYPES or self.rope_type == "default":
+            raise ValueError(f"rope scaling type must be one of {SUPPORTED_ROPE_TYPES[1:]}, "
+                             f"got {self.rope_type!r}")
+        if not (isinstance(self.factor, (int, float)) and self.factor >= 1.0):
+            raise ValueError(f"rope scaling factor must be a number >= 1, got {self.factor!r}")
+        if self.rope_type == "llama3":
+            for name in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+                value = getattr(self, name)
+                if not (isinstance(value, (int, float)) and value > 0):
+                    raise ValueError(f"llama3 rope scaling needs a positive {name}, got {value!r}")
+            if self.high_freq_factor <= self.low_freq_factor:
+                raise ValueError("llama3 rope scaling needs high_freq_factor > low_freq_factor, got "
+                                 f"{self.high_freq_factor} <= {self.low_freq_factor}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # bias on q/k/v projections (Qwen2 always; Llama/Qwen3 via attention_bias)
+    o_bias: bool = False  # bias on the attention output projection (Llama/Qwen3 attention_bias)
+    mlp_bias: bool = False  # Llama mlp_bias
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rotary
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    pad_token_id: int | None = None
+    torch_dtype: str | None = None  # the dtype the checkpoint was saved in, if config.json says
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.architecture!r}; supported: "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"rope_scaling must be a RopeScaling or None, got {type(self.rope_scaling)}")
+        for name in ("tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("bos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and 0 <= value < self.vocab_size):
+                raise ValueError(f"{name} must be None or an id in [0, {self.vocab_size}), got {value!r}")
+        if not isinstance(self.eos_token_ids, tuple) or not all(
+                isinstance(i, int) and 0 <= i < self.vocab_size for i in self.eos_token_ids):
+            raise ValueError(f"eos_token_ids must be a tuple of ids in [0, {self.vocab_size}), "
+                             f"got {self.eos_token_ids!r}")
+        if self.torch_dtype is not None and self.torch_dtype not in DTYPES:
+            raise ValueError(f"torch_dtype must be one of {sorted(DTYPES)} or None, got {self.torch_dtype!r}")
+
+    @property
+    def model_type(self) -> str:
+        return {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                "Qwen3ForCausalLM": "qwen3"}[self.architecture]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """Scale applied to q.k before softmax (the runner's attention needs it)."""
+        return self.head_dim ** -0.5
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return DTYPES[self.torch_dtype] if self.torch_dtype else None
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
+        """Parse a HF config.json dict (and optionally generation_config.json for extra eos ids)."""
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ValueError("config.json has no 'architectures' entry; cannot tell which model this is "
+                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act must be 'silu', got {cfg.get('hidden_act')!r}")
+        if cfg.get("use_sliding_window"):
+            raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
+        if cfg.get("pretraining_tp", 1) not in (1, None):
+            raise ValueError(f"pretraining_tp must be 1, got {cfg.get('pretraining_tp')!r}")
+        _require(cfg, "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "vocab_size", "rms_norm_eps")
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        attention_bias = bool(cfg.get("attention_bias", False))
+        rope_theta, rope_scaling = _parse_rope(cfg)
+        gen = generation_config or {}
+        eos: list[int] = []
+        for ids in (gen.get("eos_token_id"), cfg.get("eos_token_id")):
+            for i in ([] if ids is None else [ids] if isinstance(ids, int) else list(ids)):
+                if i not in eos:
+                    eos.append(i)
+        bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
+        dtype = cfg.get("torch_dtype") or cfg.get("dtype")
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg["rms_norm_eps"]),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=True if arch == "Qwen2ForCausalLM" else attention_bias,
+            o_bias=False if arch == "Qwen2ForCausalLM" else attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)) if arch == "LlamaForCausalLM" else False,
+            qk_norm=arch == "Qwen3ForCausalLM",
+            bos_token_id=bos,
+            eos_token_ids=tuple(eos),
+            pad_token_id=cfg.get("pad_token_id"),
+            torch_dtype=dtype,
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        """Read config.json (required) and generation_config.json (optional) from a model directory."""
+        model_dir = Path(model_dir)
+        path = model_dir / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in {model_dir} (expected a HF-format model directory)")
+        cfg = _read_json(path)
+        gen_path = model_dir / "generation_config.json"
+        gen = _read_json(gen_path) if gen_path.is_file() else None
+        return cls.from_dict(cfg, gen)
+
+
+def _require(cfg: dict, *names: str) -> None:
+    missing = [n for n in names if cfg.get(n) is None]
+    if missing:
+        raise ValueError(f"config.json is missing required field(s): {', '.join(missing)}")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _parse_rope(cfg: dict) -> tuple[float, RopeScaling | None]:
+    """Normalise both rotary spellings (see module docstring) into (theta, scaling)."""
+    params = dict(cfg.get("rope_parameters") or {})
+    legacy = dict(cfg.get("rope_scaling") or {})
+    if params and any(isinstance(v, dict) for v in params.values()):
+        raise ValueError("per-layer-type rope_parameters are not supported (one global rotary config expected)")
+    if (params.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise ValueError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    scaling = legacy or params
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "default":
+        return float(theta), None
+    return float(theta), RopeScaling(
+        rope_type=rope_type,
+        factor=float(scaling.get("factor", 1.0)),
+        low_freq_factor=scaling.get("low_freq_factor"),
+        high_freq_factor=scaling.get("high_freq_factor"),
+        original_max_position_embeddings=scaling.get("original_max_position_embeddings",
+                                                     cfg.get("max_position_embeddings")),
+    )

@@ -1,0 +1,231 @@
+"""Batch-invariant implementations of the aten ops a transformer forward pass reduces with.
+
+Each function has the aten schema's signature and is registered by `detinfer.ops.mode` for the CPU and
+CUDA dispatch keys. Inside them we must never call an op we override (that would recurse into ourselves):
+only the detinfer kernels/refs, elementwise ops, views, indexing, amax/max (exact in any order) and
+`fold_sum` are used.
+
+Routing per call (`_route`): CUDA tensors of a kernel dtype (bf16/fp16/fp32) -> Triton kernel; every other
+float case (CPU, fp64) -> the op's `*_ref` (fixed-order folds, invariant by construction); integer/bool ->
+an exact integer path (integer addition is associative, so any fixed order is exact and invariant).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from detinfer.kernels._fold import fold_sum
+from detinfer.kernels._launch import KERNEL_DTYPES, interpreting
+
+
+class NotBatchInvariantError(RuntimeError):
+    """Raised in strict mode when an op has no batch-invariant implementation."""
+
+
+# Set by mode.enable(): whether CPU tensors may run the Triton kernels in Triton's interpreter (tests).
+_CPU_TRITON = {"on": False}
+
+
+def _route(*tensors: torch.Tensor | None) -> str:
+    ts = [t for t in tensors if t is not None]
+    if any(t.is_complex() for t in ts):
+        raise NotBatchInvariantError("batch_invariant mode: complex tensors are not supported")
+    if any(not t.is_floating_point() for t in ts):
+        return "int"
+    if all(t.dtype in KERNEL_DTYPES for t in ts):
+        if all(t.is_cuda for t in ts):
+            return "triton"
+        if _CPU_TRITON["on"] and interpreting() and all(t.device.type == "cpu" for t in ts) \
+                and all(t.dtype in (torch.float32, torch.float16) for t in ts):
+            return "triton"
+    return "ref"
+
+
+def _mm_kernels():
+    from detinfer.kernels import matmul
+    return matmul
+
+
+def _int_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Exact integer/bool [M, K] @ [K, N] (or batched) via elementwise products and a fold."""
+    out_dtype = torch.result_type(a, b)
+    acc = torch.int64 if not out_dtype.is_floating_point else out_dtype
+    prod = a.to(acc).unsqueeze(-1) * b.to(acc).unsqueeze(-3)  # [..., M, K, N]
+    return fold_sum(prod, dim=-2).to(out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------- matmuls
+def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    r = _route(a, b)
+    if r == "int":
+        return _int_matmul(a, b)
+    k = _mm_kernels()
+    return (k.matmul if r == "triton" else k.matmul_ref)(a, b)
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    r = _route(a, b)
+    if r == "int":
+        return _int_matmul(a, b)
+    k = _mm_kernels()
+    return (k.bmm if r == "triton" else k.bmm_ref)(a, b)
+
+
+def _scale_add(base: torch.Tensor, prod: torch.Tensor, beta, alpha) -> torch.Tensor:
+    """beta * base + alpha * prod, elementwise (aten semantics: beta == 0 ignores base, even NaN)."""
+    if alpha != 1:
+        prod = prod * alpha
+    if beta == 0:
+        return prod
+    return prod + (base * beta if beta != 1 else base)
+
+
+def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
+    n = b.shape[-1]
+    fused = (beta == 1 and alpha == 1 and bias.dim() == 1 and bias.shape[0] == n
+             and bias.dtype == a.dtype and _route(bias, a, b) != "int")
+    if fused:  # F.linear(x, w, bias) arrives here as addmm(bias, x, w.t()): one fused kernel call
+        k = _mm_kernels()
+        fn = k.linear if _route(bias, a, b) == "triton" else k.linear_ref
+        return fn(a, b.t(), bias)
+    return _scale_add(bias, mm(a, b), beta, alpha)
+
+
+def baddbmm(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
+    return _scale_add(base, bmm(a, b), beta, alpha)
+
+
+def mv(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return mm(a, v.unsqueeze(-1)).squeeze(-1)
+
+
+def dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return mm(a.unsqueeze(0), b.unsqueeze(-1)).reshape(())
+
+
+# --------------------------------------------------------------------------------- softmax / reductions
+def _softmax_kernels():
+    from detinfer.kernels import softmax
+    return softmax
+
+
+def _softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+    k = _softmax_kernels()
+    out_dtype = torch.float32 if half_to_float else None
+    return (k.softmax if _route(x) == "triton" else k.softmax_ref)(x, dim=dim, dtype=out_dtype)
+
+
+def _log_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+    k = _softmax_kernels()
+    out_dtype = torch.float32 if half_to_float else None
+    return (k.log_softmax if _route(x) == "triton" else k.log_softmax_ref)(x, dim=dim, dtype=out_dtype)
+
+
+def _norm_dims(x: torch.Tensor, dim) -> list[int]:
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return list(range(x.dim()))
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    return sorted({d % max(x.dim(), 1) for d in dims})
+
+
+def _int_sum(x: torch.Tensor, dim, keepdim: bool, dtype) -> torch.Tensor:
+    out_dtype = dtype or torch.int64  # torch promotes bool/int sums to int64
+    y = x.to(torch.int64 if not out_dtype.is_floating_point else out_dtype)
+    dims = _norm_dims(x, dim)
+    for d in sorted(dims, reverse=True):
+        y = fold_sum(y, dim=d, keepdim=keepdim)
+    if x.dim() == 0:
+        y = y.reshape(())
+    return y.to(out_dtype)
+
+
+def sum_dim(x: torch.Tensor, dim, keepdim: bool = False, *, dtype=None) -> torch.Tensor:
+    if not x.is_floating_point() and not (dtype is not None and dtype.is_floating_point):
+        return _int_sum(x, dim, keepdim, dtype)
+    from detinfer.kernels import reduce
+    fn = reduce.sum_dim if _route(x) == "triton" and dtype in (None, torch.float32, x.dtype) else reduce.sum_dim_ref
+    return fn(x if x.is_floating_point() else x.to(dtype), _norm_dims(x, dim), keepdim=keepdim, dtype=dtype)
+
+
+def sum_all(x: torch.Tensor, *, dtype=None) -> torch.Tensor:
+    return sum_dim(x, None, False, dtype=dtype)
+
+
+def mean_dim(x: torch.Tensor, dim, keepdim: bool = False, *, dtype=None) -> torch.Tensor:
+    if not x.is_floating_point() and not (dtype is not None and dtype.is_floating_point):
+        raise TypeError(f"mean(): could not infer output dtype. Input dtype must be floating point, got {x.dtype}")
+    from detinfer.kernels import reduce
+    fn = reduce.mean_dim if _route(x) == "triton" and dtype in (None, torch.float32, x.dtype) else reduce.mean_dim_ref
+    return fn(x if x.is_floating_point() else x.to(dtype), _norm_dims(x, dim), keepdim=keepdim, dtype=dtype)
+
+
+def mean_all(x: torch.Tensor, *, dtype=None) -> torch.Tensor:
+    return mean_dim(x, None, False, dtype=dtype)
+
+
+def cumsum(x: torch.Tensor, dim: int, *, dtype=None) -> torch.Tensor:
+    """Inclusive scan in a fixed Hillis-Steele pattern of elementwise adds: the adds a position sees depend
+    only on its index, never on the other rows (torch's CUDA scan picks different kernels per shape)."""
+    out_dtype = dtype or (torch.int64 if not x.is_floating_point() else x.dtype)
+    y = x.to(out_dtype).movedim(dim, -1).clone()
+    n, step = y.shape[-1], 1
+    while step < n:
+        y = torch.cat([y[..., :step], y[..., step:] + y[..., :-step]], dim=-1)
+        step *= 2
+    return y.movedim(-1, dim).contiguous()
+
+
+# ------------------------------------------------------------------------------------------------ norms
+def rms_norm(x: torch.Tensor, normalized_shape, weight=None, eps=None) -> torch.Tensor:
+    nd = len(normalized_shape)
+    if tuple(x.shape[x.dim() - nd:]) != tuple(normalized_shape):
+        raise ValueError(f"rms_norm: normalized_shape {list(normalized_shape)} does not match the trailing "
+                         f"dims of input shape {list(x.shape)}")
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
+    lead = x.shape[: x.dim() - nd]
+    flat = x.reshape(*lead, math.prod(normalized_shape))
+    w = weight.reshape(-1) if weight is not None else None
+    from detinfer.kernels import rmsnorm
+    fn = rmsnorm.rms_norm if _route(flat, w) == "triton" else rmsnorm.rms_norm_ref
+    return fn(flat, w, eps).reshape(x.shape)
+
+
+# ------------------------------------------------------------------------------------------- attention
+def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False) -> torch.Tensor:
+    """SDPA as math through the invariant bmm + softmax (HF eager numerics: scores in the input dtype,
+    softmax in fp32, probabilities rounded back before P @ V).
+
+    Invariant to right padding (extra masked keys at the end contribute exact zeros, and the matmul and
+    softmax kernels are invariant to zero extension). Left padding moves every real key's index, which this
+    path does not anchor: the HF-generate override handles that case.
+    """
+    if dropout_p != 0.0:
+        raise NotBatchInvariantError("batch_invariant mode: scaled_dot_product_attention with dropout_p > 0 "
+                                     "is random, not reproducible; call it with dropout_p=0 (model.eval())")
+    *lead, lq, d = q.shape
+    hq, hk = q.shape[-3] if q.dim() >= 3 else 1, k.shape[-3] if k.dim() >= 3 else 1
+    if hq != hk:
+        if hq % hk:
+            raise ValueError(f"scaled_dot_product_attention: {hq} query heads is not a multiple of {hk} kv heads")
+        k = k.repeat_interleave(hq // hk, dim=-3)
+        v = v.repeat_interleave(hq // hk, dim=-3)
+    lk = k.shape[-2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    qb, kb, vb = q.reshape(-1, lq, d), k.reshape(-1, lk, d), v.reshape(-1, lk, v.shape[-1])
+    scores = bmm(qb, kb.transpose(1, 2)).float() * scale              # [B*H, Lq, Lk]
+    scores = scores.reshape(*lead, lq, lk)
+    if is_causal:
+        causal = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask.float()
+    probs = _softmax(scores.reshape(-1, lq, lk), -1, False).to(q.dtype)
+    out = bmm(probs, vb)
+    return out.reshape(*lead, lq, v.shape[-1])

@@ -1,0 +1,148 @@
+"""The drop-in batch-invariant mode: `torch.library` overrides of the aten ops that reduce.
+
+    import detinfer
+    with detinfer.batch_invariant():
+        logits = model(**batch).logits        # any PyTorch / HF model, unmodified
+
+While enabled, the ops in `_OVERRIDES` run detinfer's batch-invariant implementations (Triton on CUDA,
+fixed-order folds on CPU and for fp64) for the CPU and CUDA dispatch keys. In strict mode (the default) the
+ops in `_REFUSED` — reductions we have no invariant implementation for — raise `NotBatchInvariantError`
+instead of silently running a batch-variant stock kernel. Leaving the context (or `disable()`) destroys the
+registrations, which restores every stock kernel; the mode changes no other global setting.
+
+The overrides are process-wide (the dispatcher has no per-thread registration), so enable the mode around
+whole forward passes, not from concurrent threads that expect stock behaviour.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from detinfer.ops import aten_impls as impl
+from detinfer.ops.aten_impls import NotBatchInvariantError
+
+# aten op (overload) -> implementation with the same schema.
+_OVERRIDES = {
+    "mm": impl.mm,
+    "addmm": impl.addmm,
+    "bmm": impl.bmm,
+    "baddbmm": impl.baddbmm,
+    "mv": impl.mv,
+    "dot": impl.dot,
+    "_softmax": impl._softmax,
+    "_log_softmax": impl._log_softmax,
+    "sum.dim_IntList": impl.sum_dim,
+    "sum": impl.sum_all,
+    "mean.dim": impl.mean_dim,
+    "mean": impl.mean_all,
+    "cumsum": impl.cumsum,
+    "rms_norm": impl.rms_norm,
+    "scaled_dot_product_attention": impl.scaled_dot_product_attention,
+}
+
+# Reductions without an invariant implementation yet: strict mode refuses them rather than run stock.
+_REFUSED = (
+    "var.correction", "std.correction", "var_mean.correction", "std_mean.correction",
+    "linalg_vector_norm", "native_layer_norm", "native_group_norm", "logsumexp", "prod", "prod.dim_int",
+    "addbmm", "addmv", "_addmm_activation", "_scaled_mm", "convolution", "_embedding_bag",
+    "mm.dtype", "bmm.dtype", "addmm.dtype", "baddbmm.dtype",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_flash_attention_forward", "_efficient_attention_forward",
+)
+
+_DISPATCH_KEYS = ("CPU", "CUDA")
+
+
+@dataclass(frozen=True)
+class ModeConfig:
+    """strict: refuse (raise) on reductions with no invariant implementation instead of running stock.
+    cpu_triton: run CPU tensors through the Triton kernels in Triton's interpreter (needs
+    TRITON_INTERPRET=1; for testing the kernels through the mode) instead of the fold-based refs."""
+
+    strict: bool = True
+    cpu_triton: bool = False
+
+
+class _ModeState:
+    """The one active registration (process-wide, like the dispatcher itself)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.lib: torch.library.Library | None = None
+        self.config: ModeConfig | None = None
+
+
+_STATE = _ModeState()
+
+
+def _refuser(name: str):
+    def refuse(*args, **kwargs):
+        raise NotBatchInvariantError(
+            f"batch_invariant mode (strict): aten::{name} has no batch-invariant implementation in detinfer; "
+            "its result could depend on the batch. Avoid the op, or enable the mode with strict=False to "
+            "run the stock kernel for it.")
+    return refuse
+
+
+def _op_exists(name: str) -> bool:
+    base, _, overload = name.partition(".")
+    packet = getattr(torch.ops.aten, base, None)
+    return packet is not None and (overload or "default") in packet.overloads()
+
+
+def enable(strict: bool = True, cpu_triton: bool = False) -> None:
+    """Turn the mode on (idempotent if already on with the same settings)."""
+    config = ModeConfig(strict=bool(strict), cpu_triton=bool(cpu_triton))
+    with _STATE.lock:
+        if _STATE.lib is not None:
+            if _STATE.config != config:
+                raise RuntimeError(f"batch_invariant mode is already enabled with {_STATE.config}; "
+                                   f"disable() it before enabling with {config}")
+            return
+        lib = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():  # "Overriding a previously registered kernel" is the point here
+            warnings.simplefilter("ignore")
+            for name, fn in _OVERRIDES.items():
+                for key in _DISPATCH_KEYS:
+                    lib.impl(name, fn, key)
+            if config.strict:
+                for name in _REFUSED:
+                    if _op_exists(name):
+                        for key in _DISPATCH_KEYS:
+                            lib.impl(name, _refuser(name), key)
+        impl._CPU_TRITON["on"] = config.cpu_triton
+        _STATE.lib, _STATE.config = lib, config
+
+
+def disable() -> None:
+    """Turn the mode off and restore every stock kernel (no-op if it is off)."""
+    with _STATE.lock:
+        if _STATE.lib is not None:
+            _STATE.lib._destroy()
+        _STATE.lib, _STATE.config = None, None
+        impl._CPU_TRITON["on"] = False
+
+
+def is_enabled() -> bool:
+    return _STATE.lib is not None
+
+
+@contextlib.contextmanager
+def batch_invariant(strict: bool = True, cpu_triton: bool = False):
+    """Context manager form of enable()/disable(). Nested use keeps the outer activation."""
+    was_on = is_enabled()
+    enable(strict=strict, cpu_triton=cpu_triton)
+    try:
+        yield
+    finally:
+        if not was_on:
+            disable()
+
+
+__all__ = ["ModeConfig", "NotBatchInvariantError", "batch_invariant", "disable", "enable", "is_enabled"]
