@@ -29,7 +29,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Rotary frequency scaling. `linear`: inv_freq / factor. `llama3`: Llama 3.1's wavelength-banded scaling."""
+    """Rotary frequency scaling. `linear`: inv_freq / factor. `llama3`: Llama 3.1's banded scaling."""
 
     rope_type: str
     factor: float = 1.0
@@ -142,7 +142,8 @@ class ModelConfig:
                              f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+            raise ValueError(f"unsupported architecture {arch!r}; supported: "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act must be 'silu', got {cfg.get('hidden_act')!r}")
         if cfg.get("use_sliding_window"):
@@ -222,7 +223,8 @@ def _parse_rope(cfg: dict) -> tuple[float, RopeScaling | None]:
     params = dict(cfg.get("rope_parameters") or {})
     legacy = dict(cfg.get("rope_scaling") or {})
     if params and any(isinstance(v, dict) for v in params.values()):
-        raise ValueError("per-layer-type rope_parameters are not supported (one global rotary config expected)")
+        raise ValueError("per-layer-type rope_parameters are not supported (one global rotary config "
+                         "expected)")
     if (params.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0) != 1.0:
         raise ValueError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))

@@ -32,7 +32,8 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     high_cut = old_len / scaling.high_freq_factor  # wavelengths below this are left alone
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_cut, inv_freq / scaling.factor, inv_freq)
-    blend = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    band = scaling.high_freq_factor - scaling.low_freq_factor
+    blend = (old_len / wavelen - scaling.low_freq_factor) / band
     blended = (1 - blend) * scaled / scaling.factor + blend * scaled
     in_band = ~(wavelen < high_cut) & ~(wavelen > low_cut)
     return torch.where(in_band, blended, scaled)

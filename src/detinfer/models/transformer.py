@@ -137,7 +137,7 @@ class Transformer(nn.Module):
         self.rotary = RotaryEmbedding(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
-        """input_ids [T], positions [T] (packed tokens of many sequences) -> final-normed hidden [T, hidden]."""
+        """input_ids [T], positions [T] (packed tokens of many sequences) -> normed hidden [T, hidden]."""
         h = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
         residual = None
         for layer in self.layers:

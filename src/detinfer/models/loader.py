@@ -1,0 +1,139 @@
+"""Load a HF-format model directory: config.json + model.safetensors, or sharded *.safetensors with
+model.safetensors.index.json.
+
+Everything is checked before any weight is read: tensor names against what the config implies (missing,
+unexpected), shapes, and stored dtypes (floating point only: quantized or integer checkpoints are refused,
+not silently cast).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from detinfer.models.config import ModelConfig
+from detinfer.models.transformer import Transformer, hf_weight_shapes, state_dict_from_hf
+from detinfer.ops import Ops
+
+LOAD_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+               "float64": torch.float64}
+# safetensors dtype codes a checkpoint may store weights in.
+STORED_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+# Names some exporters add that carry no weights (recomputed from the config here).
+_IGNORABLE_SUFFIXES = (".rotary_emb.inv_freq",)
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch.dtype:
+    """None -> the checkpoint's torch_dtype (fp32 if config.json does not say)."""
+    if dtype is None:
+        return config.dtype or torch.float32
+    if isinstance(dtype, str):
+        if dtype not in LOAD_DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(LOAD_DTYPES)}, got {dtype!r}")
+        return LOAD_DTYPES[dtype]
+    if dtype not in LOAD_DTYPES.values():
+        raise ValueError(f"dtype must be one of {sorted(LOAD_DTYPES)}, got {dtype}")
+    return dtype
+
+
+def safetensors_files(model_dir: str | Path) -> dict[str, Path]:
+    """Map each tensor name to the file that holds it (single file or index-listed shards)."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model directory {model_dir} does not exist")
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no 'weight_map' (tensor name -> shard file)")
+        shards = {name: model_dir / shard for name, shard in weight_map.items()}
+        missing = sorted({p.name for p in shards.values() if not p.is_file()})
+        if missing:
+            raise FileNotFoundError(f"{index} lists shard file(s) missing from {model_dir}: "
+                                    f"{', '.join(missing)}")
+        return shards
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    weight_suffixes = (".safetensors", ".bin", ".pt", ".gguf")
+    others = sorted(p.name for p in model_dir.iterdir() if p.suffix in weight_suffixes)
+    hint = f" (found {', '.join(others)}; only safetensors checkpoints are supported)" if others else ""
+    raise FileNotFoundError(f"no model.safetensors or {INDEX_FILE} in {model_dir}{hint}")
+
+
+def check_checkpoint(model_dir: str | Path, config: ModelConfig) -> dict[str, Path]:
+    """Validate names, shapes and stored dtypes against the config; returns {name: file} of the tensors to
+    load. Raises ValueError listing every problem found."""
+    files = safetensors_files(model_dir)
+    expected = hf_weight_shapes(config)
+    ignorable = {n for n in files if n.endswith(_IGNORABLE_SUFFIXES)}
+    if config.tie_word_embeddings:
+        ignorable.add("lm_head.weight")  # some exporters store the tied copy; the embedding is used
+    missing = sorted(set(expected) - set(files))
+    unexpected = sorted(set(files) - set(expected) - ignorable)
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {_abbrev(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {_abbrev(unexpected)}")
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        if name in files:
+            by_file.setdefault(files[name], []).append(name)
+    for path, names in by_file.items():
+        with safe_open(path, framework="pt") as f:
+            stored = set(f.keys())
+            for name in names:
+                if name not in stored:
+                    problems.append(f"{name} is listed for {path.name} but not stored there")
+                    continue
+                sl = f.get_slice(name)
+                shape, dt = tuple(sl.get_shape()), sl.get_dtype()
+                if shape != expected[name]:
+                    problems.append(f"{name} has shape {list(shape)}, config implies {list(expected[name])}")
+                if dt not in STORED_FLOAT_DTYPES:
+                    problems.append(f"{name} is stored as {dt}; supported stored dtypes: "
+                                    f"{', '.join(STORED_FLOAT_DTYPES)} (quantized checkpoints are not)")
+    if problems:
+        raise ValueError(f"checkpoint in {model_dir} does not match its config.json "
+                         f"({config.architecture}):\n  " + "\n  ".join(problems))
+    return {name: files[name] for name in expected}
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype | str | None = None,
+               device: torch.device | str = "cpu", ops: Ops | None = None) -> tuple[Transformer, ModelConfig]:
+    """Build the model for `model_dir`, weights in `dtype` on `device` (ops default: deterministic)."""
+    config = ModelConfig.from_dir(model_dir)
+    dtype = resolve_dtype(dtype, config)
+    device = torch.device(device)
+    ops = Ops("deterministic") if ops is None else ops
+    to_load = check_checkpoint(model_dir, config)
+    hf: dict[str, torch.Tensor] = {}
+    for path in dict.fromkeys(to_load.values()):
+        with safe_open(path, framework="pt") as f:
+            for name in (n for n, p in to_load.items() if p == path):
+                hf[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    with torch.device("meta"):
+        model = Transformer(config, ops)
+    model.load_state_dict(state_dict_from_hf(config, hf), strict=True, assign=True)
+    model.rotary.reset_parameters(device)
+    model.eval()
+    return model, config
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The model directory's tokenizer (see detinfer.models.tokenizer.Tokenizer)."""
+    from detinfer.models.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(model_dir)
+
+
+def _abbrev(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
