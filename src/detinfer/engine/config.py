@@ -1,0 +1,182 @@
+"""Engine configuration: one frozen, validated dataclass, plus argparse glue generated from it.
+
+Every field carries its help text in `field(metadata=...)`, so the CLI (and docs) are generated from this
+file instead of being kept in sync by hand. Flag names follow vLLM's where they mean the same thing
+(`--max-num-batched-tokens`, `--max-num-seqs`, `--block-size`, `--enable-prefix-caching`, ...), so users
+can carry their command lines over.
+
+This module must not import torch: the scheduler and block manager are pure Python and are tested (and
+may run) without it. The mode names are therefore repeated here; a test checks they match `detinfer.ops`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+ENGINE_MODES = ("deterministic", "fast")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+MAX_SEED = (1 << 63) - 1  # seeds travel as int64 (the sampler hashes them with int64 tensor ops)
+
+
+def _help(text: str, **extra: Any) -> dict:
+    return {"help": text, **extra}
+
+
+def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None,
+              optional: bool = False) -> None:
+    """Raise a ValueError/TypeError naming `name` unless `value` is an int in [minimum, maximum]."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        kind = "an int or None" if optional else "an int"
+        raise TypeError(f"{name} must be {kind}, got {value!r} ({type(value).__name__})")
+    if minimum is not None and value < minimum or maximum is not None and value > maximum:
+        lo = "-inf" if minimum is None else minimum
+        hi = "inf" if maximum is None else maximum
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+
+
+def check_float(name: str, value: Any, *, minimum: float | None = None, maximum: float | None = None,
+                min_exclusive: bool = False) -> None:
+    """Raise unless `value` is a finite real number in the given range (ints are accepted, bools not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    lo_bad = minimum is not None and (value <= minimum if min_exclusive else value < minimum)
+    if lo_bad or (maximum is not None and value > maximum):
+        lo = "-inf" if minimum is None else minimum
+        hi = "inf" if maximum is None else maximum
+        raise ValueError(f"{name} must be in {'(' if min_exclusive else '['}{lo}, {hi}], got {value}")
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine schedules, caches and computes. Validated on construction."""
+
+    max_num_batched_tokens: int = field(default=4096, metadata=_help(
+        "Token budget of one engine step: decode tokens plus prefill (chunk) tokens."))
+    max_num_seqs: int = field(default=256, metadata=_help(
+        "Most sequences running at once (each sample of an n > 1 request counts)."))
+    block_size: int = field(default=16, metadata=_help(
+        "Tokens per paged KV-cache block (a power of two)."))
+    num_kv_blocks: int | None = field(default=None, metadata=_help(
+        "Number of KV-cache blocks; default: sized from --gpu-memory-utilization."))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_help(
+        "Fraction of GPU memory the engine may use (weights + activations + KV cache), in (0, 1]. "
+        "Ignored when --num-kv-blocks is given."))
+    enable_prefix_caching: bool = field(default=True, metadata=_help(
+        "Reuse KV blocks of identical prompt prefixes across requests (same bits as recomputing)."))
+    enable_chunked_prefill: bool = field(default=True, metadata=_help(
+        "Split long prompts across steps and mix them with decodes. Without it, "
+        "max_num_batched_tokens must be >= max_model_len."))
+    max_model_len: int | None = field(default=None, metadata=_help(
+        "Most tokens (prompt + output) in one sequence; default: the model's context length."))
+    mode: str = field(default="deterministic", metadata=_help(
+        "deterministic: batch-invariant kernels; fast: stock torch kernels (batch-variant).",
+        choices=ENGINE_MODES))
+    dtype: str = field(default="auto", metadata=_help(
+        "Weight/activation dtype; auto: the checkpoint's dtype.", choices=DTYPES))
+    enforce_eager: bool = field(default=False, metadata=_help(
+        "Never capture CUDA graphs; run every step eagerly."))
+    seed: int | None = field(default=0, metadata=_help(
+        "Seed from which per-request seeds are drawn for sampled requests that give none "
+        "(None: draw them from the OS)."))
+
+    def __post_init__(self):
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
+        check_int("max_num_seqs", self.max_num_seqs, minimum=1)
+        check_int("block_size", self.block_size, minimum=1, maximum=1024)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two in [1, 1024], got {self.block_size}")
+        check_int("num_kv_blocks", self.num_kv_blocks, minimum=1, optional=True)
+        check_float("gpu_memory_utilization", self.gpu_memory_utilization, minimum=0.0, maximum=1.0,
+                    min_exclusive=True)
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        check_int("max_model_len", self.max_model_len, minimum=1, optional=True)
+        check_choice("mode", self.mode, ENGINE_MODES)
+        check_choice("dtype", self.dtype, DTYPES)
+        check_int("seed", self.seed, minimum=0, maximum=MAX_SEED, optional=True)
+        # Every running sequence must be able to decode in every step, or a step could starve one.
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                             f"max_num_seqs ({self.max_num_seqs})")
+        # Without chunking a (re)prefill runs in one step, so the longest one must fit the budget.
+        if (not self.enable_chunked_prefill and self.max_model_len is not None
+                and self.max_num_batched_tokens < self.max_model_len):
+            raise ValueError(f"with enable_chunked_prefill=False, max_num_batched_tokens "
+                             f"({self.max_num_batched_tokens}) must be >= max_model_len "
+                             f"({self.max_model_len})")
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        """A copy with `changes` applied (validated again), e.g. max_model_len resolved from the model."""
+        return dataclasses.replace(self, **changes)
+
+
+# ---------------------------------------------------------------------------------------------------
+# argparse glue
+
+def _flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def _scalar_type(annotation: Any) -> tuple[type, bool]:
+    """(base type, optional) for annotations like `int`, `int | None`, `Optional[float]`."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) != 1:
+            raise TypeError(f"unsupported field annotation for a CLI flag: {annotation!r}")
+        return args[0], True
+    return annotation, False
+
+
+def _parse_optional(base: type):
+    def parse(text: str):
+        return None if text.lower() == "none" else base(text)
+
+    parse.__name__ = base.__name__  # argparse names the type in its error messages
+    return parse
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> argparse.ArgumentParser:
+    """Add one flag per field of dataclass `cls` (help, choices and defaults taken from the dataclass).
+
+    bool fields become `--flag/--no-flag` pairs; optional fields also accept the value `none`.
+    """
+    hints = typing.get_type_hints(cls)
+    group = parser.add_argument_group(cls.__name__)
+    for f in dataclasses.fields(cls):
+        base, optional = _scalar_type(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else None
+        kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": f.metadata.get("help", "")}
+        if base is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif base in (int, float, str):
+            kwargs["type"] = _parse_optional(base) if optional else base
+            if "choices" in f.metadata:
+                kwargs["choices"] = f.metadata["choices"]
+            kwargs["help"] += f" (default: {default})"
+        else:
+            raise TypeError(f"{cls.__name__}.{f.name}: no CLI flag for type {base!r}")
+        group.add_argument(_flag_name(f.name), **kwargs)
+    return parser
+
+
+def from_args(cls: type, namespace: argparse.Namespace):
+    """Build (and so validate) `cls` from a namespace filled by a parser set up by `add_dataclass_args`."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    return cls(**{n: getattr(namespace, n) for n in names if hasattr(namespace, n)})
