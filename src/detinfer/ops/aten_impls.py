@@ -194,38 +194,73 @@ def rms_norm(x: torch.Tensor, normalized_shape, weight=None, eps=None) -> torch.
 
 
 # ------------------------------------------------------------------------------------------- attention
+def _allowed(mask: torch.Tensor) -> torch.Tensor:
+    """Boolean "may attend" view of an SDPA mask (bool: True attends; float: additive, HF uses finfo.min)."""
+    if mask.dtype == torch.bool:
+        return mask
+    return mask > torch.finfo(mask.dtype).min / 2
+
+
+def _anchor_at_first_key(k, v, attn_mask):
+    """Rotate each batch row's keys so its first attended key sits at index 0.
+
+    Left padding puts a row's real keys at [pad, Lk); alone they sit at [0, L). Reductions over keys are
+    anchored at index 0 (block boundaries, fold pairing), so the pad would change the order. Rotating by the
+    row's anchor (the latest "first attended key" over its queries: pad query rows attend to key 0 or
+    nothing, real rows to the pad length) lays the real keys out exactly as alone, followed by masked keys
+    (the rotated-away pads), which contribute exact zeros — and the kernels are invariant to trailing zeros.
+    A pure gather: exact, no host sync.
+    """
+    b, _, lk, _ = k.shape
+    allowed = _allowed(attn_mask)
+    if allowed.dim() != 4 or allowed.shape[0] != b or allowed.shape[-1] != lk:
+        return k, v, attn_mask
+    first = allowed.to(torch.int32).argmax(dim=-1)                     # [B, H|1, Lq] first attended key
+    anchor = first.amax(dim=(1, 2))                                    # [B]
+    idx = (torch.arange(lk, device=k.device)[None, :] + anchor[:, None]) % lk   # [B, Lk]
+    k = k.gather(2, idx[:, None, :, None].expand(k.shape))
+    v = v.gather(2, idx[:, None, :, None].expand(v.shape))
+    attn_mask = attn_mask.gather(-1, idx[:, None, None, :].expand(attn_mask.shape))
+    return k, v, attn_mask
+
+
 def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False) -> torch.Tensor:
     """SDPA as math through the invariant bmm + softmax (HF eager numerics: scores in the input dtype,
     softmax in fp32, probabilities rounded back before P @ V).
 
-    Invariant to right padding (extra masked keys at the end contribute exact zeros, and the matmul and
-    softmax kernels are invariant to zero extension). Left padding moves every real key's index, which this
-    path does not anchor: the HF-generate override handles that case.
+    Invariant to the batch, to right padding (extra masked keys at the end contribute exact zeros, and the
+    matmul and softmax kernels are invariant to zero extension) and to left padding (keys are re-anchored
+    at each row's first attended key, see `_anchor_at_first_key`).
     """
     if dropout_p != 0.0:
         raise NotBatchInvariantError("batch_invariant mode: scaled_dot_product_attention with dropout_p > 0 "
                                      "is random, not reproducible; call it with dropout_p=0 (model.eval())")
+    if q.dim() < 2 or k.dim() != q.dim() or v.dim() != q.dim():
+        raise ValueError(f"scaled_dot_product_attention: q, k, v must have the same rank >= 2, got "
+                         f"{list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
     *lead, lq, d = q.shape
-    hq, hk = q.shape[-3] if q.dim() >= 3 else 1, k.shape[-3] if k.dim() >= 3 else 1
+    hq, hk = (q.shape[-3], k.shape[-3]) if q.dim() >= 3 else (1, 1)
     if hq != hk:
         if hq % hk:
             raise ValueError(f"scaled_dot_product_attention: {hq} query heads is not a multiple of {hk} kv heads")
         k = k.repeat_interleave(hq // hk, dim=-3)
         v = v.repeat_interleave(hq // hk, dim=-3)
     lk = k.shape[-2]
+    if is_causal and attn_mask is None:
+        attn_mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
+    elif is_causal:
+        attn_mask = _allowed(attn_mask) & torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
+    if attn_mask is not None and q.dim() == 4:
+        k, v, attn_mask = _anchor_at_first_key(k, v, attn_mask.expand(q.shape[0], *attn_mask.shape[-3:])
+                                               if attn_mask.dim() == 4 else attn_mask)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     qb, kb, vb = q.reshape(-1, lq, d), k.reshape(-1, lk, d), v.reshape(-1, lk, v.shape[-1])
-    scores = bmm(qb, kb.transpose(1, 2)).float() * scale              # [B*H, Lq, Lk]
-    scores = scores.reshape(*lead, lq, lk)
-    if is_causal:
-        causal = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
+    scores = (bmm(qb, kb.transpose(1, 2)).float() * scale).reshape(*lead, lq, lk)   # [..., Lq, Lk]
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attn_mask, float("-inf"))
         else:
             scores = scores + attn_mask.float()
     probs = _softmax(scores.reshape(-1, lq, lk), -1, False).to(q.dtype)
-    out = bmm(probs, vb)
-    return out.reshape(*lead, lq, v.shape[-1])
+    return bmm(probs, vb).reshape(*lead, lq, v.shape[-1])
