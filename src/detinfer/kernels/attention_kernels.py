@@ -1,0 +1,309 @@
+"""Triton kernels behind `attention.py`: one attention core for prefill, chunked prefill and decode.
+
+The invariance argument (what makes a query's bits independent of everything but its own keys):
+
+* Keys are cut into splits of `split_size` keys anchored at key 0 of the sequence, and each split into
+  tiles of BLOCK_N keys anchored at the split start. A split's partial (running max m, sum l, unnormalized
+  output o) is an online softmax over its tiles in key order. Partials are chained left to right with
+  `_merge`, one definition used everywhere.
+* "Sequential" programs walk all tiles of all splits of a query tile in one flat loop, merging at each
+  split boundary; "split-parallel" programs compute one split each into a workspace and
+  `_merge_splits_kernel` chains them. Both run the same `_attend_tiles`, so the per-split arithmetic and
+  the chain are the same; which one runs is a speed choice.
+* Every sum over keys goes through a dot: QK^T reduces over head_dim, PV over the BLOCK_N keys of a tile,
+  and the softmax denominator is also a dot (p @ ones) rather than `tl.sum`, because `tl.sum`'s tree
+  follows the register layout, which changes with BLOCK_M and num_warps; a dot row's bits do not (checked
+  on the GPU by the tests). The row max is exact in any order.
+* A key that a query must not see gets score -inf, weight exactly 0 and (when it is past the sequence)
+  value 0, so tiles or splits that are fully masked for a row are exact identities: alpha is forced to 1
+  when the max does not move and a merge with an empty partial (-inf, 0, 0) returns the other side.
+  Hence a query gets the same bits whether extra masked tiles/splits run (prefill tiles hold several
+  queries) or not (decode), and whichever other rows share its tile.
+* No fma contraction is left to the compiler: mul-adds that matter are explicit `tl.fma`, and launches
+  pass enable_fp_fusion=False, so every kernel variant evaluates the same expressions the same way.
+
+Under Triton's CPU interpreter tl.dot is numpy/BLAS, whose row results depend on the row's position and
+the block height; FIXED_ORDER_DOT swaps in a broadcast multiply + sum with an order fixed by the shape
+alone, so the CPU tests check the same invariance the GPU gets from its matrix units.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Columns of the ones-matrix that turns the softmax denominator into a dot: 16 is the smallest N a
+# matrix instruction takes.
+L_COLS = tl.constexpr(16)
+
+
+@triton.jit
+def _dot(a, b, acc, FIXED_ORDER_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + a @ b, fp32 accumulate. The reduction order depends only on a.shape[1]."""
+    if FIXED_ORDER_DOT:
+        prod = a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
+        return acc + tl.sum(prod, axis=1)
+    else:
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _merge(m_a, l_a, o_a, m_b, l_b, o_b):
+    """Chain partial b after partial a: (max, denominator, unnormalized output), log2 units.
+
+    Exact identity when either side is empty (m = -inf, l = 0, o = 0): its coefficient is
+    exp2(-inf) = 0 and the other side's is forced to exactly 1.
+    """
+    m = tl.maximum(m_a, m_b)
+    c_a = tl.where(m_a == m, 1.0, tl.exp2(m_a - m))
+    c_b = tl.where(m_b == m, 1.0, tl.exp2(m_b - m))
+    l = tl.fma(l_a, c_a, l_b * c_b)
+    o = tl.fma(o_a, c_a[:, None], o_b * c_b[:, None])
+    return m, l, o
+
+
+@triton.jit
+def _finalize(l, o):
+    """Normalize; rows that saw no key (only possible for padding rows) give 0, not NaN."""
+    safe_l = tl.where(l > 0.0, l, 1.0)
+    return tl.where(l[:, None] > 0.0, o / safe_l[:, None], 0.0)
+
+
+@triton.jit
+def _kv_offsets(n, seq, kvh, kv_len, key_start, bt_ptr, stride_bt, max_blocks, num_blocks, block_size,
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, PAGED: tl.constexpr):
+    """Element offsets of keys n [BLOCK_N] of (seq, kv head) in the K and V stores, and which are real.
+
+    Paged: through the block table; a key past kv_len, past the table, or in a block id outside the pool
+    is not loaded (no out-of-bounds read whatever the metadata says). Contiguous: row `seq` starting at
+    key_start (left padding), so tiles are anchored at the first real key, as in the paged layout.
+    """
+    ok = n < kv_len
+    if PAGED:
+        blk_idx = n // block_size
+        ok = ok & (blk_idx < max_blocks)
+        blk = tl.load(bt_ptr + seq.to(tl.int64) * stride_bt + blk_idx, mask=ok, other=0).to(tl.int64)
+        ok = ok & (blk >= 0) & (blk < num_blocks)
+        in_blk = n % block_size
+        k_off = blk * stride_kb + in_blk * stride_kt + kvh * stride_kh
+        v_off = blk * stride_vb + in_blk * stride_vt + kvh * stride_vh
+    else:
+        tok = (key_start + n).to(tl.int64)
+        k_off = seq.to(tl.int64) * stride_kb + tok * stride_kt + kvh * stride_kh
+        v_off = seq.to(tl.int64) * stride_vb + tok * stride_vt + kvh * stride_vh
+    return k_off, v_off, ok
+
+
+@triton.jit
+def _attend_tiles(q, pos, t_start, t_end, split_size, window, qk_scale,
+                  k_ptr, v_ptr, seq, kvh, kv_len, key_start, bt_ptr, stride_bt, max_blocks, num_blocks,
+                  block_size, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                  FIXED_ORDER_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax over key tiles [t_start, t_end) (t_start a multiple of BLOCK_N).
+
+    Returns the chain of all completed splits (M, L, O) and the open split's partial (m, l, o).
+    """
+    d = tl.arange(0, HEAD_DIM)
+    ones = tl.full([BLOCK_N, L_COLS], 1.0, dtype=v_ptr.dtype.element_ty)
+    M = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    L = tl.zeros([BLOCK_M], tl.float32)
+    O = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_acc = tl.zeros([BLOCK_M, L_COLS], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for start in range(t_start, t_end, BLOCK_N):
+        if (start % split_size == 0) & (start > t_start):
+            # Split boundary: close the open split into the chain, start a fresh one.
+            M, L, O = _merge(M, L, O, m_i, tl.max(l_acc, 1), acc)
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_acc = tl.zeros([BLOCK_M, L_COLS], tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        n = start + tl.arange(0, BLOCK_N)
+        k_off, v_off, kv_ok = _kv_offsets(n, seq, kvh, kv_len, key_start, bt_ptr, stride_bt, max_blocks,
+                                          num_blocks, block_size, stride_kb, stride_kt, stride_kh,
+                                          stride_vb, stride_vt, stride_vh, PAGED)
+        k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_ok[:, None], other=0.0)
+        s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), FIXED_ORDER_DOT, PRECISION)
+        visible = kv_ok[None, :] & (n[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (n[None, :] > pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        # Max in log2 units: scaling by qk_scale > 0 commutes with max exactly.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_use))
+        p = tl.exp2(tl.fma(s, qk_scale, -m_use[:, None])).to(v_ptr.dtype.element_ty)
+        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_ok[:, None], other=0.0)
+        acc = _dot(p, v, acc * alpha[:, None], FIXED_ORDER_DOT, PRECISION)
+        l_acc = _dot(p, ones, l_acc * alpha[:, None], FIXED_ORDER_DOT, PRECISION)
+        m_i = m_new
+    # All L_COLS columns of l_acc hold the same bits; max picks one exactly.
+    return M, L, O, m_i, tl.max(l_acc, 1), acc
+
+
+@triton.jit(do_not_specialize=["num_seqs", "fixed_q_len", "fixed_kv_len", "max_blocks", "num_blocks",
+                               "window"])
+def _attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_ml_ptr,
+    cu_q_ptr, kv_lens_ptr, bt_ptr, key_start_ptr,
+    stride_qs, stride_qt, stride_qh, stride_os, stride_ot, stride_oh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+    num_seqs, fixed_q_len, fixed_kv_len, max_blocks, num_blocks, block_size, split_size, window,
+    num_q_heads, num_splits_ws, qk_scale,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, SPLIT_PARALLEL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, FIXED_ORDER_DOT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One program: BLOCK_T query tokens x GROUP query heads sharing kv head `pid(1)`.
+
+    Sequential: all splits of the tile's key range, result written to out. Split-parallel: split
+    `pid(2)` only, partial written to the workspace for `_merge_splits_kernel`.
+    """
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    if PAGED:
+        seq = _seq_of_tile(cu_q_ptr, num_seqs, tile, BLOCK_T)
+        q_first = tl.load(cu_q_ptr + seq)
+        q_len = tl.load(cu_q_ptr + seq + 1) - q_first
+        tile_local = tile - (q_first // BLOCK_T + seq)
+        kv_len = tl.load(kv_lens_ptr + seq)
+        key_start = 0
+        q_base = q_first.to(tl.int64) * stride_qt
+        o_base = q_first.to(tl.int64) * stride_ot
+    else:
+        tiles_per_seq = tl.cdiv(fixed_q_len, BLOCK_T)
+        seq = tile // tiles_per_seq
+        tile_local = tile % tiles_per_seq
+        q_len = fixed_q_len
+        q_first = seq * fixed_q_len
+        key_start = tl.load(key_start_ptr + seq)
+        kv_len = fixed_kv_len - key_start
+        q_base = seq.to(tl.int64) * stride_qs
+        o_base = seq.to(tl.int64) * stride_os
+    if tile_local * BLOCK_T >= q_len:
+        return
+
+    r = tl.arange(0, BLOCK_M)
+    t = tile_local * BLOCK_T + r // GROUP_PAD
+    g = r % GROUP_PAD
+    row_ok = (t < q_len) & (g < GROUP)
+    head = kvh * GROUP + g
+    pos = kv_len - q_len + t  # absolute position of the query = index of the last key it sees
+    d = tl.arange(0, HEAD_DIM)
+    q_off = q_base + t.to(tl.int64) * stride_qt + head * stride_qh
+    q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+
+    # Key range of the whole tile: [lo, hi). Tiles start on the BLOCK_N grid anchored at key 0.
+    t_last = tl.minimum(tile_local * BLOCK_T + BLOCK_T, q_len) - 1
+    hi = tl.maximum(kv_len - q_len + t_last + 1, 0)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(kv_len - q_len + tile_local * BLOCK_T - window + 1, 0)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    if SPLIT_PARALLEL:
+        sp = tl.program_id(2)
+        t_start = tl.maximum(lo, sp * split_size)
+        t_end = tl.minimum(hi, sp * split_size + split_size)
+        if t_start >= t_end:
+            return
+    else:
+        t_start = lo
+        t_end = hi
+    M, L, O, m_i, l_i, acc = _attend_tiles(
+        q, pos, t_start, t_end, split_size, window, qk_scale, k_ptr, v_ptr, seq, kvh, kv_len, key_start,
+        bt_ptr, stride_bt, max_blocks, num_blocks, block_size, stride_kb, stride_kt, stride_kh,
+        stride_vb, stride_vt, stride_vh, BLOCK_M, BLOCK_N, HEAD_DIM, PAGED, HAS_WINDOW,
+        FIXED_ORDER_DOT, PRECISION)
+    if SPLIT_PARALLEL:
+        # Workspace rows: [token, q head, split]; o is [.., HEAD_DIM], ml is [.., 2] = (m, l).
+        w_row = ((q_first + t).to(tl.int64) * num_q_heads + head) * num_splits_ws + sp
+        tl.store(ws_o_ptr + w_row[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(ws_ml_ptr + w_row * 2, m_i, mask=row_ok)
+        tl.store(ws_ml_ptr + w_row * 2 + 1, l_i, mask=row_ok)
+    else:
+        M, L, O = _merge(M, L, O, m_i, l_i, acc)
+        out = _finalize(L, O).to(out_ptr.dtype.element_ty)
+        o_off = o_base + t.to(tl.int64) * stride_ot + head * stride_oh
+        tl.store(out_ptr + o_off[:, None] + d[None, :], out, mask=row_ok[:, None])
+
+
+@triton.jit
+def _seq_of_tile(cu_q_ptr, num_seqs, tile, BLOCK_T: tl.constexpr):
+    """Sequence s of a global query-tile index: the last s with cu_q[s] // BLOCK_T + s <= tile.
+
+    Sequence s owns tile indices [cu_q[s] // BLOCK_T + s, cu_q[s+1] // BLOCK_T + s + 1), at least
+    ceil(q_len / BLOCK_T) of them, so T // BLOCK_T + S programs cover any packing without a host sync.
+    """
+    lo = tile * 0  # a tensor from the start (the interpreter runs the loop as plain Python)
+    hi = lo + num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        first = tl.load(cu_q_ptr + mid) // BLOCK_T + mid
+        lo = tl.where(first <= tile, mid, lo)
+        hi = tl.where(first <= tile, hi, mid)
+    return lo
+
+
+@triton.jit
+def _seq_of_token(cu_q_ptr, num_seqs, tok):
+    """Sequence s holding packed query token `tok`: the last s with cu_q[s] <= tok."""
+    lo = tok * 0
+    hi = lo + num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        first = tl.load(cu_q_ptr + mid)
+        lo = tl.where(first <= tok, mid, lo)
+        hi = tl.where(first <= tok, hi, mid)
+    return lo
+
+
+@triton.jit(do_not_specialize=["num_seqs", "fixed_q_len", "fixed_kv_len", "window"])
+def _merge_splits_kernel(
+    ws_o_ptr, ws_ml_ptr, out_ptr, cu_q_ptr, kv_lens_ptr, key_start_ptr,
+    stride_os, stride_ot, stride_oh,
+    num_seqs, fixed_q_len, fixed_kv_len, split_size, window, num_q_heads, num_splits_ws,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):
+    """Chain one token's split partials left to right (the sequential path's chain) and normalize."""
+    tok = tl.program_id(0)
+    kvh = tl.program_id(1)
+    if PAGED:
+        seq = _seq_of_token(cu_q_ptr, num_seqs, tok)
+        q_first = tl.load(cu_q_ptr + seq)
+        q_len = tl.load(cu_q_ptr + seq + 1) - q_first
+        kv_len = tl.load(kv_lens_ptr + seq)
+        t = tok - q_first
+        o_base = tok.to(tl.int64) * stride_ot
+    else:
+        seq = tok // fixed_q_len
+        q_len = fixed_q_len
+        kv_len = fixed_kv_len - tl.load(key_start_ptr + seq)
+        t = tok - seq * fixed_q_len
+        o_base = seq.to(tl.int64) * stride_os + t.to(tl.int64) * stride_ot
+    if t >= q_len:
+        return  # a packed row past the last sequence's queries: not part of any sequence
+    pos = kv_len - q_len + t
+    first = 0
+    if HAS_WINDOW:
+        first = tl.maximum(pos - window + 1, 0) // split_size
+    end = tl.where(pos >= 0, tl.maximum(pos, 0) // split_size + 1, 0)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    g_ok = g < GROUP
+    head = kvh * GROUP + g
+    M = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    L = tl.zeros([GROUP_PAD], tl.float32)
+    O = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    row0 = (tok.to(tl.int64) * num_q_heads + head) * num_splits_ws
+    for sp in range(first, end):
+        w_row = row0 + sp
+        m = tl.load(ws_ml_ptr + w_row * 2, mask=g_ok, other=float("-inf"))
+        l = tl.load(ws_ml_ptr + w_row * 2 + 1, mask=g_ok, other=0.0)
+        o = tl.load(ws_o_ptr + w_row[:, None] * HEAD_DIM + d[None, :], mask=g_ok[:, None], other=0.0)
+        M, L, O = _merge(M, L, O, m, l, o)
+    out = _finalize(L, O).to(out_ptr.dtype.element_ty)
+    o_off = o_base + head * stride_oh
+    tl.store(out_ptr + o_off[:, None] + d[None, :], out, mask=g_ok[:, None])

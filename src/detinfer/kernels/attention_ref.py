@@ -1,0 +1,110 @@
+"""Pure-torch attention references: the accuracy reference (run them on float64 inputs) and the CPU path.
+
+Batch-invariant by construction, like every `*_ref`: each sequence is attended on its own, every sum is
+`fold_sum` (QK^T over head_dim, the softmax denominator and PV over keys), everything else elementwise.
+Key j of a sequence always sits at index j of the reduced axis and a key a query may not see contributes
+an exact 0, so a query's bits do not depend on how many keys follow it (fold_sum ignores trailing zeros)
+nor on how its sequence was chunked into steps. Not bitwise equal to the Triton kernel (another order).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from detinfer.kernels._fold import fold_sum
+
+# Elements of the largest broadcast product held at once (queries are processed in chunks of rows;
+# rows are independent, so the chunking does not change any bits).
+_CHUNK_ELEMS = 1 << 24
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
+               sliding_window: int | None = None) -> torch.Tensor:
+    """One sequence: q [n, Hq, D] at absolute positions q_pos [n]; k, v [L, Hkv, D] its keys 0..L-1.
+    Query i sees keys j <= q_pos[i] (and j > q_pos[i] - sliding_window). Returns [n, Hq, D] in q.dtype;
+    a query that sees no key returns 0."""
+    acc = _acc_dtype(q.dtype)
+    n, hq, d = q.shape
+    group = hq // k.shape[1]
+    kf = k.to(acc).repeat_interleave(group, dim=1).permute(1, 0, 2)  # [Hq, L, D]
+    vf = v.to(acc).repeat_interleave(group, dim=1).permute(1, 0, 2)  # [Hq, L, D]
+    keys = torch.arange(k.shape[0], device=q.device)
+    out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device)
+    rows = max(1, _CHUNK_ELEMS // max(1, hq * k.shape[0] * d))
+    for r0 in range(0, n, rows):
+        qf = q[r0:r0 + rows].to(acc)  # [r, Hq, D]
+        pos = q_pos[r0:r0 + rows].to(keys.device)[:, None]
+        visible = keys[None, :] <= pos
+        if sliding_window is not None:
+            visible &= keys[None, :] > pos - sliding_window
+        s = fold_sum(qf[:, :, None, :] * kf[None], -1) * scale  # [r, Hq, L]
+        s = s.masked_fill(~visible[:, None, :], float("-inf"))
+        m = s.amax(-1, keepdim=True) if s.shape[-1] else s.new_zeros(s.shape[:-1] + (1,))
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        p = torch.exp(s - m)  # masked keys: exp(-inf) = 0 exactly
+        l = fold_sum(p, -1)  # [r, Hq]
+        o = fold_sum(p[..., None] * vf[None], -2)  # [r, Hq, D]
+        safe_l = torch.where(l > 0, l, torch.ones_like(l))
+        out[r0:r0 + rows] = torch.where(l[..., None] > 0, o / safe_l[..., None], 0.0).to(q.dtype)
+    return out
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, kv_lens: torch.Tensor, cu_q_lens: torch.Tensor,
+                        scale: float, *, sliding_window: int | None = None, max_q_len: int | None = None,
+                        max_kv_len: int | None = None, validate: bool | None = None, **_ignored
+                        ) -> torch.Tensor:
+    """`paged_attention` in pure torch (any float dtype, any device; host loop over sequences).
+
+    Same signature as `paged_attention`; the hints and split/schedule keywords are accepted and ignored.
+    Metadata values are always checked (the function reads them on the host anyway).
+    """
+    from detinfer.cache.paged_kv import check_step_metadata
+
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError("paged_attention_ref: need q [T, Hq, D] and k_cache, v_cache [num_blocks, "
+                         f"block_size, Hkv, D]; got {tuple(q.shape)}, {tuple(k_cache.shape)}, "
+                         f"{tuple(v_cache.shape)}")
+    if q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"paged_attention_ref: q heads/dim {tuple(q.shape[1:])} do not fit k/v heads/dim "
+                         f"{tuple(k_cache.shape[2:])} (Hq must be a multiple of Hkv, head_dims equal)")
+    check_step_metadata(cu_q_lens, kv_lens, block_tables, block_size=k_cache.shape[1],
+                        num_blocks=k_cache.shape[0], num_tokens=q.shape[0], max_kv_len=max_kv_len,
+                        op="paged_attention_ref")
+    bs = k_cache.shape[1]
+    cu, kvl, tables = cu_q_lens.tolist(), kv_lens.tolist(), block_tables.cpu()
+    out = torch.zeros_like(q)
+    for s, kv_len in enumerate(kvl):
+        q0, q1 = cu[s], cu[s + 1]
+        if q1 == q0:
+            continue
+        slots = tables[s, : -(-kv_len // bs)].to(torch.int64)[:, None] * bs + torch.arange(bs)
+        slots = slots.reshape(-1)[:kv_len].to(k_cache.device)
+        k = k_cache.reshape(-1, *k_cache.shape[2:])[slots]
+        v = v_cache.reshape(-1, *v_cache.shape[2:])[slots]
+        pos = torch.arange(kv_len - (q1 - q0), kv_len, device=q.device)
+        out[q0:q1] = attend_ref(q[q0:q1], k, v, pos, scale, sliding_window)
+    return out
+
+
+def attention_contiguous_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_start: torch.Tensor,
+                             scale: float, *, sliding_window: int | None = None, **_ignored) -> torch.Tensor:
+    """`attention_contiguous` in pure torch: q [B, Hq, Lq, D], k, v [B, Hkv, Lk, D], key_start [B]."""
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or k.shape[0] != q.shape[0] \
+            or k.shape[2] < q.shape[2]:
+        raise ValueError("attention_contiguous_ref: need q [B, Hq, Lq, D], k, v [B, Hkv, Lk >= Lq, D]; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    lq, lk = q.shape[2], k.shape[2]
+    out = torch.zeros_like(q)
+    for b, start in enumerate(key_start.tolist()):
+        if not 0 <= start <= lk:
+            raise ValueError(f"attention_contiguous_ref: key_start[{b}] = {start} outside [0, {lk}]")
+        pos = torch.arange(lk - lq, lk, device=q.device) - start
+        o = attend_ref(q[b].transpose(0, 1), k[b, :, start:].transpose(0, 1), v[b, :, start:].transpose(0, 1),
+                       pos, scale, sliding_window)
+        out[b] = o.transpose(0, 1)
+    return out

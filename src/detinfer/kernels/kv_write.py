@@ -1,0 +1,115 @@
+"""Write a step's new K/V into the paged cache (before attention runs), so attention reads every key of a
+sequence from one place in one order whether it was computed this step or steps ago.
+
+k, v [T, Hkv, D] (any token/head strides, unit last stride: e.g. views into a fused QKV projection);
+caches [num_blocks, block_size, Hkv, D]; slot_mapping [T] int32/int64 with slot = block * block_size +
+offset. A slot < 0 is skipped (padded rows of a CUDA-graph batch); so is a slot past the pool, which
+`validate` reports instead of letting the kernel write out of bounds. A pure copy: no arithmetic, so
+nothing here can depend on the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from detinfer.kernels._launch import check_kernel_inputs
+
+__all__ = ["write_kv", "write_kv_ref"]
+
+
+@triton.jit(do_not_specialize=["num_slots"])
+def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, num_slots, block_size,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
+                     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if (slot < 0) | (slot >= num_slots):
+        return
+    blk = slot // block_size
+    off = slot % block_size
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h < NUM_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+    hd = h[:, None]
+    k = tl.load(k_ptr + t * stride_kt + hd * stride_kh + d[None, :], mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + hd * stride_vh + d[None, :], mask=mask)
+    tl.store(kc_ptr + blk * stride_kcb + off * stride_kct + hd * stride_kch + d[None, :], k, mask=mask)
+    tl.store(vc_ptr + blk * stride_vcb + off * stride_vct + hd * stride_vch + d[None, :], v, mask=mask)
+
+
+def _validate(op: str, k, v, k_cache, v_cache, slot_mapping) -> None:
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache),
+                    ("slot_mapping", slot_mapping)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(f"{op}: k and v must both be [T, Hkv, D], got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"{op}: k_cache and v_cache must both be [num_blocks, block_size, Hkv, D], got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if tuple(k.shape[1:]) != tuple(k_cache.shape[2:]):
+        raise ValueError(f"{op}: k/v heads and head_dim {tuple(k.shape[1:])} do not match the cache's "
+                         f"{tuple(k_cache.shape[2:])}")
+    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype or k.dtype != v.dtype:
+        raise TypeError(f"{op}: k, v and the caches must share one dtype (no silent casts), got {k.dtype}, "
+                        f"{v.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{op}: slot_mapping must be int32/int64 [T] = [{k.shape[0]}], got "
+                         f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    if slot_mapping.device != k.device:
+        raise ValueError(f"{op}: slot_mapping is on {slot_mapping.device} but k is on {k.device}")
+    if any(t.stride(-1) != 1 for t in (k, v, k_cache, v_cache)):
+        raise ValueError(f"{op}: k, v and the caches need a contiguous last (head_dim) dimension")
+
+
+def _check_slots(op: str, slot_mapping: torch.Tensor, num_slots: int) -> None:
+    slots = slot_mapping.cpu()
+    if slots.numel() and int(slots.max()) >= num_slots:
+        raise ValueError(f"{op}: slot_mapping holds slot {int(slots.max())} but the cache has "
+                         f"{num_slots} slots (num_blocks * block_size); negative slots mean 'skip'")
+    used = slots[slots >= 0]
+    if used.unique().numel() != used.numel():
+        # Two tokens racing for one slot would leave whichever write lands last: not deterministic.
+        raise ValueError(f"{op}: slot_mapping writes some slot twice in one step")
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, *, validate: bool | None = None) -> None:
+    """Copy k[t], v[t] into cache slot slot_mapping[t] (in place). validate: check slots are inside the
+    pool (one host sync); None = unless a CUDA graph is being captured."""
+    op = "write_kv"
+    _validate(op, k, v, k_cache, v_cache, slot_mapping)
+    check_kernel_inputs(op, k, v, k_cache, v_cache)
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    if validate is None:
+        validate = not (k.is_cuda and torch.cuda.is_current_stream_capturing())
+    if validate:
+        _check_slots(op, slot_mapping, num_slots)
+    t, h, d = k.shape
+    if t == 0:
+        return
+    if not slot_mapping.is_contiguous():
+        slot_mapping = slot_mapping.contiguous()
+    block_h, block_d = triton.next_power_of_2(h), triton.next_power_of_2(d)
+    _write_kv_kernel[(t,)](
+        k, v, k_cache, v_cache, slot_mapping, num_slots, k_cache.shape[1],
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        NUM_HEADS=h, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d,
+        # One token's heads in one program: 8 heads x 128 dims = 1024 elements, ~8 per thread at 4 warps.
+        num_warps=4 if block_h * block_d >= 1024 else 2)
+
+
+def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, **_ignored) -> None:
+    """`write_kv` in pure torch (in place; any dtype/device). Always checks slots (host sync)."""
+    op = "write_kv_ref"
+    _validate(op, k, v, k_cache, v_cache, slot_mapping)
+    _check_slots(op, slot_mapping, k_cache.shape[0] * k_cache.shape[1])
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].to(torch.int64)
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
