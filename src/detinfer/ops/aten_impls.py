@@ -177,6 +177,31 @@ def cumsum(x: torch.Tensor, dim: int, *, dtype=None) -> torch.Tensor:
     return y.movedim(-1, dim).contiguous()
 
 
+# ------------------------------------------------------------------------------- CPU activations
+# On CPU, torch's vectorized activation kernels handle the tail of a tensor (elements past the last full
+# SIMD vector) with scalar code whose approximation differs, so an element's bits depend on its position in
+# the flattened tensor, i.e. on the batch (measured: silu, sigmoid, gelu, softplus; exp, erf, tanh are
+# position-independent). These spell the activations with position-independent primitives. CUDA runs one
+# code path per element, so only the CPU key is overridden.
+def silu_cpu(x: torch.Tensor) -> torch.Tensor:
+    return x / (1 + torch.exp(-x))
+
+
+def sigmoid_cpu(x: torch.Tensor) -> torch.Tensor:
+    return 1 / (1 + torch.exp(-x))
+
+
+def gelu_cpu(x: torch.Tensor, *, approximate: str = "none") -> torch.Tensor:
+    if approximate == "tanh":
+        return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x)))
+    return 0.5 * x * (1 + torch.erf(x * (1 / math.sqrt(2))))
+
+
+def softplus_cpu(x: torch.Tensor, beta=1, threshold=20) -> torch.Tensor:
+    bx = x * beta
+    return torch.where(bx > threshold, x, torch.log1p(torch.exp(bx)) / beta)
+
+
 # ------------------------------------------------------------------------------------------------ norms
 def rms_norm(x: torch.Tensor, normalized_shape, weight=None, eps=None) -> torch.Tensor:
     nd = len(normalized_shape)
@@ -262,5 +287,10 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
             scores = scores.masked_fill(~attn_mask, float("-inf"))
         else:
             scores = scores + attn_mask.float()
-    probs = _softmax(scores.reshape(-1, lq, lk), -1, False).to(q.dtype)
+    probs = _softmax(scores.reshape(-1, lq, lk), -1, False).reshape(scores.shape)
+    if attn_mask is not None:
+        # Like torch's own SDPA since 2.5: a query that may attend to nothing (a pad row) gets zeros, not
+        # NaN — a NaN there would reach real rows through later layers' P @ V (0 * NaN = NaN).
+        probs = probs.masked_fill(~_allowed(attn_mask).any(dim=-1, keepdim=True), 0.0)
+    probs = probs.reshape(-1, lq, lk).to(q.dtype)
     return bmm(probs, vb).reshape(*lead, lq, v.shape[-1])

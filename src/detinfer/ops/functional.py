@@ -6,8 +6,10 @@ batch-invariant by construction — the CPU path, and fp64 anywhere). `Ops("fast
 (cuBLAS, fused softmax), which is faster and batch-variant: the engine runs both so the cost of determinism
 is measured in one process.
 
-Elementwise ops (rotary, SiLU, residual adds, embedding gathers) are batch-invariant already and are not
-routed through here.
+Most elementwise ops (rotary, residual adds, embedding gathers) are batch-invariant already. The exception
+is CPU activations: torch's vectorized CPU SiLU handles a tensor's tail with scalar code of a different
+approximation, so an element's bits depend on its position in the tensor. `silu_mul` spells SiLU with
+exp and a division (position-independent) in deterministic mode.
 """
 
 from __future__ import annotations
@@ -61,6 +63,14 @@ class Ops:
 
         fn = rmsnorm.rms_norm if _use_triton(x, weight, residual) else rmsnorm.rms_norm_ref
         return fn(x, weight, eps, residual=residual)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) * up (the SwiGLU MLP's elementwise part)."""
+        if self.deterministic and not gate.is_cuda:
+            from detinfer.ops.aten_impls import silu_cpu
+
+            return silu_cpu(gate) * up
+        return F.silu(gate) * up
 
     def log_softmax(self, x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = torch.float32):
         if not self.deterministic:

@@ -7,8 +7,9 @@
 While enabled, the ops in `_OVERRIDES` run detinfer's batch-invariant implementations (Triton on CUDA,
 fixed-order folds on CPU and for fp64) for the CPU and CUDA dispatch keys. In strict mode (the default) the
 ops in `_REFUSED` — reductions we have no invariant implementation for — raise `NotBatchInvariantError`
-instead of silently running a batch-variant stock kernel. Leaving the context (or `disable()`) destroys the
-registrations, which restores every stock kernel; the mode changes no other global setting.
+instead of silently running a batch-variant stock kernel. Hugging Face's eager attention is routed through
+the invariant SDPA (see `hf_attention`). Leaving the context (or `disable()`) destroys the registrations
+and restores the HF functions; the mode changes no other global setting.
 
 The overrides are process-wide (the dispatcher has no per-thread registration), so enable the mode around
 whole forward passes, not from concurrent threads that expect stock behaviour.
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from detinfer.ops import aten_impls as impl
+from detinfer.ops import hf_attention
 from detinfer.ops.aten_impls import NotBatchInvariantError
 
 # aten op (overload) -> implementation with the same schema.
@@ -43,6 +45,14 @@ _OVERRIDES = {
     "cumsum": impl.cumsum,
     "rms_norm": impl.rms_norm,
     "scaled_dot_product_attention": impl.scaled_dot_product_attention,
+}
+
+# CPU-only overrides: activations whose stock CPU kernels are position-dependent (see aten_impls).
+_CPU_OVERRIDES = {
+    "silu": impl.silu_cpu,
+    "sigmoid": impl.sigmoid_cpu,
+    "gelu": impl.gelu_cpu,
+    "softplus": impl.softplus_cpu,
 }
 
 # Reductions without an invariant implementation yet: strict mode refuses them rather than run stock.
@@ -76,6 +86,7 @@ class _ModeState:
         self.lock = threading.Lock()
         self.lib: torch.library.Library | None = None
         self.config: ModeConfig | None = None
+        self.hf_saved: dict = {}
 
 
 _STATE = _ModeState()
@@ -111,12 +122,15 @@ def enable(strict: bool = True, cpu_triton: bool = False) -> None:
             for name, fn in _OVERRIDES.items():
                 for key in _DISPATCH_KEYS:
                     lib.impl(name, fn, key)
+            for name, fn in _CPU_OVERRIDES.items():
+                lib.impl(name, fn, "CPU")
             if config.strict:
                 for name in _REFUSED:
                     if _op_exists(name):
                         for key in _DISPATCH_KEYS:
                             lib.impl(name, _refuser(name), key)
         impl._CPU_TRITON["on"] = config.cpu_triton
+        _STATE.hf_saved = hf_attention.patch_loaded_modules()
         _STATE.lib, _STATE.config = lib, config
 
 
@@ -125,6 +139,8 @@ def disable() -> None:
     with _STATE.lock:
         if _STATE.lib is not None:
             _STATE.lib._destroy()
+        hf_attention.restore_modules(_STATE.hf_saved)
+        _STATE.hf_saved = {}
         _STATE.lib, _STATE.config = None, None
         impl._CPU_TRITON["on"] = False
 
