@@ -192,6 +192,8 @@ class ModelConfig:
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         """Read config.json (required) and generation_config.json (optional) from a model directory."""
         model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"model directory {model_dir} does not exist")
         path = model_dir / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in {model_dir} (expected a HF-format model directory)")
@@ -234,11 +236,14 @@ def _parse_rope(cfg: dict) -> tuple[float, RopeScaling | None]:
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     if rope_type == "default":
         return float(theta), None
+    if rope_type == "linear":
+        return float(theta), RopeScaling("linear", factor=float(scaling.get("factor", 1.0)))
     return float(theta), RopeScaling(
         rope_type=rope_type,
         factor=float(scaling.get("factor", 1.0)),
         low_freq_factor=scaling.get("low_freq_factor"),
         high_freq_factor=scaling.get("high_freq_factor"),
+        # as in HF: without an explicit pretraining length, the config's max positions is taken
         original_max_position_embeddings=scaling.get("original_max_position_embeddings",
                                                      cfg.get("max_position_embeddings")),
     )

@@ -1,0 +1,50 @@
+"""Shared fixtures for model tests: tiny HF-format checkpoints (written once per session) and the real
+stories260k checkpoint, found next to the repository."""
+
+from pathlib import Path
+
+import pytest
+
+from detinfer.models.testing import write_tiny_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+STORIES = REPO.parent / "shared" / "models" / "stories260k"
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+# name -> (architecture, write_tiny_checkpoint kwargs). Together they cover GQA and MQA, tied and untied
+# embeddings, both rotary spellings, llama3 and linear rope scaling, Llama attention/MLP biases, Qwen2's
+# qkv bias and Qwen3's q/k norm with head_dim != hidden / heads.
+VARIANTS = {
+    "llama-gqa": ("LlamaForCausalLM", {}),
+    "llama-llama3rope-tied": ("LlamaForCausalLM", dict(tie_word_embeddings=True, rope_theta=500000.0,
+                                                       rope_scaling=LLAMA3_ROPE, rope_style="parameters")),
+    "llama-llama3rope-legacy-bias": ("LlamaForCausalLM", dict(rope_scaling=LLAMA3_ROPE, attention_bias=True,
+                                                              mlp_bias=True, num_key_value_heads=4)),
+    "qwen2-mqa-tied": ("Qwen2ForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=True,
+                                                rope_theta=1000000.0)),
+    "qwen3-headdim32": ("Qwen3ForCausalLM", dict(head_dim=32, rope_style="parameters")),
+    "qwen3-linear-rope": ("Qwen3ForCausalLM", dict(rope_scaling={"rope_type": "linear", "factor": 2.0},
+                                                   tie_word_embeddings=True)),
+}
+
+
+def pytest_generate_tests(metafunc):
+    """Tests taking `tiny_variant` run once per entry of VARIANTS."""
+    if "tiny_variant" in metafunc.fixturenames:
+        metafunc.parametrize("tiny_variant", list(VARIANTS))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_ckpts")
+    return {name: write_tiny_checkpoint(root / name, arch, seed=i, **kw)
+            for i, (name, (arch, kw)) in enumerate(VARIANTS.items())}
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    if not (STORIES / "model.safetensors").is_file():
+        pytest.skip(f"stories260k checkpoint not found at {STORIES} (expected <repo>/../shared/models/stories260k)")
+    return STORIES
