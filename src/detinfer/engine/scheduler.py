@@ -148,9 +148,10 @@ class Scheduler:
         if len(prompt) > max_len:
             raise ValueError(f"request {request_id!r}: the prompt has {len(prompt)} tokens, more than "
                              f"max_model_len={max_len}")
-        # Most tokens the sequence can hold while unfinished (the final token is never fed back).
-        longest = len(prompt) if params.max_tokens is None else len(prompt) + params.max_tokens - 1
-        longest = min(max(longest, len(prompt)), max_len)
+        # Most tokens an unfinished sequence can hold (it finishes on reaching max_tokens outputs or
+        # max_model_len tokens), i.e. the most its blocks must cover when it is (re)admitted.
+        longest = max_len - 1 if params.max_tokens is None else len(prompt) + params.max_tokens - 1
+        longest = max(len(prompt), min(longest, max_len - 1))
         bm = self.block_manager
         if bm.blocks_for_tokens(longest) > bm.num_blocks:
             raise ValueError(f"request {request_id!r}: up to {longest} tokens need "
