@@ -1,0 +1,284 @@
+"""Batch-invariant matmul / bmm / linear: a Triton kernel and a pure-torch reference.
+
+Contracts (asserted bitwise in tests/kernels/test_matmul.py):
+(A) For fixed K, N and dtype, an output row depends only on its own input row: not on M, on the row's
+    position in the batch, on the bmm batch index or size.
+(B) Appending zeros to the reduction dim of both operands changes no output bit (padded attention P @ V,
+    where the key length grows with the longest prompt while the extra P entries are exact zeros).
+
+How the kernel meets them: each program owns a BLOCK_M x BLOCK_N output tile and walks K upward from
+k = 0 into one fp32 accumulator. There is no split-K and no atomics: the reduction order of an output
+element is "K in ascending hardware MMA steps into one accumulator", whatever the tile shape
+(matmul_configs.py says why the config may therefore depend on M, and which test proves it). The K tail is
+loaded as exact zeros, and zero steps leave the accumulator unchanged, which gives (B).
+
+The `*_ref` functions are the CPU path (and the fp64 path): only elementwise products and fixed-order folds
+(`fold_sum`), walked over K in constant blocks of `REF_BLOCK_K`, so they are batch-invariant and
+zero-extension-invariant by construction, for any float dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from detinfer.kernels._fold import fold_sum
+from detinfer.kernels._launch import check_kernel_inputs, interpreting
+from detinfer.kernels.matmul_configs import MatmulConfig, select_config
+
+__all__ = ["matmul", "bmm", "linear", "matmul_ref", "bmm_ref", "linear_ref", "FP32_DOT_PRECISION"]
+
+# fp32 inputs: full IEEE fp32 products, like torch's default (allow_tf32 off). tf32 would be faster but
+# loses 13 mantissa bits per product.
+FP32_DOT_PRECISION = "ieee"
+
+
+@triton.jit
+def _matmul_kernel(
+    a_ptr, b_ptr, c_ptr, bias_ptr,
+    M, N, K,
+    stride_az, stride_am, stride_ak,
+    stride_bz, stride_bk, stride_bn,
+    stride_cz, stride_cm, stride_cn,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """C[z] = A[z] @ B[z] (+ bias) for one BLOCK_M x BLOCK_N tile of batch entry z = program_id(1)."""
+    pid = tl.program_id(0)
+    z = tl.program_id(1).to(tl.int64)
+    # Grouped launch order: GROUP_M row tiles share each column tile of B while it is in L2.
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Rows/columns past the edge re-read valid ones (never stored): no masks on the M/N edges, and a row's
+    # products never mix with another row's, so what the padding rows hold cannot matter.
+    rm = tl.max_contiguous(tl.multiple_of(offs_m % M, BLOCK_M), BLOCK_M).to(tl.int64)
+    rn = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + z * stride_az + rm[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + z * stride_bz + offs_k[:, None] * stride_bk + rn[None, :] * stride_bn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            # The K tail loads exact zeros: zero products leave the accumulator unchanged (contract B).
+            k_ok = offs_k < K - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    if HAS_BIAS:
+        # Bias is added once, in fp32, after the whole reduction (same bits for every config).
+        acc += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
+    c = acc.to(c_ptr.dtype.element_ty)
+    offs_m64 = offs_m.to(tl.int64)
+    offs_n64 = offs_n.to(tl.int64)
+    c_ptrs = c_ptr + z * stride_cz + offs_m64[:, None] * stride_cm + offs_n64[None, :] * stride_cn
+    tl.store(c_ptrs, c, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _launch(a3: torch.Tensor, b3: torch.Tensor, bias: torch.Tensor | None, out3: torch.Tensor,
+            config: MatmulConfig | None = None) -> torch.Tensor:
+    """out3[z] = a3[z] @ b3[z] (+ bias) for 3-D views with any strides. `config` overrides the dispatcher
+    (tests use it to prove every config gives the same bits)."""
+    nb, m, k = a3.shape
+    n = b3.shape[2]
+    if nb == 0 or m == 0 or n == 0:
+        return out3
+    if nb > 65535:
+        raise ValueError(f"batch size {nb} exceeds the kernel's limit of 65535 batch entries per launch")
+    cfg = config or select_config(m, n, k, a3.dtype, interpreting())
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), nb)
+    precision = FP32_DOT_PRECISION if a3.dtype == torch.float32 else "tf32"  # "tf32" is ignored for 16-bit
+    _matmul_kernel[grid](
+        a3, b3, out3, bias if bias is not None else a3,
+        m, n, k,
+        a3.stride(0), a3.stride(1), a3.stride(2),
+        b3.stride(0), b3.stride(1), b3.stride(2),
+        out3.stride(0), out3.stride(1), out3.stride(2),
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % cfg.block_k == 0,
+        PRECISION=precision,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out3
+
+
+def _check_out(op: str, out: torch.Tensor | None, shape: tuple, like: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(shape) or out.dtype != like.dtype \
+            or out.device != like.device:
+        got = (tuple(out.shape), out.dtype, out.device) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"{op}: out must be a {_name(like.dtype)} tensor of shape {tuple(shape)} on "
+                         f"{like.device}, got {got}")
+    return out
+
+
+def _check_same_dtype(op: str, *tensors: torch.Tensor | None) -> None:
+    dts = {t.dtype for t in tensors if t is not None}
+    if len(dts) > 1:
+        raise TypeError(f"{op}: all operands must have one dtype, got {sorted(map(_name, dts))}")
+
+
+def _check_matmul_shapes(op: str, a: torch.Tensor, b: torch.Tensor, nd: int) -> None:
+    if a.dim() != nd or b.dim() != nd:
+        want = "[M, K] and [K, N]" if nd == 2 else "[B, M, K] and [B, K, N]"
+        raise ValueError(f"{op}: expected {nd}-D operands {want}, got shapes {tuple(a.shape)} and "
+                         f"{tuple(b.shape)}")
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"{op}: inner dimensions differ: a is {tuple(a.shape)} (K={a.shape[-1]}), "
+                         f"b is {tuple(b.shape)} (K={b.shape[-2]})")
+    if nd == 3 and a.shape[0] != b.shape[0]:
+        raise ValueError(f"{op}: batch sizes differ: a has {a.shape[0]}, b has {b.shape[0]} (no broadcasting)")
+
+
+def _check_linear_shapes(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if x.dim() < 1 or weight.dim() != 2:
+        raise ValueError(f"{op}: expected x [..., K] and weight [N, K], got shapes {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{op}: x has K={x.shape[-1]} features but weight {tuple(weight.shape)} expects "
+                         f"K={weight.shape[1]} (weight is [N, K], nn.Linear layout)")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise ValueError(f"{op}: bias must have shape [N] = [{weight.shape[0]}], got {tuple(bias.shape)}")
+
+
+# ------------------------------------------------------------------------------------------ Triton path
+def matmul(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a [M, K] @ b [K, N] -> [M, N] in a.dtype, fp32 accumulation, batch-invariant. Any strides."""
+    check_kernel_inputs("matmul", a, b, out)
+    _check_matmul_shapes("matmul", a, b, 2)
+    _check_same_dtype("matmul", a, b)
+    res = _check_out("matmul", out, (a.shape[0], b.shape[1]), a)
+    _launch(a.unsqueeze(0), b.unsqueeze(0), None, res.unsqueeze(0))
+    return res
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a [B, M, K] @ b [B, K, N] -> [B, M, N]; each batch entry as `matmul` (same bits as alone)."""
+    check_kernel_inputs("bmm", a, b, out)
+    _check_matmul_shapes("bmm", a, b, 3)
+    _check_same_dtype("bmm", a, b)
+    res = _check_out("bmm", out, (a.shape[0], a.shape[1], b.shape[2]), a)
+    _launch(a, b, None, res)
+    return res
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias[N]) -> [..., N]. The weight is read through its strides (no
+    transposed copy); bias is added in fp32 after the reduction."""
+    check_kernel_inputs("linear", x, weight, bias, out)
+    _check_linear_shapes("linear", x, weight, bias)
+    _check_same_dtype("linear", x, weight, bias)
+    lead = tuple(x.shape[:-1])
+    n, k = weight.shape
+    x2 = x.reshape(math.prod(lead), k)  # a view for the usual contiguous activations
+    res = _check_out("linear", out, lead + (n,), x)
+    try:
+        res2 = res.view(math.prod(lead), n)
+    except RuntimeError as e:
+        raise ValueError("linear: out must be viewable as [-1, N] (e.g. contiguous)") from e
+    _launch(x2.unsqueeze(0), weight.t().unsqueeze(0), bias, res2.unsqueeze(0))
+    return res
+
+
+# ------------------------------------------------------------------------------------- reference path
+# K block of the reference: products of one block are summed by a pairwise fold, blocks are added in
+# order starting at k = 0. A constant (never chosen from K): that is what makes appending zeros to K
+# exact (the last block's fold pads to a power of two <= REF_BLOCK_K with zeros anyway, and whole extra
+# blocks add exact zeros).
+REF_BLOCK_K = 32
+# At most this many fp32/fp64 products are materialised at once (4-8 MiB, cache-friendly): bounds memory for
+# big vocabularies. Chunking only groups elementwise work, so it cannot change any bit.
+REF_MAX_PRODUCTS = 1 << 20
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    if not dtype.is_floating_point:
+        raise TypeError(f"the *_ref matmuls take floating-point tensors, got {_name(dtype)}")
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _ref_bnk(a: torch.Tensor, bt: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """a [B, M, K] times bt [B, N, K] (B operand with K last) -> [B, M, N] in a.dtype."""
+    acc_dt = _acc_dtype(a.dtype)
+    nb, m, k = a.shape
+    n = bt.shape[1]
+    acc = torch.zeros((nb, m, n), dtype=acc_dt, device=a.device)
+    per_row = max(1, n * REF_BLOCK_K)
+    rows = max(1, REF_MAX_PRODUCTS // per_row)  # rows of one batch entry per step
+    batches = max(1, rows // max(m, 1)) if m <= rows else 1
+    for k0 in range(0, k, REF_BLOCK_K):
+        k1 = min(k, k0 + REF_BLOCK_K)
+        w = bt[:, :, k0:k1].to(acc_dt).contiguous()  # [B, N, kb], converted once per K block
+        for z0 in range(0, nb, batches):
+            z1 = min(nb, z0 + batches)
+            for r0 in range(0, m, rows):
+                r1 = min(m, r0 + rows)
+                x = a[z0:z1, r0:r1, k0:k1].to(acc_dt)  # [b, r, kb]
+                prod = x[:, :, None, :] * w[z0:z1, None, :, :]  # [b, r, N, kb]: exact elementwise products
+                acc[z0:z1, r0:r1] += fold_sum(prod, dim=-1)
+    if bias is not None:
+        acc += bias.to(acc_dt)
+    return acc.to(a.dtype)
+
+
+def _check_ref_inputs(op: str, *tensors: torch.Tensor | None) -> None:
+    for t in tensors:
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: expected torch.Tensor, got {type(t).__name__}")
+    _check_same_dtype(op, *tensors)
+    for t in tensors:
+        if t is not None:
+            _acc_dtype(t.dtype)
+    devices = {t.device for t in tensors if t is not None}
+    if len(devices) > 1:
+        raise ValueError(f"{op}: all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def matmul_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Pure-torch `matmul` (any float dtype; fp32 accumulation, fp64 for fp64). Batch-invariant."""
+    _check_ref_inputs("matmul_ref", a, b)
+    _check_matmul_shapes("matmul_ref", a, b, 2)
+    return _ref_bnk(a.unsqueeze(0), b.t().unsqueeze(0), None)[0]
+
+
+def bmm_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Pure-torch `bmm` (any float dtype). Batch-invariant."""
+    _check_ref_inputs("bmm_ref", a, b)
+    _check_matmul_shapes("bmm_ref", a, b, 3)
+    return _ref_bnk(a, b.transpose(1, 2), None)
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Pure-torch `linear` (any float dtype). Batch-invariant; bias added after the reduction."""
+    _check_ref_inputs("linear_ref", x, weight, bias)
+    _check_linear_shapes("linear_ref", x, weight, bias)
+    n, k = weight.shape
+    y = _ref_bnk(x.reshape(1, math.prod(x.shape[:-1]), k), weight.unsqueeze(0), bias)
+    return y.reshape(tuple(x.shape[:-1]) + (n,))
