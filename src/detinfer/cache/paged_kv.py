@@ -148,11 +148,13 @@ def build_step_metadata(block_lists: Sequence[Sequence[int]], num_cached: Sequen
 
 
 def check_step_metadata(cu_q_lens: torch.Tensor, kv_lens: torch.Tensor, block_tables: torch.Tensor, *,
-                        block_size: int, num_blocks: int, num_tokens: int, max_q_len: int | None = None,
-                        max_kv_len: int | None = None, op: str = "paged attention") -> None:
+                        block_size: int, num_blocks: int, num_tokens: int, max_kv_len: int | None = None,
+                        op: str = "paged attention") -> None:
     """Value checks of one step's metadata (one device->host copy). Raises ValueError naming the problem.
 
-    Rows of q past cu_q_lens[-1] are allowed (padding; attention leaves them unwritten).
+    Rows of q past cu_q_lens[-1] are allowed (padding; attention leaves them unwritten). max_kv_len, when
+    given, must bound every kv_len (attention sizes its split grid from it); max_q_len is a speed hint
+    only and needs no check.
     """
     cu = cu_q_lens.detach().cpu().to(torch.int64)
     kv = kv_lens.detach().cpu().to(torch.int64)
@@ -172,8 +174,6 @@ def check_step_metadata(cu_q_lens: torch.Tensor, kv_lens: torch.Tensor, block_ta
         i = int(bad[0])
         raise ValueError(f"{op}: sequence {i} has q_len {int(q_lens[i])} > kv_len {int(kv[i])} (kv_lens "
                          "count every key including this step's new ones)")
-    if max_q_len is not None and int(q_lens.max()) > max_q_len:
-        raise ValueError(f"{op}: max_q_len {max_q_len} < longest query run {int(q_lens.max())}")
     if max_kv_len is not None and int(kv.max()) > max_kv_len:
         raise ValueError(f"{op}: max_kv_len {max_kv_len} < longest kv_len {int(kv.max())}")
     need = (kv + block_size - 1) // block_size

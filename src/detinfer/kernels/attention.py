@@ -62,7 +62,8 @@ def _tile_shape(head_dim: int, dtype: torch.dtype, group: int, max_q_len: int) -
     reduction order: each dot row depends only on its own query row (proven bitwise on the GPU by
     tests/kernels/test_attention_gpu.py), so it may follow the step's query length for speed."""
     gp = _next_pow2(group)
-    bm_max = 128 if (head_dim <= 128 and dtype != torch.float32 and not interpreting()) else 64
+    # Interpreter: tall tiles (fewer programs and key-tile iterations, its cost is per op, not per FLOP).
+    bm_max = 128 if interpreting() or (head_dim <= 128 and dtype != torch.float32) else 64
     bt = max(1, min(_next_pow2(max_q_len), bm_max // gp if gp < bm_max else 1))
     bm = max(16, gp * bt)
     return gp, bm // gp, bm, (8 if bm >= 128 else 4)
@@ -157,13 +158,12 @@ def _check_paged(op, q, k_cache, v_cache, block_tables, kv_lens, cu_q_lens, scal
     return group, _check_scale(op, scale)
 
 
-def _check_paged_values(op, q, k_cache, block_tables, kv_lens, cu_q_lens, max_q_len, max_kv_len):
+def _check_paged_values(op, q, k_cache, block_tables, kv_lens, cu_q_lens, max_kv_len):
     """Value-level checks: one device->host copy of the (small) step metadata."""
     from detinfer.cache.paged_kv import check_step_metadata
 
     check_step_metadata(cu_q_lens, kv_lens, block_tables, block_size=k_cache.shape[1],
-                        num_blocks=k_cache.shape[0], num_tokens=q.shape[0], max_q_len=max_q_len,
-                        max_kv_len=max_kv_len, op=op)
+                        num_blocks=k_cache.shape[0], num_tokens=q.shape[0], max_kv_len=max_kv_len, op=op)
 
 
 def _launch(q, k, v, out, *, paged: bool, cu_q, kv_lens, bt, key_start, num_seqs: int, n_tiles: int,
@@ -197,12 +197,16 @@ def _launch(q, k, v, out, *, paged: bool, cu_q, kv_lens, bt, key_start, num_seqs
         # 3 stages of K+V tiles (32 KB each) hide the paged gather's latency; fusion off: see kernels doc.
         num_warps=warps, num_stages=3 if d <= 128 else 2, enable_fp_fusion=False)
     if parallel:
-        K._merge_splits_kernel[(tokens, hkv)](
+        # Rows of the merge program: tokens x padded group, ~16 rows on the GPU (16 x 128 fp32 partial
+        # rows in flight); more in the interpreter, where each program costs milliseconds.
+        tokens_per = max(1, (64 if fixed else 16) // gp)
+        K._merge_splits_kernel[(triton.cdiv(tokens, tokens_per), hkv)](
             ws_o, ws_ml, out, dummy_i32, kv_lens if kv_lens is not None else dummy_i32,
             key_start if key_start is not None else dummy_i32, *o_strides,
-            num_seqs, fixed_q_len, fixed_kv_len, split_size, window if has_window else 0, hq, num_splits,
-            GROUP=group, GROUP_PAD=gp, HEAD_DIM=d, PAGED=paged, HAS_WINDOW=has_window,
-            num_warps=4 if gp * d >= 2048 else 2, enable_fp_fusion=False)
+            num_seqs, tokens, max(1, num_seqs).bit_length() + 1, fixed_q_len, fixed_kv_len, split_size,
+            window if has_window else 0, hq, num_splits,
+            GROUP=group, GROUP_PAD=gp, TOKENS=tokens_per, HEAD_DIM=d, PAGED=paged, HAS_WINDOW=has_window,
+            num_warps=4, enable_fp_fusion=False)
 
 
 def _check_out(op: str, out, shape, q: torch.Tensor) -> torch.Tensor:
@@ -237,7 +241,7 @@ def _paged(op, q, k_cache, v_cache, block_tables, kv_lens, cu_q_lens, scale, sli
     if validate is None:
         validate = not _capturing(q)
     if validate:
-        _check_paged_values(op, q, k_cache, block_tables, kv_lens, cu_q_lens, max_q_len, max_kv_len)
+        _check_paged_values(op, q, k_cache, block_tables, kv_lens, cu_q_lens, max_kv_len)
     t, s = q.shape[0], kv_lens.shape[0]
     out = _check_out(op, out, (t, q.shape[1], d), q)
     if t == 0 or s == 0:
@@ -275,7 +279,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Batch-invariant paged attention -> [T, Hq, D] in q.dtype (see the module doc for conventions).
 
-    max_q_len: hint for the query-tile height (speed only; default T). max_kv_len: an upper bound on
+    max_q_len: hint for the query-tile height (speed only, any value gives the same bits; default T:
+    pass 1 for decode steps). max_kv_len: an upper bound on
     kv_lens (sizes the split grid; default block_tables.shape[1] * block_size; a smaller wrong value gives
     wrong results, caught by validate). validate: check metadata values (one host sync); None = unless
     a CUDA graph is being captured. split_size: keys per split (the invariance constant; every run that

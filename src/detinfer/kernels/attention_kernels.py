@@ -38,16 +38,6 @@ L_COLS = tl.constexpr(16)
 
 
 @triton.jit
-def _dot(a, b, acc, FIXED_ORDER_DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """acc + a @ b, fp32 accumulate. The reduction order depends only on a.shape[1]."""
-    if FIXED_ORDER_DOT:
-        prod = a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
-        return acc + tl.sum(prod, axis=1)
-    else:
-        return tl.dot(a, b, acc, input_precision=PRECISION)
-
-
-@triton.jit
 def _merge(m_a, l_a, o_a, m_b, l_b, o_b):
     """Chain partial b after partial a: (max, denominator, unnormalized output), log2 units.
 
@@ -55,8 +45,9 @@ def _merge(m_a, l_a, o_a, m_b, l_b, o_b):
     exp2(-inf) = 0 and the other side's is forced to exactly 1.
     """
     m = tl.maximum(m_a, m_b)
-    c_a = tl.where(m_a == m, 1.0, tl.exp2(m_a - m))
-    c_b = tl.where(m_b == m, 1.0, tl.exp2(m_b - m))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)  # keeps -inf - -inf (NaN) out of the unused branch
+    c_a = tl.where(m_a == m, 1.0, tl.exp2(m_a - m_safe))
+    c_b = tl.where(m_b == m, 1.0, tl.exp2(m_b - m_safe))
     l = tl.fma(l_a, c_a, l_b * c_b)
     o = tl.fma(o_a, c_a[:, None], o_b * c_b[:, None])
     return m, l, o
@@ -67,31 +58,6 @@ def _finalize(l, o):
     """Normalize; rows that saw no key (only possible for padding rows) give 0, not NaN."""
     safe_l = tl.where(l > 0.0, l, 1.0)
     return tl.where(l[:, None] > 0.0, o / safe_l[:, None], 0.0)
-
-
-@triton.jit
-def _kv_offsets(n, seq, kvh, kv_len, key_start, bt_ptr, stride_bt, max_blocks, num_blocks, block_size,
-                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, PAGED: tl.constexpr):
-    """Element offsets of keys n [BLOCK_N] of (seq, kv head) in the K and V stores, and which are real.
-
-    Paged: through the block table; a key past kv_len, past the table, or in a block id outside the pool
-    is not loaded (no out-of-bounds read whatever the metadata says). Contiguous: row `seq` starting at
-    key_start (left padding), so tiles are anchored at the first real key, as in the paged layout.
-    """
-    ok = n < kv_len
-    if PAGED:
-        blk_idx = n // block_size
-        ok = ok & (blk_idx < max_blocks)
-        blk = tl.load(bt_ptr + seq.to(tl.int64) * stride_bt + blk_idx, mask=ok, other=0).to(tl.int64)
-        ok = ok & (blk >= 0) & (blk < num_blocks)
-        in_blk = n % block_size
-        k_off = blk * stride_kb + in_blk * stride_kt + kvh * stride_kh
-        v_off = blk * stride_vb + in_blk * stride_vt + kvh * stride_vh
-    else:
-        tok = (key_start + n).to(tl.int64)
-        k_off = seq.to(tl.int64) * stride_kb + tok * stride_kt + kvh * stride_kh
-        v_off = seq.to(tl.int64) * stride_vb + tok * stride_vt + kvh * stride_vh
-    return k_off, v_off, ok
 
 
 @triton.jit
@@ -121,11 +87,28 @@ def _attend_tiles(q, pos, t_start, t_end, split_size, window, qk_scale,
             l_acc = tl.zeros([BLOCK_M, L_COLS], tl.float32)
             acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         n = start + tl.arange(0, BLOCK_N)
-        k_off, v_off, kv_ok = _kv_offsets(n, seq, kvh, kv_len, key_start, bt_ptr, stride_bt, max_blocks,
-                                          num_blocks, block_size, stride_kb, stride_kt, stride_kh,
-                                          stride_vb, stride_vt, stride_vh, PAGED)
+        # Key n's offsets in the K and V stores, and whether it is real. Paged: through the block table;
+        # a key past kv_len, past the table, or in a block id outside the pool is never loaded, whatever
+        # the metadata says. Contiguous: row `seq` from key_start on (left padding skipped).
+        kv_ok = n < kv_len
+        if PAGED:
+            blk_idx = n // block_size
+            kv_ok = kv_ok & (blk_idx < max_blocks)
+            blk = tl.load(bt_ptr + seq.to(tl.int64) * stride_bt + blk_idx, mask=kv_ok, other=0).to(tl.int64)
+            kv_ok = kv_ok & (blk >= 0) & (blk < num_blocks)
+            in_blk = n % block_size
+            k_off = blk * stride_kb + in_blk * stride_kt + kvh * stride_kh
+            v_off = blk * stride_vb + in_blk * stride_vt + kvh * stride_vh
+        else:
+            tok = (key_start + n).to(tl.int64)
+            k_off = seq.to(tl.int64) * stride_kb + tok * stride_kt + kvh * stride_kh
+            v_off = seq.to(tl.int64) * stride_vb + tok * stride_vt + kvh * stride_vh
         k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_ok[:, None], other=0.0)
-        s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), FIXED_ORDER_DOT, PRECISION)
+        # The dots are written out (not a helper) because each helper call costs the interpreter ~1 ms.
+        if FIXED_ORDER_DOT:
+            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         visible = kv_ok[None, :] & (n[None, :] <= pos[:, None])
         if HAS_WINDOW:
             visible = visible & (n[None, :] > pos[:, None] - window)
@@ -136,8 +119,15 @@ def _attend_tiles(q, pos, t_start, t_end, split_size, window, qk_scale,
         alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_use))
         p = tl.exp2(tl.fma(s, qk_scale, -m_use[:, None])).to(v_ptr.dtype.element_ty)
         v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_ok[:, None], other=0.0)
-        acc = _dot(p, v, acc * alpha[:, None], FIXED_ORDER_DOT, PRECISION)
-        l_acc = _dot(p, ones, l_acc * alpha[:, None], FIXED_ORDER_DOT, PRECISION)
+        acc = acc * alpha[:, None]
+        l_acc = l_acc * alpha[:, None]
+        if FIXED_ORDER_DOT:
+            p32 = p.to(tl.float32)
+            acc = acc + tl.sum(p32[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            l_acc = l_acc + tl.sum(p32[:, :, None] * ones.to(tl.float32)[None, :, :], axis=1)
+        else:
+            acc = tl.dot(p, v, acc, input_precision=PRECISION)
+            l_acc = tl.dot(p, ones, l_acc, input_precision=PRECISION)
         m_i = m_new
     # All L_COLS columns of l_acc hold the same bits; max picks one exactly.
     return M, L, O, m_i, tl.max(l_acc, 1), acc
@@ -246,64 +236,64 @@ def _seq_of_tile(cu_q_ptr, num_seqs, tile, BLOCK_T: tl.constexpr):
     return lo
 
 
-@triton.jit
-def _seq_of_token(cu_q_ptr, num_seqs, tok):
-    """Sequence s holding packed query token `tok`: the last s with cu_q[s] <= tok."""
-    lo = tok * 0
-    hi = lo + num_seqs
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        first = tl.load(cu_q_ptr + mid)
-        lo = tl.where(first <= tok, mid, lo)
-        hi = tl.where(first <= tok, hi, mid)
-    return lo
-
-
-@triton.jit(do_not_specialize=["num_seqs", "fixed_q_len", "fixed_kv_len", "window"])
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "fixed_q_len", "fixed_kv_len", "window"])
 def _merge_splits_kernel(
     ws_o_ptr, ws_ml_ptr, out_ptr, cu_q_ptr, kv_lens_ptr, key_start_ptr,
     stride_os, stride_ot, stride_oh,
-    num_seqs, fixed_q_len, fixed_kv_len, split_size, window, num_q_heads, num_splits_ws,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    num_seqs, num_tokens, search_steps, fixed_q_len, fixed_kv_len, split_size, window, num_q_heads,
+    num_splits_ws,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
-    """Chain one token's split partials left to right (the sequential path's chain) and normalize."""
-    tok = tl.program_id(0)
-    kvh = tl.program_id(1)
+    """Chain each token's split partials left to right (the sequential path's chain) and normalize.
+
+    Rows are TOKENS tokens x GROUP_PAD heads of one kv head. Rows whose token needs fewer splits than
+    the program's longest merge masked partials (-inf, 0, 0), which `_merge` passes through exactly.
+    """
+    r = tl.arange(0, TOKENS * GROUP_PAD)
+    tok = tl.program_id(0) * TOKENS + r // GROUP_PAD
+    g = r % GROUP_PAD
+    head = tl.program_id(1) * GROUP + g
     if PAGED:
-        seq = _seq_of_token(cu_q_ptr, num_seqs, tok)
-        q_first = tl.load(cu_q_ptr + seq)
-        q_len = tl.load(cu_q_ptr + seq + 1) - q_first
-        kv_len = tl.load(kv_lens_ptr + seq)
+        # Sequence of each token: the last s with cu_q[s] <= tok (binary search, search_steps rounds).
+        lo = tl.zeros([TOKENS * GROUP_PAD], tl.int32)
+        hi = lo + num_seqs
+        for _ in range(search_steps):
+            mid = (lo + hi) // 2
+            first = tl.load(cu_q_ptr + mid, mask=hi - lo > 1, other=0)
+            go_right = (hi - lo > 1) & (first <= tok)
+            go_left = (hi - lo > 1) & (first > tok)
+            lo = tl.where(go_right, mid, lo)
+            hi = tl.where(go_left, mid, hi)
+        q_first = tl.load(cu_q_ptr + lo)
+        q_len = tl.load(cu_q_ptr + lo + 1) - q_first
+        kv_len = tl.load(kv_lens_ptr + lo)
         t = tok - q_first
-        o_base = tok.to(tl.int64) * stride_ot
+        o_off = tok.to(tl.int64) * stride_ot + head * stride_oh
     else:
         seq = tok // fixed_q_len
         q_len = fixed_q_len
-        kv_len = fixed_kv_len - tl.load(key_start_ptr + seq)
         t = tok - seq * fixed_q_len
-        o_base = seq.to(tl.int64) * stride_os + t.to(tl.int64) * stride_ot
-    if t >= q_len:
-        return  # a packed row past the last sequence's queries: not part of any sequence
+        kv_len = fixed_kv_len - tl.load(key_start_ptr + seq, mask=tok < num_tokens, other=0)
+        o_off = seq.to(tl.int64) * stride_os + t.to(tl.int64) * stride_ot + head * stride_oh
+    # Rows past the last sequence's queries (packing padding) belong to no sequence: not written.
+    row_ok = (tok < num_tokens) & (t < q_len) & (g < GROUP)
     pos = kv_len - q_len + t
-    first = 0
+    first_sp = tl.zeros([TOKENS * GROUP_PAD], tl.int32)
     if HAS_WINDOW:
-        first = tl.maximum(pos - window + 1, 0) // split_size
-    end = tl.where(pos >= 0, tl.maximum(pos, 0) // split_size + 1, 0)
-    g = tl.arange(0, GROUP_PAD)
+        first_sp = tl.maximum(pos - window + 1, 0) // split_size
+    end_sp = tl.where(row_ok & (pos >= 0), tl.maximum(pos, 0) // split_size + 1, 0)
     d = tl.arange(0, HEAD_DIM)
-    g_ok = g < GROUP
-    head = kvh * GROUP + g
-    M = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    L = tl.zeros([GROUP_PAD], tl.float32)
-    O = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    M = tl.full([TOKENS * GROUP_PAD], float("-inf"), tl.float32)
+    L = tl.zeros([TOKENS * GROUP_PAD], tl.float32)
+    O = tl.zeros([TOKENS * GROUP_PAD, HEAD_DIM], tl.float32)
     row0 = (tok.to(tl.int64) * num_q_heads + head) * num_splits_ws
-    for sp in range(first, end):
+    for sp in range(tl.min(tl.where(end_sp > first_sp, first_sp, 2**30), 0), tl.max(end_sp, 0)):
+        live = (sp >= first_sp) & (sp < end_sp)
         w_row = row0 + sp
-        m = tl.load(ws_ml_ptr + w_row * 2, mask=g_ok, other=float("-inf"))
-        l = tl.load(ws_ml_ptr + w_row * 2 + 1, mask=g_ok, other=0.0)
-        o = tl.load(ws_o_ptr + w_row[:, None] * HEAD_DIM + d[None, :], mask=g_ok[:, None], other=0.0)
+        m = tl.load(ws_ml_ptr + w_row * 2, mask=live, other=float("-inf"))
+        l = tl.load(ws_ml_ptr + w_row * 2 + 1, mask=live, other=0.0)
+        o = tl.load(ws_o_ptr + w_row[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0)
         M, L, O = _merge(M, L, O, m, l, o)
     out = _finalize(L, O).to(out_ptr.dtype.element_ty)
-    o_off = o_base + head * stride_oh
-    tl.store(out_ptr + o_off[:, None] + d[None, :], out, mask=g_ok[:, None])
+    tl.store(out_ptr + o_off[:, None] + d[None, :], out, mask=row_ok[:, None])

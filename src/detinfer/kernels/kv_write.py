@@ -5,7 +5,7 @@ k, v [T, Hkv, D] (any token/head strides, unit last stride: e.g. views into a fu
 caches [num_blocks, block_size, Hkv, D]; slot_mapping [T] int32/int64 with slot = block * block_size +
 offset. A slot < 0 is skipped (padded rows of a CUDA-graph batch); so is a slot past the pool, which
 `validate` reports instead of letting the kernel write out of bounds. A pure copy: no arithmetic, so
-nothing here can depend on the batch.
+nothing here can depend on the batch (how many tokens a program copies is a speed choice only).
 """
 
 from __future__ import annotations
@@ -14,31 +14,33 @@ import torch
 import triton
 import triton.language as tl
 
-from detinfer.kernels._launch import check_kernel_inputs
+from detinfer.kernels._launch import check_kernel_inputs, interpreting
 
 __all__ = ["write_kv", "write_kv_ref"]
 
 
-@triton.jit(do_not_specialize=["num_slots"])
-def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, num_slots, block_size,
+@triton.jit(do_not_specialize=["num_tokens", "num_slots"])
+def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, num_tokens, num_slots, block_size,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
-                     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if (slot < 0) | (slot >= num_slots):
-        return
+                     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr,
+                     BLOCK_HD: tl.constexpr):
+    """TOKENS tokens per program; each row is one token's NUM_HEADS x HEAD_DIM values, flattened."""
+    t = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
+    slot = tl.load(slot_ptr + t, mask=t < num_tokens, other=-1).to(tl.int64)
+    keep = (slot >= 0) & (slot < num_slots)
     blk = slot // block_size
     off = slot % block_size
-    h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    mask = (h < NUM_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
-    hd = h[:, None]
-    k = tl.load(k_ptr + t * stride_kt + hd * stride_kh + d[None, :], mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + hd * stride_vh + d[None, :], mask=mask)
-    tl.store(kc_ptr + blk * stride_kcb + off * stride_kct + hd * stride_kch + d[None, :], k, mask=mask)
-    tl.store(vc_ptr + blk * stride_vcb + off * stride_vct + hd * stride_vch + d[None, :], v, mask=mask)
+    c = tl.arange(0, BLOCK_HD)
+    h = c // HEAD_DIM
+    d = c % HEAD_DIM
+    mask = keep[:, None] & (c < NUM_HEADS * HEAD_DIM)[None, :]
+    k = tl.load(k_ptr + t[:, None] * stride_kt + (h * stride_kh + d)[None, :], mask=mask)
+    v = tl.load(v_ptr + t[:, None] * stride_vt + (h * stride_vh + d)[None, :], mask=mask)
+    kc = kc_ptr + (blk * stride_kcb + off * stride_kct)[:, None] + (h * stride_kch + d)[None, :]
+    vc = vc_ptr + (blk * stride_vcb + off * stride_vct)[:, None] + (h * stride_vch + d)[None, :]
+    tl.store(kc, k, mask=mask)
+    tl.store(vc, v, mask=mask)
 
 
 def _validate(op: str, k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -94,13 +96,14 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         return
     if not slot_mapping.is_contiguous():
         slot_mapping = slot_mapping.contiguous()
-    block_h, block_d = triton.next_power_of_2(h), triton.next_power_of_2(d)
-    _write_kv_kernel[(t,)](
-        k, v, k_cache, v_cache, slot_mapping, num_slots, k_cache.shape[1],
+    block_hd = triton.next_power_of_2(h * d)
+    # ~4096 elements per program (8 KB of bf16 per tensor: 16-byte accesses for 128 threads, several in
+    # flight); the interpreter takes bigger tiles because each program costs it milliseconds.
+    tokens = max(1, min(triton.next_power_of_2(t), (1 << 16 if interpreting() else 4096) // block_hd))
+    _write_kv_kernel[(triton.cdiv(t, tokens),)](
+        k, v, k_cache, v_cache, slot_mapping, t, num_slots, k_cache.shape[1],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        NUM_HEADS=h, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d,
-        # One token's heads in one program: 8 heads x 128 dims = 1024 elements, ~8 per thread at 4 warps.
-        num_warps=4 if block_h * block_d >= 1024 else 2)
+        NUM_HEADS=h, HEAD_DIM=d, TOKENS=tokens, BLOCK_HD=block_hd, num_warps=4)
 
 
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
