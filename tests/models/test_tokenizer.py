@@ -84,6 +84,15 @@ def test_template_conventions_match_hf(tiny_dir):
                                   add_generation_prompt=True)
     assert ours.apply_chat_template(msgs, tools=tools) == want
     assert "naïve" in want and "東京" in want  # tojson kept non-ASCII as is
+    probe = "{{ tools is none }}/{{ documents is none }}/{{ date_string | default('none') }}"
+    ours_probe = Tokenizer(ours.backend, chat_template=probe)
+    assert ours_probe.apply_chat_template(msgs) == hf.apply_chat_template(msgs, chat_template=probe,
+                                                                          tokenize=False) == "True/True/none"
+
+
+def test_add_bos_without_a_bos_token_is_refused():
+    with pytest.raises(ValueError, match="add_bos_token is set but the tokenizer config names no bos_token"):
+        Tokenizer(build_tiny_tokenizer(), add_bos_token=True)
 
 
 def test_raise_exception_and_missing_template(tiny_dir, stories_tokenizer):

@@ -43,15 +43,16 @@ class Tokenizer:
                 raise ValueError(f"{key} {token!r} is not in the tokenizer's vocabulary")
         self.chat_template = chat_template
         self.clean_up_tokenization_spaces = clean_up_tokenization_spaces
+        for flag, key in ((add_bos_token, "bos_token"), (add_eos_token, "eos_token")):
+            if flag and self.special_tokens[key] is None:
+                raise ValueError(f"add_{key} is set but the tokenizer config names no {key}")
         # What the tokenizer.json post-processor adds around a single sequence, for unspecified flags.
         probe = backend.encode("a", add_special_tokens=False).ids
         with_specials = backend.encode("a", add_special_tokens=True).ids
         start = _find(with_specials, probe)
         pre, post = with_specials[:start], with_specials[start + len(probe):]
-        self._prefix = ([self.bos_token_id] if add_bos_token and self.bos_token_id is not None else
-                        [] if add_bos_token is not None else pre)
-        self._suffix = ([self.eos_token_id] if add_eos_token and self.eos_token_id is not None else
-                        [] if add_eos_token is not None else post)
+        self._prefix = [self.bos_token_id] if add_bos_token else [] if add_bos_token is not None else pre
+        self._suffix = [self.eos_token_id] if add_eos_token else [] if add_eos_token is not None else post
         self._template = _compile_chat_template(chat_template) if chat_template else None
 
     @classmethod
@@ -146,7 +147,9 @@ class Tokenizer:
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
                 raise ValueError(f"messages[{i}] must be a dict with a string 'role', got {m!r}")
-        context = {**{k: v for k, v in self.special_tokens.items() if v is not None}, **kwargs}
+        # As HF: tools/documents are always defined (None unless given), so `tools is none` tests work.
+        context = {**{k: v for k, v in self.special_tokens.items() if v is not None},
+                   "tools": None, "documents": None, **kwargs}
         text = self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
                                      **context)
         return self.encode(text, add_special_tokens=False) if tokenize else text
