@@ -20,6 +20,9 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 # qkv bias and Qwen3's q/k norm with head_dim != hidden / heads.
 VARIANTS = {
     "llama-gqa": ("LlamaForCausalLM", {}),
+    # sizes that are not multiples of a SIMD width, so elementwise CPU kernels hit their tail code paths
+    "llama-odd-sizes": ("LlamaForCausalLM", dict(hidden_size=48, intermediate_size=75, num_attention_heads=4,
+                                                 num_key_value_heads=2)),
     "llama-llama3rope-tied": ("LlamaForCausalLM", dict(tie_word_embeddings=True, rope_theta=500000.0,
                                                        rope_scaling=LLAMA3_ROPE, rope_style="parameters")),
     "llama-llama3rope-legacy-bias": ("LlamaForCausalLM", dict(rope_scaling=LLAMA3_ROPE, attention_bias=True,

@@ -69,9 +69,10 @@ def test_rotary_frequencies_match_hf(tiny_checkpoints, variant):
         assert not torch.equal(inverse_frequencies(replace(config, rope_scaling=None)), hf_inv)
 
 
-def test_deterministic_packing_is_bitwise_invariant(tiny_checkpoints):
+@pytest.mark.parametrize("variant", ["qwen3-headdim32", "llama-odd-sizes"])
+def test_deterministic_packing_is_bitwise_invariant(tiny_checkpoints, variant):
     """A sequence's logits are the same bits whether it runs alone or packed with other sequences."""
-    model, config = load_model(tiny_checkpoints["qwen3-headdim32"], ops=Ops("deterministic"))
+    model, config = load_model(tiny_checkpoints[variant], ops=Ops("deterministic"))
     seqs = {s: _ids(n, config.vocab_size, 10 + i) for i, (s, n) in enumerate([("x", 11), ("y", 5), ("z", 8)])}
     prompt = [(s, t[:-2]) for s, t in seqs.items()]
     decode1 = [(s, t[-2:-1]) for s, t in seqs.items()]

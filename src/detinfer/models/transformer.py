@@ -5,9 +5,10 @@ positions, no batch dimension and no padding (vLLM / gpt-fast style). Attention 
 tokens, and it is supplied by the caller as `attn(layer_idx, q, k, v)`: the engine's callable writes k/v into
 its paged cache and runs paged attention; `attention_ref.ReferenceAttention` is a plain-torch one for tests.
 
-Every matmul and norm goes through `ops` (see detinfer.ops), so under `Ops("deterministic")` each token's
-result is independent of what else is in the batch. Rotary, SiLU * up, the embedding gather and residual adds
-are elementwise and stay plain torch. forward has no host syncs, so it can be captured in a CUDA graph.
+Every matmul and norm, and SiLU * up, goes through `ops` (see detinfer.ops), so under `Ops("deterministic")`
+each token's result is independent of what else is in the batch. Rotary (mul/add/cos/sin), the embedding
+gather and residual adds are elementwise ops whose bits do not depend on an element's position, and stay
+plain torch. forward has no host syncs, so it can be captured in a CUDA graph.
 
 Weights keep HF's layout ([out, in] linear weights, same norms). At load time q/k/v are concatenated into
 one `qkv_proj` and gate/up into one `gate_up_proj` along the output dim: one matmul launch instead of three
@@ -90,13 +91,15 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig, ops: Ops):
         super().__init__()
+        self.ops = ops
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, ops)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)  # [T, hidden]
+        # via ops: stock CPU SiLU rounds differently in a tensor's SIMD tail, i.e. depends on position
+        return self.down_proj(self.ops.silu_mul(gate, up))  # [T, hidden]
 
 
 class DecoderLayer(nn.Module):
