@@ -140,16 +140,14 @@ def sampling_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return keep
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int | None],
-           positions: Sequence[int], sample_indices: Sequence[int] | None = None,
-           prompt_token_ids: Sequence[Sequence[int]] | None = None,
-           output_token_ids: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
-    """Draw one token per row of `logits` [S, V] fp32; returns [S] int64 token ids.
+def sampling_scores(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int | None],
+                    positions: Sequence[int], sample_indices: Sequence[int] | None = None,
+                    prompt_token_ids: Sequence[Sequence[int]] | None = None,
+                    output_token_ids: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+    """[S, V] fp64 scores whose row-wise argmax is the drawn token (see `sample` for the arguments).
 
-    Per row r: params[r]; seeds[r] (may be None for greedy rows); positions[r] = output position t of
-    the token being drawn; sample_indices[r] = which of the request's n samples (default 0); the prompt
-    and output token ids so far (needed only when some row has penalties). Each row's token depends only
-    on that row's inputs.
+    Sampled rows: penalised logits / T + Gumbel noise, -inf where masked. Greedy rows: the penalised
+    logits (no noise). Exposed so tests can check invariance on every bit, not only on the argmax.
     """
     if logits.dim() != 2 or logits.dtype != torch.float32:
         raise ValueError(f"logits must be a 2-D float32 tensor [S, V], got {logits.dim()}-D "
@@ -169,13 +167,14 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
         if t < 0 or i < 0:
             raise ValueError(f"row {r}: position ({t}) and sample index ({i}) must be >= 0")
     dev = logits.device
-    x = apply_penalties(logits, params, prompt_token_ids, output_token_ids)
+    penalised = apply_penalties(logits, params, prompt_token_ids, output_token_ids)
+    # fp32 -> fp64 is exact and order-preserving: greedy argmax (and its ties) are unchanged.
+    x = penalised.to(torch.float64)
     greedy = _row_tensor([p.is_greedy for p in params], torch.bool, dev)
-    greedy_tokens = torch.argmax(x, dim=-1)  # first maximum: lowest token id among ties
     if bool(greedy.all()):
-        return greedy_tokens
+        return x
     temperature = _row_tensor([1.0 if p.is_greedy else p.temperature for p in params], torch.float32, dev)
-    scaled = x / temperature[:, None]
+    scaled = penalised / temperature[:, None]
     keep = sampling_mask(
         scaled,
         _row_tensor([p.top_k for p in params], torch.int64, dev),
@@ -185,8 +184,23 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
     noise = gumbel_noise(_row_tensor([0 if s is None else s for s in seeds], torch.int64, dev),
                          _row_tensor(positions, torch.int64, dev),
                          _row_tensor(sample_indices, torch.int64, dev), V)
-    scores = torch.where(keep, scaled.to(torch.float64) + noise, torch.full_like(noise, float("-inf")))
-    return torch.where(greedy, greedy_tokens, torch.argmax(scores, dim=-1))
+    drawn = torch.where(keep, scaled.to(torch.float64) + noise, torch.full_like(noise, float("-inf")))
+    return torch.where(greedy[:, None], x, drawn)
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int | None],
+           positions: Sequence[int], sample_indices: Sequence[int] | None = None,
+           prompt_token_ids: Sequence[Sequence[int]] | None = None,
+           output_token_ids: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+    """Draw one token per row of `logits` [S, V] fp32; returns [S] int64 token ids.
+
+    Per row r: params[r]; seeds[r] (may be None for greedy rows); positions[r] = output position t of
+    the token being drawn; sample_indices[r] = which of the request's n samples (default 0); the prompt
+    and output token ids so far (needed only when some row has penalties). Each row's token depends only
+    on that row's inputs. argmax returns the first maximum, so greedy ties go to the lowest token id.
+    """
+    return torch.argmax(sampling_scores(logits, params, seeds, positions, sample_indices,
+                                        prompt_token_ids, output_token_ids), dim=-1)
 
 
 class Logprobs(NamedTuple):
