@@ -39,10 +39,10 @@ class SeqData:
 
 
 def make_seqs(lengths, hq, hkv, d, dtype, seed, device=DEV) -> list[SeqData]:
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     out = []
     for n in lengths:
-        q, k, v = (torch.randn((n, h, d), generator=g, dtype=torch.float32).to(dtype).to(device)
+        q, k, v = (torch.randn((n, h, d), generator=g, dtype=torch.float32, device=device).to(dtype)
                    for h in (hq, hkv, hkv))
         out.append(SeqData(q, k, v))
     return out
@@ -122,38 +122,51 @@ class PagedRunner:
         random.Random(seed).shuffle(self.free)
 
     def run(self, plan: list[Step], scale: float, attn=paged_attention, **common) -> list[torch.Tensor]:
-        seqs, bs = self.seqs, self.block_size
-        outs = [torch.full_like(s.q, float("nan")) for s in seqs]
-        cached = [0] * len(seqs)
-        blocks: list[list[int]] = [[] for _ in seqs]
+        """Run a whole plan from an empty cache; returns each sequence's outputs [L, Hq, D]."""
+        self.reset()
+        outs = [torch.full_like(s.q, float("nan")) for s in self.seqs]
         for step in plan:
-            kw = dict(common, **step.kwargs)
-            extra = kw.pop("extra_blocks", 0)
-            idx = [i for i, _ in step.entries]
-            for i, n in step.entries:
-                while len(blocks[i]) * bs < cached[i] + n:
-                    blocks[i].append(self.free.pop())
-            starts = [cached[i] for i in idx]
-            counts = [n for _, n in step.entries]
-            dev = seqs[0].q.device
-            tables = build_block_tables([blocks[i] for i in idx],
-                                        max_blocks=max(len(blocks[i]) for i in idx) + extra, device=dev)
-            slots = build_slot_mapping([blocks[i] for i in idx], starts, counts, bs, device=dev)
-            cu = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-            kv_lens = torch.tensor([c + n for c, n in zip(starts, counts, strict=True)], dtype=torch.int32,
-                                   device=dev)
-            new = {name: torch.cat([getattr(seqs[i], name)[c:c + n]
-                                    for (i, n), c in zip(step.entries, starts, strict=True)])
-                   for name in ("q", "k", "v")}
-            write_kv(new["k"], new["v"], self.k_cache, self.v_cache, slots)
-            self.last_step = {"q": new["q"], "block_tables": tables, "kv_lens": kv_lens, "cu_q_lens": cu}
-            out = attn(new["q"], self.k_cache, self.v_cache, tables, kv_lens, cu, scale, **kw)
-            row = 0
-            for (i, n), c in zip(step.entries, starts, strict=True):
-                outs[i][c:c + n] = out[row:row + n]
-                row += n
-                cached[i] += n
+            starts = list(self.cached)
+            res = self.run_more(step.entries, scale, attn=attn, **dict(common, **step.kwargs))
+            for (i, n), out in zip(step.entries, res, strict=True):
+                outs[i][starts[i]:starts[i] + n] = out
         return outs
+
+    def reset(self) -> None:
+        self.free.extend(b for blocks in getattr(self, "blocks", []) for b in reversed(blocks))
+        self.cached = [0] * len(self.seqs)
+        self.blocks: list[list[int]] = [[] for _ in self.seqs]
+
+    def run_more(self, entries: list[tuple[int, int]], scale: float, attn=paged_attention, commit=True,
+                 extra_blocks: int = 0, **kw) -> list[torch.Tensor]:
+        """One step from the current cache state: write the entries' new K/V, attend, return one
+        [n, Hq, D] output per entry. commit=False forgets the step afterwards (its slots are rewritten
+        with the same values by a later step)."""
+        if not hasattr(self, "cached"):
+            self.reset()
+        seqs, bs, dev = self.seqs, self.block_size, self.seqs[0].q.device
+        idx = [i for i, _ in entries]
+        for i, n in entries:
+            while len(self.blocks[i]) * bs < self.cached[i] + n:
+                self.blocks[i].append(self.free.pop())
+        starts = [self.cached[i] for i in idx]
+        counts = [n for _, n in entries]
+        lists = [self.blocks[i] for i in idx]
+        tables = build_block_tables(lists, max_blocks=max(map(len, lists)) + extra_blocks, device=dev)
+        slots = build_slot_mapping(lists, starts, counts, bs, device=dev)
+        cu = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        kv_lens = torch.tensor([c + n for c, n in zip(starts, counts, strict=True)], dtype=torch.int32,
+                               device=dev)
+        new = {name: torch.cat([getattr(seqs[i], name)[c:c + n]
+                                for (i, n), c in zip(entries, starts, strict=True)])
+               for name in ("q", "k", "v")}
+        write_kv(new["k"], new["v"], self.k_cache, self.v_cache, slots)
+        self.last_step = {"q": new["q"], "block_tables": tables, "kv_lens": kv_lens, "cu_q_lens": cu}
+        out = attn(new["q"], self.k_cache, self.v_cache, tables, kv_lens, cu, scale, **kw)
+        if commit:
+            for i, n in entries:
+                self.cached[i] += n
+        return list(out.split(counts))
 
 
 def test_random_plans_cover_every_token_once():

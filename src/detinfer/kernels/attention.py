@@ -41,9 +41,16 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 DEFAULT_SPLIT_SIZE = 256
 MAX_GROUP = 128  # query heads per kv head the tile can hold (MQA models go up to ~71 -> 128 padded)
 SCHEDULES = ("auto", "parallel", "sequential")
-# Split-parallel when fewer than this many sequential programs per SM exist: below it the GPU idles.
-_PARALLEL_BELOW_PROGRAMS_PER_SM = 2
 _NOMINAL_SMS = 132  # used off-GPU (interpreter), where the schedule only matters for test coverage
+# Speed-only launch choices (none of them changes a bit; bench/bench_attention.py sweeps them):
+_TUNE = {
+    "bm_max": 128,  # query rows per program for 16-bit head_dim <= 128 (prefill tiles)
+    "bm_max_other": 32,  # fp32 (its exact dots are FMA loops in registers) and head_dim 256
+    "warps_bm16": 4,  # decode tiles (16 rows)
+    "warps_bm128": 8,
+    "stages": 3,  # K+V tiles in flight per program (32 KB each at head_dim 128)
+    "parallel_below": 2,  # split-parallel when sequential programs < this x SM count (GPU otherwise idles)
+}
 
 
 def block_n_for(head_dim: int) -> int:
@@ -62,11 +69,14 @@ def _tile_shape(head_dim: int, dtype: torch.dtype, group: int, max_q_len: int) -
     reduction order: each dot row depends only on its own query row (proven bitwise on the GPU by
     tests/kernels/test_attention_gpu.py), so it may follow the step's query length for speed."""
     gp = _next_pow2(group)
-    # Interpreter: tall tiles (fewer programs and key-tile iterations, its cost is per op, not per FLOP).
-    bm_max = 128 if interpreting() or (head_dim <= 128 and dtype != torch.float32) else 64
+    if interpreting():
+        bm_max = 128  # tall tiles: the interpreter's cost is per op, not per FLOP
+    else:
+        bm_max = _TUNE["bm_max"] if (head_dim <= 128 and dtype != torch.float32) else _TUNE["bm_max_other"]
     bt = max(1, min(_next_pow2(max_q_len), bm_max // gp if gp < bm_max else 1))
     bm = max(16, gp * bt)
-    return gp, bm // gp, bm, (8 if bm >= 128 else 4)
+    warps = _TUNE["warps_bm128"] if bm >= 128 else (_TUNE["warps_bm16"] if bm <= 16 else 4)
+    return gp, bm // gp, bm, warps
 
 
 def _sm_count(device: torch.device) -> int:
@@ -195,7 +205,7 @@ def _launch(q, k, v, out, *, paged: bool, cu_q, kv_lens, bt, key_start, num_seqs
         GROUP=group, GROUP_PAD=gp, BLOCK_T=bt_, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, PAGED=paged,
         SPLIT_PARALLEL=parallel, HAS_WINDOW=has_window, FIXED_ORDER_DOT=fixed, PRECISION=precision,
         # 3 stages of K+V tiles (32 KB each) hide the paged gather's latency; fusion off: see kernels doc.
-        num_warps=warps, num_stages=3 if d <= 128 else 2, enable_fp_fusion=False)
+        num_warps=warps, num_stages=_TUNE["stages"] if d <= 128 else 2, enable_fp_fusion=False)
     if parallel:
         # Rows of the merge program: tokens x padded group, ~16 rows on the GPU (16 x 128 fp32 partial
         # rows in flight); more in the interpreter, where each program costs milliseconds.
@@ -225,7 +235,7 @@ def _pick_parallel(schedule: str, n_programs: int, num_splits: int, device: torc
         return True
     if schedule == "sequential" or num_splits <= 1:
         return False
-    return n_programs < _PARALLEL_BELOW_PROGRAMS_PER_SM * _sm_count(device)
+    return n_programs < _TUNE["parallel_below"] * _sm_count(device)
 
 
 def _paged(op, q, k_cache, v_cache, block_tables, kv_lens, cu_q_lens, scale, sliding_window, max_q_len,
@@ -254,7 +264,7 @@ def _paged(op, q, k_cache, v_cache, block_tables, kv_lens, cu_q_lens, scale, sli
     n_programs = n_tiles * (q.shape[1] // group)
     if fast:
         # Non-invariant: as many splits as fill the GPU, sized from this step's longest sequence.
-        target = _PARALLEL_BELOW_PROGRAMS_PER_SM * _sm_count(q.device)
+        target = _TUNE["parallel_below"] * _sm_count(q.device)
         n_split = 1 if (n_programs >= target or schedule == "sequential") else \
             min(triton.cdiv(target, n_programs), triton.cdiv(max_kv_len, bn))
         split_size = triton.cdiv(triton.cdiv(max_kv_len, n_split), bn) * bn
