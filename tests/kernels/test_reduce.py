@@ -32,9 +32,9 @@ BLOCKS = st.sampled_from([32, 64, REDUCE_BLOCK])
 
 
 def rand(shape, dtype, seed, scale=1e3, device=DEVICE):
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1) * scale
-    return x.to(dtype).to(device)
+    g = torch.Generator(device=device).manual_seed(seed)  # on the device: big GPU cases stay fast
+    x = (torch.rand(shape, generator=g, dtype=torch.float64, device=device) * 2 - 1) * scale
+    return x.to(dtype)
 
 
 def sum_tolerance(x: torch.Tensor, dim, out_dtype) -> torch.Tensor:

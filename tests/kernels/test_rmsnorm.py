@@ -24,9 +24,9 @@ RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 def rand(shape, dtype, seed, scale=1e3, device=DEVICE):
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1) * scale
-    return x.to(dtype).to(device)
+    g = torch.Generator(device=device).manual_seed(seed)  # on the device: big GPU cases stay fast
+    x = (torch.rand(shape, generator=g, dtype=torch.float64, device=device) * 2 - 1) * scale
+    return x.to(dtype)
 
 
 def hf_rms_norm_fp64(h, weight, eps):

@@ -36,9 +36,9 @@ LOG_SOFTMAX_TOL = {torch.float32: (5e-7, 5e-6), torch.float16: (1e-3, 1e-3), tor
 
 
 def rand(shape, dtype, seed, scale=1e3, device=DEVICE):
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1) * scale
-    return x.to(dtype).to(device)
+    g = torch.Generator(device=device).manual_seed(seed)  # on the device: big GPU cases stay fast
+    x = (torch.rand(shape, generator=g, dtype=torch.float64, device=device) * 2 - 1) * scale
+    return x.to(dtype)
 
 
 def assert_close_to_fp64(out, x, log):
