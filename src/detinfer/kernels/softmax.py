@@ -1,6 +1,7 @@
 """Batch-invariant softmax / log_softmax: Triton kernels `softmax`/`log_softmax`, pure-torch `*_ref`.
 
-Kernel (one row per program, fp32 math, two passes over the row):
+Kernel (fp32 math, two passes over each row; a long row has a program to itself, short rows are packed
+several to a program, and rows never interact):
 
 * Pass 1 streams the row in blocks of `block_size` elements anchored at element 0 (default
   `SOFTMAX_BLOCK`, a constant) and keeps, per lane, an online (max m, sum s of exp(x - m)) pair:
