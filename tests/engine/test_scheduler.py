@@ -47,8 +47,9 @@ class FakeRunner:
                 block = slot // bs
                 assert bm.ref_count(block) == 1 and not bm.is_cached(block), "write into a shared block"
                 self.kv[slot] = (seq.token_ids[p], p)
+            assert item.output_position == seq.num_output_tokens
             if item.sample:
-                self.sampled_positions.setdefault(seq.seq_id, []).append(seq.num_output_tokens)
+                self.sampled_positions.setdefault(seq.seq_id, []).append(item.output_position)
             for p in item.logits_positions:
                 if p < seq.num_prompt_tokens - 1 and seq.wants_prompt_logprobs:
                     self.prompt_logit_positions.setdefault(seq.seq_id, []).append(p)

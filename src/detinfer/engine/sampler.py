@@ -170,21 +170,25 @@ def sampling_scores(logits: torch.Tensor, params: Sequence[SamplingParams], seed
     penalised = apply_penalties(logits, params, prompt_token_ids, output_token_ids)
     # fp32 -> fp64 is exact and order-preserving: greedy argmax (and its ties) are unchanged.
     x = penalised.to(torch.float64)
-    greedy = _row_tensor([p.is_greedy for p in params], torch.bool, dev)
-    if bool(greedy.all()):
+    # Shortcuts are decided from the params (host data, no device sync). They skip work whose result
+    # would be the identity for every row, so they cannot change any row's bits.
+    if all(p.is_greedy for p in params):
         return x
+    greedy = _row_tensor([p.is_greedy for p in params], torch.bool, dev)
     temperature = _row_tensor([1.0 if p.is_greedy else p.temperature for p in params], torch.float32, dev)
     scaled = penalised / temperature[:, None]
-    keep = sampling_mask(
-        scaled,
-        _row_tensor([p.top_k for p in params], torch.int64, dev),
-        _row_tensor([p.top_p for p in params], torch.float32, dev),
-        _row_tensor([p.min_p for p in params], torch.float32, dev),
-    )
     noise = gumbel_noise(_row_tensor([0 if s is None else s for s in seeds], torch.int64, dev),
                          _row_tensor(positions, torch.int64, dev),
                          _row_tensor(sample_indices, torch.int64, dev), V)
-    drawn = torch.where(keep, scaled.to(torch.float64) + noise, torch.full_like(noise, float("-inf")))
+    drawn = scaled.to(torch.float64) + noise
+    if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+        keep = sampling_mask(
+            scaled,
+            _row_tensor([p.top_k for p in params], torch.int64, dev),
+            _row_tensor([p.top_p for p in params], torch.float32, dev),
+            _row_tensor([p.min_p for p in params], torch.float32, dev),
+        )
+        drawn = torch.where(keep, drawn, torch.full_like(drawn, float("-inf")))
     return torch.where(greedy[:, None], x, drawn)
 
 

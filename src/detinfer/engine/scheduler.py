@@ -49,7 +49,7 @@ class ScheduledSequence:
     num_logits: how many trailing positions of the chunk need logits (0: none; 1: the last; more: prompt
     logprobs, where the logits at position p score prompt token p + 1).
     sample: the chunk ends at the sequence's last token, so the logits of its last position are sampled
-    to produce the next token (the sampler's output position is `seq.num_output_tokens`).
+    to produce the next token, output token number `output_position` (the sampler's t).
     block_table: the sequence's physical KV blocks, covering at least positions [0, start_pos + query_len).
     """
 
@@ -58,6 +58,7 @@ class ScheduledSequence:
     start_pos: int
     num_logits: int
     sample: bool
+    output_position: int
     block_table: tuple[int, ...]
     block_size: int
 
@@ -81,7 +82,7 @@ class ScheduledSequence:
     @property
     def is_decode(self) -> bool:
         """One new token after sampled output: the shape of a decode (also the last step of a resume)."""
-        return self.query_len == 1 and self.seq.num_output_tokens > 0
+        return self.query_len == 1 and self.output_position > 0
 
     def slot_mapping(self) -> list[int]:
         """Flat KV slot (block_id * block_size + offset) each fed token's K/V is written to."""
@@ -263,7 +264,7 @@ class Scheduler:
             # Logits for every prompt position not delivered yet (a resumed sequence skips the rest).
             num_logits = max(num_logits, end - max(start, seq.num_prompt_logits_done))
         return ScheduledSequence(seq, tuple(seq.token_ids[start:end]), start, num_logits, sample,
-                                 tuple(seq.block_table), self.block_manager.block_size)
+                                 seq.num_output_tokens, tuple(seq.block_table), self.block_manager.block_size)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
