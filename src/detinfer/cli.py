@@ -8,6 +8,10 @@ import sys
 _COMMANDS = {
     "demo": ("detinfer.demo", "measure batch-(in)variance of stock kernels vs detinfer on this machine"),
     "pull": ("detinfer.models.pull", "fetch a known model into the local cache as an HF-format directory"),
+    "generate": ("detinfer.engine.generate_cli", "complete one prompt with the offline engine"),
+    "serve": ("detinfer.server.serve", "run the OpenAI-compatible HTTP server"),
+    "repro": ("detinfer.repro.cli", "N runs of a prompt under load: how many unique completions? (report)"),
+    "audit": ("detinfer.repro.audit", "check a model's batch invariance and name the first op that differs"),
 }
 
 

@@ -1,0 +1,143 @@
+"""Issue-8 experiment: HF `generate()` on a real chat model, the target prompt inside random left-padded
+batches, stock kernels vs `detinfer.batch_invariant()`.
+
+For each run r: a batch size B ~ U[1, max_batch] (seeded), B-1 companion prompts drawn from a fixed pool, the
+target at a random position; greedy, `new_tokens` tokens. Reports per mode: unique target completions, runs
+that differ from the target generated alone (B = 1), the first divergent token, and median seconds per run.
+
+    python bench/hf_generate_experiment.py --gguf PATH/SmolLM2-135M-Instruct.Q4_1.gguf --runs 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+import detinfer
+
+TARGET = "Tell me about Richard Feynman"
+COMPANIONS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis simply.",
+    "Give me three tips for learning to code.", "Who was Marie Curie?", "What causes rain?",
+    "Summarize the plot of Hamlet.", "How do airplanes fly?", "Tell me a joke about cats.",
+    "What is a black hole?", "Describe the water cycle.", "Why is the sky blue?",
+    "What is machine learning?", "Write a short poem about autumn.", "How does a computer work?",
+    "Tell me about the Roman Empire.", "What are prime numbers?", "How do vaccines work?",
+    "Suggest a name for a pet turtle.", "What is the speed of light?", "Tell me about Albert Einstein.",
+    "Explain gravity to a child.", "What is the tallest mountain?", "Describe a sunset in two sentences.",
+    "How do bees make honey?", "What is democracy?", "Write a limerick about a frog.",
+    "What is the largest ocean?", "Explain what DNA is.", "Tell me about the Moon landing.",
+]
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def build_batches(runs: int, max_batch: int, seed: int) -> list[tuple[list[str], int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(runs):
+        b = rng.randint(1, max_batch)
+        companions = [rng.choice(COMPANIONS) for _ in range(b - 1)]
+        pos = rng.randint(0, b - 1)
+        out.append((companions[:pos] + [TARGET] + companions[pos:], pos))
+    return out
+
+
+def chat_ids(tok, text: str) -> list[int]:
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                  tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def generate_target(model, tok, prompts: list[str], pos: int, new_tokens: int) -> list[int]:
+    seqs = [chat_ids(tok, p) for p in prompts]
+    width = max(map(len, seqs))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):], mask[i, width - len(s):] = torch.tensor(s), 1
+    out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=new_tokens,
+                         do_sample=False, pad_token_id=pad, eos_token_id=None)
+    return out[pos, width:].tolist()
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_mode(model, tok, batches, new_tokens: int, invariant: bool) -> dict:
+    ctx = detinfer.batch_invariant() if invariant else contextlib.nullcontext()
+    with torch.no_grad(), ctx:
+        generate_target(model, tok, [TARGET], 0, 4)  # warm-up (compile / autotune)
+        alone = generate_target(model, tok, [TARGET], 0, new_tokens)
+        comps, times = [], []
+        for prompts, pos in batches:
+            _sync()
+            t0 = time.perf_counter()
+            comps.append(generate_target(model, tok, prompts, pos, new_tokens))
+            _sync()
+            times.append(time.perf_counter() - t0)
+    counts = Counter(tuple(c) for c in comps)
+    divs = [first_divergence(c, alone) for c in comps]
+    differing = [d for d in divs if d is not None]
+    return {
+        "unique": len(counts), "most_common": counts.most_common(1)[0][1], "runs": len(comps),
+        "differ_from_alone": len(differing),
+        "first_divergence_min": min(differing) if differing else None,
+        "first_divergence_max": max(differing) if differing else None,
+        "median_s_per_run": statistics.median(times), "total_s": sum(times),
+        "alone_text": tok.decode(alone),
+        "variants": [tok.decode(list(c)) for c, _ in counts.most_common(4)],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gguf", required=True, type=Path)
+    p.add_argument("--runs", type=int, default=100)
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--modes", default="stock,invariant")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.gguf.parent, gguf_file=args.gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(args.gguf.parent, gguf_file=args.gguf.name,
+                                                 dtype=getattr(torch, args.dtype)).to(args.device).eval()
+    batches = build_batches(args.runs, args.max_batch, args.seed)
+    results = {}
+    for mode in args.modes.split(","):
+        results[mode] = run_mode(model, tok, batches, args.new_tokens, invariant=mode == "invariant")
+        r = results[mode]
+        print(f"[{mode}] unique={r['unique']}/{r['runs']} most_common={r['most_common']} "
+              f"differ_from_alone={r['differ_from_alone']} first_div=[{r['first_divergence_min']},"
+              f"{r['first_divergence_max']}] median_s/run={r['median_s_per_run']:.3f}", flush=True)
+    if "stock" in results and "invariant" in results:
+        ratio = results["invariant"]["median_s_per_run"] / results["stock"]["median_s_per_run"]
+        print(f"slowdown invariant/stock (median s per run): {ratio:.2f}x")
+    print("alone:", results[next(iter(results))]["alone_text"][:300].replace("\n", " "))
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
