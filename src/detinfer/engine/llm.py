@@ -1,0 +1,128 @@
+"""LLM: the offline API. Give it prompts, get completions back in input order.
+
+    llm = LLM("path/to/model", mode="deterministic", max_num_seqs=64)
+    outs = llm.generate(["Hello", "Once upon a time"], SamplingParams(temperature=0, max_tokens=32))
+    print(outs[0].outputs[0].text)
+
+Each call queues every prompt, steps the engine until all of them finish, and returns their final
+`RequestOutput`s. In deterministic mode a prompt's completion is the same whether it is generated alone
+or in a batch of any size, so batching many prompts in one call costs nothing in reproducibility.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from detinfer.engine.config import EngineConfig
+from detinfer.engine.llm_engine import LLMEngine
+from detinfer.engine.outputs import RequestOutput
+from detinfer.engine.sampling_params import SamplingParams
+
+
+def _is_token_list(x: Any) -> bool:
+    return isinstance(x, (list, tuple)) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                            for t in x)
+
+
+class LLM:
+    """`LLM(model, **engine_config_fields)`: loads the model directory and builds an `LLMEngine`.
+
+    Keyword arguments are `EngineConfig` fields (mode, max_num_seqs, max_num_batched_tokens, block_size,
+    num_kv_blocks, max_model_len, dtype, enforce_eager, ...), plus `device` (default: cuda if available).
+    """
+
+    def __init__(self, model: str, *, device=None, **engine_kwargs: Any):
+        try:
+            config = EngineConfig(**engine_kwargs)
+        except TypeError as e:
+            raise TypeError(f"LLM: {e} (keyword arguments must be EngineConfig fields)") from None
+        self.engine = LLMEngine(model, config, device=device)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]] | Sequence[int],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete each prompt (a string, or a list of token ids); one RequestOutput per prompt, in order.
+
+        sampling_params: one SamplingParams for every prompt, a list with one per prompt, or None for the
+        defaults (SamplingParams()).
+        """
+        if isinstance(prompts, str) or _is_token_list(prompts):
+            prompts = [prompts]
+        if isinstance(prompts, (bytes, Mapping)) or not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts must be a str, a list of str, a list of token ids or a list of such "
+                            f"lists, got {type(prompts).__name__}")
+        prompts = list(prompts)
+        if not prompts:
+            return []
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts; pass one, "
+                                 "or one per prompt")
+        return self._run(prompts, params, use_tqdm)
+
+    def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, **template_kwargs: Any) -> list[RequestOutput]:
+        """Generate replies to one conversation ([{"role": ..., "content": ...}, ...]) or a list of them,
+        rendered with the model's chat template (the template adds the special tokens)."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template")
+        if isinstance(messages, Sequence) and messages and isinstance(messages[0], Mapping):
+            conversations = [messages]
+        else:
+            conversations = list(messages)
+        if not conversations:
+            return []
+        prompts = [self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=True, **template_kwargs)
+                   for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, prompts: list, params: list, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        wanted = set(ids)
+        added: list[str] = []
+        results: dict[str, RequestOutput] = {}
+        try:
+            for rid, prompt, p in zip(ids, prompts, params, strict=True):
+                if not isinstance(prompt, str) and not _is_token_list(prompt):
+                    raise TypeError(f"prompt {len(added)} must be a non-empty str or a non-empty list of "
+                                    f"token ids, got {prompt!r:.80}")
+                engine.add_request(rid, prompt, p)
+                added.append(rid)
+            bar = None
+            if use_tqdm:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=len(ids), desc="generate", unit="req", dynamic_ncols=True)
+            try:
+                while len(results) < len(ids):
+                    if not engine.has_unfinished_requests():
+                        raise RuntimeError("the engine stopped with requests unfinished")
+                    for out in engine.step():
+                        if out.finished and out.request_id in wanted:
+                            results[out.request_id] = out
+                            if bar is not None:
+                                bar.update(1)
+            finally:
+                if bar is not None:
+                    bar.close()
+        except BaseException:
+            # Leave the engine clean (no half-run requests holding KV blocks) whatever went wrong.
+            for rid in added:
+                engine.abort_request(rid)
+            while engine.has_unfinished_requests():
+                engine.step()
+            raise
+        return [results[rid] for rid in ids]

@@ -1,0 +1,316 @@
+"""LLMEngine: requests in, one continuous-batching step at a time, cumulative outputs out.
+
+One `step()`: the scheduler picks a batch (decodes, then prefill chunks) -> the model runner computes
+the logits the batch needs -> the sampler draws a token for every sequence whose chunk reached its end
+(a pure function of the logits row, the request's seed, the output position and the sample index) ->
+logprobs if asked -> the scheduler records the step (stop conditions; the engine's stop checker feeds
+each sequence's incremental detokenizer and reports stop strings) -> a `RequestOutput` for every request
+that progressed.
+
+In deterministic mode every kernel is batch-invariant, so what a request gets (token ids, logprobs,
+text) does not depend on which other requests share its steps, how its prompt was chunked, whether its
+prefix came from the cache, or whether it was preempted and recomputed.
+
+dtype "auto": the checkpoint's torch_dtype on CUDA (bf16 if it names none), float32 on CPU. KV pool
+size: `EngineConfig.num_kv_blocks` if given, else see `ModelRunner._pick_num_blocks`.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from detinfer.engine.config import EngineConfig
+from detinfer.engine.model_runner import ModelRunner
+from detinfer.engine.outputs import CompletionOutput, EngineStats, RequestOutput, TokenLogprob
+from detinfer.engine.sampler import compute_logprobs, sample
+from detinfer.engine.sampling_params import SamplingParams
+from detinfer.engine.scheduler import ScheduledBatch, Scheduler
+from detinfer.engine.sequence import Sequence
+from detinfer.models.config import ModelConfig
+from detinfer.models.loader import load_model, load_tokenizer
+from detinfer.models.transformer import Transformer
+from detinfer.ops import Ops
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"device must be cuda or cpu, got {device}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda was asked for but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+    """EngineConfig.dtype -> torch dtype (see the module docstring for "auto")."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type != "cuda":
+        return torch.float32
+    return model_config.dtype or torch.bfloat16
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detokenizers: list  # one IncrementalDetokenizer per sample, or None without a tokenizer
+    cumulative_logprobs: list[float] = field(default_factory=list)
+
+
+class LLMEngine:
+    """See the module docstring. Not thread-safe: one caller drives add_request / abort_request / step."""
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None,
+                 device: torch.device | str | None = None, *, attention_backend: str = "auto"):
+        config = EngineConfig() if config is None else config
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        device = resolve_device(device)
+        dtype = resolve_dtype(config.dtype, ModelConfig.from_dir(model_dir), device)
+        model, model_config = load_model(model_dir, dtype, device, Ops(config.mode))
+        self._setup(model, model_config, config, load_tokenizer(model_dir), attention_backend)
+
+    @classmethod
+    def from_model(cls, model: Transformer, model_config: ModelConfig, config: EngineConfig | None = None,
+                   tokenizer=None, *, attention_backend: str = "auto") -> LLMEngine:
+        """An engine over an already built model (benchmarks, tests). Without a tokenizer, prompts must be
+        token ids, outputs have empty text, and stop strings are refused."""
+        engine = cls.__new__(cls)
+        engine._setup(model, model_config, EngineConfig() if config is None else config, tokenizer,
+                      attention_backend)
+        return engine
+
+    def _setup(self, model, model_config, config, tokenizer, attention_backend) -> None:
+        limit = model_config.max_position_embeddings
+        max_len = limit if config.max_model_len is None else config.max_model_len
+        if max_len > limit:
+            raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings={limit}")
+        try:
+            config = config.replace(max_model_len=max_len)
+        except ValueError as e:
+            raise ValueError(f"with max_model_len resolved to {max_len} (the model's context length): {e}; "
+                             "set max_model_len explicitly") from None
+        self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
+        self.ops = Ops(config.mode)
+        self.runner = ModelRunner(model, model_config, config, config.num_kv_blocks,
+                                  attention_backend=attention_backend)
+        eos = model_config.eos_token_ids
+        if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos = (tokenizer.eos_token_id,)
+        self.scheduler = Scheduler(config, num_kv_blocks=self.runner.num_kv_blocks, eos_token_ids=eos,
+                                   stop_checker=self._check_stop)
+        self._requests: dict[str, _Request] = {}
+        self._seq_detok: dict[int, object] = {}  # seq_id -> its detokenizer (the stop checker's lookup)
+        self._aborted: list[str] = []  # aborted requests whose final output is still owed
+        self._counters = dict(num_steps=0, prompt_tokens=0, generation_tokens=0, num_preemptions=0,
+                              num_finished_requests=0, last_step_tokens=0)
+        self._last_step_seconds = 0.0
+
+    # -- requests ------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None) -> None:
+        """Queue a request. Raises ValueError (TypeError for wrong types) when it can never run."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams or None, got {type(params).__name__}")
+        prompt_text, ids = self._prompt_ids(request_id, prompt)
+        vocab = self.model_config.vocab_size
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > vocab:
+                raise ValueError(f"request {request_id!r}: {name}={k} exceeds the vocabulary size {vocab}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"request {request_id!r}: stop strings need a tokenizer; this engine has none "
+                             "(use stop_token_ids)")
+        seqs = self.scheduler.add_request(request_id, ids, params)  # length / pool-size checks
+        detoks = [None if self.tokenizer is None else
+                  self.tokenizer.incremental_detokenizer(ids, stop=params.stop) for _ in seqs]
+        self._requests[request_id] = _Request(request_id, prompt_text, tuple(ids), params, seqs, detoks,
+                                              [0.0] * len(seqs))
+        for seq, detok in zip(seqs, detoks):
+            self._seq_detok[seq.seq_id] = detok
+
+    def _prompt_ids(self, request_id: str, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError(f"request {request_id!r}: the prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError(f"request {request_id!r}: text prompts need a tokenizer; pass token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__iter__"):
+            raise TypeError(f"request {request_id!r}: prompt must be a str or a list of token ids, "
+                            f"got {type(prompt).__name__}")
+        ids = []
+        vocab = self.model_config.vocab_size
+        for i, t in enumerate(prompt):
+            try:
+                if isinstance(t, bool):
+                    raise TypeError
+                t = operator.index(t)
+            except TypeError:
+                raise TypeError(f"request {request_id!r}: prompt token {i} must be an int, got {t!r}") from None
+            if not 0 <= t < vocab:
+                raise ValueError(f"request {request_id!r}: prompt token {i} is {t}, not a token id of this "
+                                 f"model (allowed: 0..{vocab - 1})")
+            ids.append(t)
+        if not ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty; at least one token is needed")
+        return None, ids
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now, freeing its KV blocks; its final output (finish_reason "abort") comes with
+        the next step(). Unknown or finished requests are ignored."""
+        req = self._requests.get(request_id)
+        if req is None or request_id in self._aborted:
+            return
+        for seq in self.scheduler.abort(request_id):
+            detok = self._seq_detok.get(seq.seq_id)
+            if detok is not None:
+                detok.finish()
+        self._aborted.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # -- one step ------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the requests that progressed (cumulative outputs)."""
+        start = time.perf_counter()
+        outputs = [self._output(self._requests[rid]) for rid in self._aborted]
+        self._aborted.clear()
+        batch = self.scheduler.schedule()
+        c = self._counters
+        c["num_preemptions"] += len(batch.preempted)
+        if not batch.is_empty:
+            logits = self.runner.execute(batch)
+            tokens = self._sample(batch, logits)
+            finished = self.scheduler.postprocess(batch, tokens)
+            for seq in finished:
+                detok = self._seq_detok.get(seq.seq_id)
+                if detok is not None:
+                    detok.finish()
+            c["num_steps"] += 1
+            c["last_step_tokens"] = batch.num_batched_tokens
+            c["generation_tokens"] += sum(t is not None for t in tokens)
+            c["prompt_tokens"] += sum(item.query_len for item in batch.scheduled if not item.is_decode)
+            touched = [item.seq.request_id for item in batch.scheduled if item.sample]
+            touched += [seq.request_id for seq in finished]
+            outputs += [self._output(self._requests[rid]) for rid in dict.fromkeys(touched)
+                        if rid in self._requests]
+        self._last_step_seconds = time.perf_counter() - start
+        return outputs
+
+    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[int | None]:
+        """Draw the next token of every sampled chunk; record logprobs (output and prompt) as asked."""
+        tokens: list[int | None] = [None] * len(batch)
+        sample_idx, sample_rows = [], []
+        lp_rows, lp_targets, lp_dest = [], [], []  # rows, target token ids, (seq, k, is_prompt)
+        row = 0
+        for i, item in enumerate(batch.scheduled):
+            seq = item.seq
+            if seq.wants_prompt_logprobs:
+                expected = len(seq.prompt_logprobs)  # logits position of the next undelivered prompt token
+                for j, p in enumerate(item.logits_positions):
+                    if p == expected and p + 1 < seq.num_prompt_tokens:
+                        lp_rows.append(row + j)
+                        lp_targets.append(seq.token_ids[p + 1])
+                        lp_dest.append((seq, seq.params.prompt_logprobs, True))
+                        expected += 1
+            if item.sample:
+                sample_idx.append(i)
+                sample_rows.append(row + item.num_logits - 1)
+            row += item.num_logits
+        if sample_rows:
+            rows = logits if sample_rows == list(range(logits.shape[0])) else logits[sample_rows]
+            seqs = [batch.scheduled[i].seq for i in sample_idx]
+            penalties = any(s.params.has_penalties for s in seqs)
+            drawn = sample(rows, [s.params for s in seqs], [s.seed for s in seqs],
+                           [s.num_output_tokens for s in seqs], [s.sample_index for s in seqs],
+                           [s.prompt_token_ids for s in seqs] if penalties else None,
+                           [s.output_token_ids for s in seqs] if penalties else None).tolist()
+            for i, r, s, t in zip(sample_idx, sample_rows, seqs, drawn):
+                tokens[i] = t
+                if s.params.logprobs is not None:
+                    lp_rows.append(r)
+                    lp_targets.append(t)
+                    lp_dest.append((s, s.params.logprobs, False))
+        if lp_rows:
+            self._record_logprobs(logits[lp_rows], lp_targets, lp_dest)
+        return tokens
+
+    def _record_logprobs(self, logits: torch.Tensor, targets: list[int], dest: list) -> None:
+        top_k = max(k for _, k, _ in dest)
+        lp = compute_logprobs(logits, targets, top_k, self.ops.log_softmax)
+        chosen, ranks = lp.token_logprobs.tolist(), lp.token_ranks.tolist()
+        top_ids, top_vals = lp.top_token_ids.tolist(), lp.top_logprobs.tolist()
+        for j, (seq, k, is_prompt) in enumerate(dest):
+            entry = TokenLogprob(targets[j], chosen[j], ranks[j], dict(zip(top_ids[j][:k], top_vals[j][:k])))
+            if is_prompt:
+                seq.prompt_logprobs.append(entry)
+            else:
+                seq.output_logprobs.append(entry)
+                self._requests[seq.request_id].cumulative_logprobs[seq.sample_index] += chosen[j]
+
+    def _check_stop(self, seq: Sequence) -> str | None:
+        """The scheduler's stop checker: feed the new token to the sequence's detokenizer; a stop string
+        in the text ends the sequence (the text is cut before it)."""
+        detok = self._seq_detok.get(seq.seq_id)
+        if detok is None:
+            return None
+        detok.add(seq.last_token_id)
+        return detok.stopped
+
+    def _output(self, req: _Request) -> RequestOutput:
+        params = req.params
+        outs = []
+        for seq, detok in zip(req.seqs, req.detokenizers):
+            wants = params.logprobs is not None
+            outs.append(CompletionOutput(
+                index=seq.sample_index, text="" if detok is None else detok.text,
+                token_ids=tuple(seq.output_token_ids),
+                cumulative_logprob=req.cumulative_logprobs[seq.sample_index] if wants else None,
+                logprobs=tuple(seq.output_logprobs) if wants else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        prompt_lp = None
+        if params.prompt_logprobs is not None:
+            prompt_lp = (None,) + tuple(req.seqs[0].prompt_logprobs)
+        finished = all(s.is_finished for s in req.seqs)
+        if finished:
+            del self._requests[req.request_id]
+            for seq in req.seqs:
+                self._seq_detok.pop(seq.seq_id, None)
+            self._counters["num_finished_requests"] += 1
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, prompt_lp, tuple(outs), finished)
+
+    # -- monitoring ----------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        bm = self.scheduler.block_manager
+        c = self._counters
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=bm.num_blocks - bm.num_free_blocks, kv_blocks_cached=bm.num_cached_free_blocks,
+            kv_blocks_total=bm.num_blocks, num_steps=c["num_steps"], prompt_tokens=c["prompt_tokens"],
+            generation_tokens=c["generation_tokens"], prefix_cache_query_tokens=bm.prefix_query_tokens,
+            prefix_cache_hit_tokens=bm.prefix_hit_tokens, num_preemptions=c["num_preemptions"],
+            num_finished_requests=c["num_finished_requests"], last_step_seconds=self._last_step_seconds,
+            last_step_tokens=c["last_step_tokens"])
