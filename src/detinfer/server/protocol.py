@@ -1,0 +1,425 @@
+"""OpenAI-shaped request/response models and errors.
+
+Requests are validated strictly: a string where a number belongs, an unknown field, a value out of range is
+a 400 whose body names the field (`param`), instead of being coerced or ignored. Silently ignoring a field
+that changes the output (`logit_bias`, `tools`, `suffix`) would hand a client numbers it did not ask for,
+which is exactly what a deterministic server must not do, so those are refused unless they are no-ops.
+Fields that never change the numbers (`user`, `metadata`, `store`, ...) are accepted and ignored.
+
+Sampling fields accept `null` as "use the default": several clients send explicit nulls.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_PROMPTS_PER_REQUEST = 64  # a completions `prompt` list is a batch; bound it like any other input
+MAX_STOP_SEQUENCES = 16
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf; a -inf logprob is reported as this (as vLLM does)
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type_: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type_ or _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error",
+                503: "service_unavailable"}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def _loc_to_param(loc: tuple) -> str:
+    """('messages', 0, 'content') -> 'messages[0].content'."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def validation_error(err: ValidationError) -> APIError:
+    """The first pydantic error as a 400 naming its field."""
+    first = err.errors(include_url=False)[0]
+    param = _loc_to_param(first["loc"]) or None
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        msg = "unrecognized request argument (not supported by this server)"
+    elif first["type"] == "missing":
+        msg = "this field is required"
+    return bad_request(f"{param}: {msg}" if param else msg, param=param)
+
+
+def parse_request(model_cls: type[BaseModel], data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise bad_request(f"request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# requests
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, plus vLLM's extras)."""
+
+    model: str
+    n: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    seed: int | None = Field(None, ge=0, le=(1 << 63) - 1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    # Accepted and ignored: they never change the numbers.
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v):
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty strings")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_ids(cls, v):
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("stop_token_ids must be non-negative token ids")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v):
+        if v:
+            raise ValueError("logit_bias is not supported")
+        return v
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Any
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool | None = False
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, v):
+        normalize_prompt(v)  # raises ValueError with the reason
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        if v:
+            raise ValueError("suffix (insertion) is not supported")
+        return v
+
+
+def normalize_prompt(prompt: Any) -> list[str | list[int]]:
+    """A completions `prompt` (str | list[str] | list[int] | list[list[int]]) as a list of prompts."""
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        for p in prompt:
+            if not all(_is_int(t) for t in p):
+                raise ValueError("a token-id prompt must hold integers only")
+        prompts = list(prompt)
+    elif isinstance(prompt, list) and not prompt:
+        raise ValueError("prompt must not be empty")
+    else:
+        raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of "
+                         "token-id lists")
+    if len(prompts) > MAX_PROMPTS_PER_REQUEST:
+        raise ValueError(f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {len(prompts)}")
+    for p in prompts:
+        if len(p) == 0:
+            raise ValueError("prompt must not be empty")
+    return prompts
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text for p in self.content)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0)
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Literal["none"] | None = None
+    parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool = True
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v):
+        if v:
+            raise ValueError("tools are not supported")
+        return v
+
+    def template_messages(self) -> list[dict[str, str]]:
+        # "developer" is OpenAI's newer name for the system role; chat templates only know "system".
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages]
+
+
+# ---------------------------------------------------------------------------------------------------
+# responses
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "detinfer"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---------------------------------------------------------------------------------------------------
+# logprobs
+
+def _byte_level_decoder() -> dict[str, int]:
+    """Inverse of the byte-level BPE alphabet (every byte drawn as a printable character): printable
+    Latin-1 bytes stand for themselves, the rest are shifted to code points 256 and up, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in keep}
+    shifted = (b for b in range(256) if b not in table.values())
+    table.update({chr(256 + i): b for i, b in enumerate(shifted)})
+    return table
+
+
+class TokenFormatter:
+    """Token ids as OpenAI shows them in logprobs: the token's UTF-8 bytes, and its text (or, for a token
+    that is only part of a UTF-8 character, `bytes:\\xNN...` as OpenAI writes such tokens)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend", None)
+        self._byte_level = type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
+        self._decoder = _byte_level_decoder() if self._byte_level else {}
+        self._special = set(getattr(tokenizer, "all_special_ids", ()))
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def token(self, token_id: int) -> tuple[str, bytes]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            raw = self._token_bytes(token_id)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            hit = self._cache[token_id] = (text, raw)
+        return hit
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        piece = self.tokenizer.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._special:
+            return piece.encode("utf-8")
+        if self._byte_level and all(c in self._decoder for c in piece):
+            return bytes(self._decoder[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # byte-fallback pieces
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    def completion_logprobs(self, entries: Any, text_offset: int) -> tuple[CompletionLogprobs, int]:
+        """Legacy /v1/completions logprobs for `entries` (TokenLogprob, or a bare token id for a position
+        without a logprob); returns them and the text offset after them."""
+        out = CompletionLogprobs()
+        for e in entries:
+            if isinstance(e, int):  # a prompt token without context (position 0): no logprob
+                text, raw = self.token(e)
+                out.tokens.append(text)
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                out.text_offset.append(text_offset)
+                text_offset += len(raw.decode("utf-8", errors="ignore"))
+                continue
+            text, raw = self.token(e.token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(clamp_logprob(e.logprob))
+            out.top_logprobs.append({self.token(t)[0]: clamp_logprob(lp) for t, lp in e.top_logprobs.items()})
+            out.text_offset.append(text_offset)
+            text_offset += len(raw.decode("utf-8", errors="ignore"))
+        return out, text_offset
+
+    def chat_logprobs(self, entries: Any) -> ChatLogprobs:
+        content = []
+        for e in entries:
+            text, raw = self.token(e.token_id)
+            top = [TopLogprob(token=self.token(t)[0], logprob=clamp_logprob(lp), bytes=list(self.token(t)[1]))
+                   for t, lp in e.top_logprobs.items()]
+            content.append(TokenLogprob(token=text, logprob=clamp_logprob(e.logprob), bytes=list(raw),
+                                        top_logprobs=top))
+        return ChatLogprobs(content=content)
+
+
+def clamp_logprob(x: float) -> float:
+    return x if x >= LOGPROB_FLOOR else LOGPROB_FLOOR
