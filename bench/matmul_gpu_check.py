@@ -9,7 +9,7 @@ Sections (each stops early once the time budget is spent, and says so):
             zero extension of K (contract B) for a few configs
   sweep     bf16 time of every candidate config per (shape, M) cell vs F.linear; best per cell
   fp32      IEEE vs tf32x3 dot for fp32 inputs: time, error vs fp64, bits across configs
-  splitk    decode-only experiment: fixed 1024-wide K chunks run in parallel + ordered fix-up kernel
+  negctl    for which (shape, M) stock F.linear's row 0 changes bits (bf16)
 Writes DIR/landscape.json (all numbers) and prints a summary table last. `--smoke` runs every section on
 tiny shapes in Triton's CPU interpreter (numbers meaningless; only checks that the script runs).
 """
@@ -30,7 +30,6 @@ if SMOKE:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from detinfer.kernels import matmul as mm  # noqa: E402
@@ -38,28 +37,41 @@ from detinfer.kernels.matmul_configs import MatmulConfig as C  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
           "lm_head": (4096, 128256)}  # (K, N)
-MS = [1, 4, 16, 64, 256, 1024, 4096, 8192]
-DECODE = [C(16, 16, 256, 2, 4), C(16, 32, 256, 4, 4), C(16, 64, 256, 4, 4), C(16, 32, 128, 4, 6),
-          C(16, 64, 128, 4, 6), C(16, 32, 512, 4, 3), C(16, 128, 128, 4, 4), C(16, 16, 512, 2, 3),
-          C(16, 32, 64, 4, 8), C(16, 64, 64, 4, 8), C(16, 16, 64, 2, 8)]
-SMALL = [C(32, 32, 256, 4, 4), C(32, 64, 128, 4, 5), C(64, 32, 256, 4, 4), C(64, 64, 128, 4, 4),
-         C(64, 128, 64, 4, 4), C(128, 64, 64, 4, 4)]
-LARGE = [C(128, 128, 64, 4, 4), C(128, 128, 64, 8, 4), C(128, 256, 64, 8, 3), C(256, 128, 64, 8, 3),
-         C(64, 256, 64, 4, 4), C(128, 256, 64, 8, 4), C(128, 128, 128, 8, 3)]
+MS = [1, 16, 64, 256, 1024, 8192]  # the bench adds 4 and 4096
+T, P, WS = {"tma": True}, {"tma": True, "persistent": True}, {"tma": True, "persistent": True,
+                                                                 "warp_specialize": True}
+DECODE = [C(16, 16, 256, 2, 4), C(16, 32, 256, 4, 4), C(16, 64, 256, 4, 4), C(16, 32, 512, 4, 3),
+          C(16, 64, 128, 4, 6), C(16, 128, 128, 4, 4), C(16, 32, 128, 4, 8), C(16, 16, 512, 4, 4),
+          C(16, 64, 512, 4, 3), C(16, 32, 256, 4, 4, **T), C(16, 64, 256, 4, 4, **T), C(16, 64, 128, 4, 6, **T),
+          C(16, 128, 128, 4, 4, **T), C(16, 128, 256, 4, 3, **T)]
+SMALL = [C(64, 32, 256, 4, 4), C(64, 64, 128, 4, 4), C(64, 128, 64, 4, 4), C(64, 64, 256, 4, 3),
+         C(128, 64, 128, 8, 4), C(64, 128, 128, 4, 4), C(32, 64, 256, 4, 4), C(64, 64, 128, 4, 4, **T),
+         C(64, 128, 128, 4, 4, **T), C(64, 128, 64, 4, 5, **T), C(128, 64, 128, 4, 4, **T),
+         C(128, 128, 64, 8, 4, **T), C(64, 256, 64, 4, 4, **T)]
+LARGE = [C(128, 256, 64, 8, 3), C(128, 256, 64, 8, 4), C(128, 128, 64, 8, 4), C(256, 128, 64, 8, 3),
+         C(128, 128, 128, 8, 3), C(128, 256, 64, 8, 3, **T), C(128, 256, 64, 8, 4, **T),
+         C(128, 128, 64, 4, 4, **T), C(128, 128, 64, 8, 4, **T), C(256, 128, 64, 8, 3, **T),
+         C(128, 256, 64, 8, 3, **P), C(128, 256, 64, 8, 4, **P), C(128, 128, 64, 8, 4, **P),
+         C(128, 128, 64, 4, 4, **P), C(128, 128, 64, 4, 3, **WS), C(128, 256, 64, 8, 3, **WS)]
 ALL16 = DECODE + SMALL + LARGE
-FP16_SUBSET = [DECODE[1], DECODE[8], SMALL[3], SMALL[4], LARGE[1], LARGE[2]]
+FP16_SUBSET = [DECODE[1], DECODE[9], SMALL[1], SMALL[8], LARGE[0], LARGE[10]]
 FP32 = [C(16, 32, 32, 4, 3), C(16, 64, 32, 4, 3), C(32, 64, 32, 4, 3), C(64, 64, 32, 4, 3),
         C(64, 128, 32, 8, 3), C(128, 128, 32, 8, 3), C(32, 32, 64, 4, 3)]
 DEV = "cpu" if SMOKE else "cuda"
-if SMOKE:
+FP32_MKN = (1024, 4096, 4096)
+CONTRACT_B = {"bf16": [DECODE[0], DECODE[9], SMALL[1], LARGE[0], LARGE[10], LARGE[14]],
+              "fp16": [FP16_SUBSET[0], FP16_SUBSET[1], FP16_SUBSET[-1]], "fp32": [FP32[0], FP32[-1]]}
+BIAS = [DECODE[0], DECODE[9], LARGE[0], LARGE[10]]
+if SMOKE:  # interpreter: tiny shapes, one-row tiles (the interpreter's multi-row dots are not invariant)
     SHAPES = {"qkv": (64, 96), "lm_head": (32, 200)}
     MS = [1, 20]
-    DECODE, SMALL, LARGE = DECODE[:2], SMALL[:1], LARGE[:1]
+    DECODE = [C(1, 64, 32, 4, 1), C(1, 64, 32, 4, 1, **T)]
+    SMALL, LARGE = [C(1, 32, 32, 4, 1, **P)], [C(1, 64, 64, 4, 1, **T)]
     ALL16 = DECODE + SMALL + LARGE
-    FP16_SUBSET, FP32 = ALL16[:2], FP32[:2]
-FP32_MKN = (20, 64, 64) if SMOKE else (1024, 4096, 4096)
-SPLITK = {"shapes": ("qkv",), "chunks": ((32, 64, 32),)} if SMOKE else {
-    "shapes": ("o", "down", "qkv"), "chunks": ((1024, 64, 128), (1024, 128, 128), (2048, 64, 256))}
+    FP16_SUBSET, FP32 = ALL16, [C(1, 64, 32, 4, 1)]
+    FP32_MKN = (20, 64, 64)
+    CONTRACT_B = {"bf16": ALL16, "fp16": ALL16, "fp32": FP32}
+    BIAS = ALL16
 DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 T0 = time.time()
@@ -90,7 +102,7 @@ def _warm_one(job):
         x = torch.randn(2, k, device=DEV).to(dt)
         w = torch.randn(64, k, device=DEV).to(dt)
         b = torch.randn(64, device=DEV).to(dt) if has_bias else None
-        run_cfg(x, w, C(*cfg), b)
+        run_cfg(x, w, cfg_from_t(cfg), b)
         torch.cuda.synchronize()
         return job, "ok"
     except Exception as e:  # OutOfResources (shared memory) and compile errors are data here
@@ -119,7 +131,13 @@ def bench(fn, warmup, rep, return_mode):
 
 
 def cfg_t(c):
-    return (c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages)
+    flags = "".join(f for f, on in (("T", c.tma), ("P", c.persistent), ("W", c.warp_specialize)) if on)
+    return (c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages) + ((flags,) if flags else ())
+
+
+def cfg_from_t(t):
+    flags = t[5] if len(t) > 5 else ""
+    return C(*t[:5], tma="T" in flags, persistent="P" in flags, warp_specialize="W" in flags)
 
 
 # ------------------------------------------------------------------------------------------ sections
@@ -162,23 +180,33 @@ def bits(budget, broken):
             bad = {c: v for c, v in row.items() if v is not True}
             log(f"bits {dname} {shape}: {len(row) - len(bad)}/{len(row)} configs identical", bad or "")
             out[f"{dname}/{shape}"] = row
-        # contract B on one shape for three configs (masked-K path)
+        # contract B on one shape (masked-K path of the pointer kernel, out-of-bounds zeros of TMA)
         k, n = SHAPES["qkv"]
         x = torch.randn(64, k, device=DEV).to(dt)
         w = (torch.randn(n, k, device=DEV) / 64).to(dt)
         ref = run_cfg(x, w, cands[0])
         xp = torch.cat([x, torch.zeros(64, 48, device=DEV, dtype=dt)], 1)
         wp = torch.cat([w, torch.zeros(n, 48, device=DEV, dtype=dt)], 1)
-        res = {str(cfg_t(c)): torch.equal(run_cfg(xp, wp, c), ref) for c in (cands[0], cands[1], cands[-1])
+        res = {str(cfg_t(c)): torch.equal(run_cfg(xp, wp, c), ref) for c in CONTRACT_B[dname]
                if str((cfg_t(c), dname, False, False, "ieee")) not in broken}
         log(f"contract B {dname}:", res)
         out[f"{dname}/contractB"] = res
+    # bias path: identical across configs
+    k, n = SHAPES["qkv"]
+    x = torch.randn(300, k, device=DEV).bfloat16()
+    w = (torch.randn(n, k, device=DEV) / 64).bfloat16()
+    b = torch.randn(n, device=DEV).bfloat16()
+    ref = run_cfg(x, w, BIAS[0], b)
+    res = {str(cfg_t(c)): torch.equal(run_cfg(x[:m], w, c, b), ref[:m]) for c in BIAS for m in (1, 300)}
+    log("bias bf16:", res)
+    out["bf16/bias"] = res
 
 
 def sweep(budget, broken):
     out = RESULTS.setdefault("sweep", {})
     for m in MS:
-        cands = DECODE if m <= 16 else (SMALL + DECODE[:3] + LARGE[:2] if m <= 256 else LARGE + SMALL[4:])
+        cands = DECODE if m <= 16 else (SMALL + DECODE[1:3] if m <= 64 else (
+            SMALL + LARGE[:3] + LARGE[5:9] if m <= 256 else LARGE))
         for shape, (k, n) in SHAPES.items():
             if left(budget) < 15:
                 log("sweep: budget spent at", shape, m)
@@ -212,7 +240,7 @@ def fp32_precision(budget, broken):
     ref = (x.double() @ w.double().t())
     t_cub = bench(lambda: F.linear(x, w), warmup=10, rep=60, return_mode="median")
     out["cublas_us"] = t_cub * 1e3
-    for prec in ("ieee", "tf32x3"):
+    for prec in ("ieee",):
         mm.FP32_DOT_PRECISION = prec
         row = {}
         y0 = None
@@ -230,97 +258,56 @@ def fp32_precision(budget, broken):
     mm.FP32_DOT_PRECISION = "ieee"
 
 
-# ------------------------------------------------ split-K experiment (decode): parallel chunks + fix-up
-@triton.jit
-def _splitk_partial(a_ptr, b_ptr, p_ptr, M, N, K, stride_am, stride_bn, CHUNK: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_n = tl.program_id(0)
-    c = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M) % M
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
-    offs_k = c * CHUNK + tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for _ in range(0, CHUNK // BLOCK_K):
-        a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :])
-        b = tl.load(b_ptr + offs_k[:, None] + offs_n[None, :] * stride_bn)
-        acc = tl.dot(a, b, acc)
-        offs_k += BLOCK_K
-    om = tl.arange(0, BLOCK_M)
-    on = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(p_ptr + c * M * N + om[:, None] * N + on[None, :], acc, mask=(om[:, None] < M) & (on[None, :] < N))
-
-
-@triton.jit
-def _splitk_fixup(p_ptr, c_ptr, MN, NCHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    msk = offs < MN
-    tot = tl.zeros((BLOCK,), tl.float32)
-    for c in range(0, NCHUNK):
-        tot += tl.load(p_ptr + c * MN + offs, mask=msk, other=0.0)
-    tl.store(c_ptr + offs, tot.to(c_ptr.dtype.element_ty), mask=msk)
-
-
-def splitk(budget):
-    out = RESULTS.setdefault("splitk", {})
-    for shape in SPLITK["shapes"]:
+# ------------------------------------------------------------- negative control: where does cuBLAS vary?
+def negctl(budget):
+    out = RESULTS.setdefault("negctl", {})
+    ms_ = [1, 2, 9] if SMOKE else list(range(1, 17)) + [31, 64, 128, 257, 1024, 4096]
+    for shape in SHAPES:
+        if left(budget) < 5:
+            return
         k, n = SHAPES[shape]
-        for m in (1, 16):
-            if left(budget) < 10:
-                return
-            x = torch.randn(m, k, device=DEV).bfloat16()
-            w = (torch.randn(n, k, device=DEV) / 64).bfloat16()
-            t_cub = bench(lambda x=x, w=w: F.linear(x, w), warmup=10, rep=30, return_mode="median")
-            cell = {"cublas_us": t_cub * 1e3}
-            for chunk, bn, bk in SPLITK["chunks"]:
-                nch = k // chunk
-                part = torch.empty(nch, m, n, device=DEV, dtype=torch.float32)
-                y = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
-
-                def fn(chunk=chunk, bn=bn, bk=bk, nch=nch, part=part, y=y, x=x, w=w, m=m, n=n, k=k):
-                    _splitk_partial[(triton.cdiv(n, bn), nch)](x, w, part, m, n, k, k, k, CHUNK=chunk,
-                                                               BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk,
-                                                               num_warps=4, num_stages=4)
-                    _splitk_fixup[(triton.cdiv(m * n, 1024),)](part, y, m * n, NCHUNK=nch, BLOCK=1024)
-                cell[f"chunk{chunk}_bn{bn}_bk{bk}"] = bench(
-                    fn, warmup=10, rep=30, return_mode="median") * 1e3
-            out[f"{shape}/M{m}"] = cell
-            log(f"splitk {shape} M={m}:", {c: round(v, 1) for c, v in cell.items()})
+        g = torch.Generator(device=DEV).manual_seed(11)
+        x = torch.randn(max(ms_), k, device=DEV, generator=g).bfloat16()
+        w = (torch.randn(n, k, device=DEV, generator=g) / 64).bfloat16()
+        row0 = F.linear(x[:1], w)
+        out[shape] = [m for m in ms_ if not torch.equal(F.linear(x[:m], w)[:1], row0)]
+        log(f"negctl bf16 {shape}: F.linear row 0 differs from M=1 at M in {out[shape]}")
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--budget-s", type=float, default=240)
-    ap.add_argument("--sections", default="ceilings,bits,sweep,fp32,splitk")
+    ap.add_argument("--sections", default="ceilings,negctl,bits,sweep,fp32")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     secs = args.sections.split(",")
     gpu = "interpreter (smoke)" if SMOKE else torch.cuda.get_device_name()
     log("torch", torch.__version__, "triton", triton.__version__, gpu)
     RESULTS["env"] = {"torch": torch.__version__, "triton": triton.__version__, "gpu": gpu}
-    jobs = []
+    jobs = [(cfg_t(c), "bf16", True, True, "ieee") for c in BIAS]
     for c in ALL16:
         jobs.append((cfg_t(c), "bf16", True, False, "ieee"))
     for c in FP16_SUBSET:
         jobs.append((cfg_t(c), "fp16", True, False, "ieee"))
     for c in FP32:
-        jobs += [(cfg_t(c), "fp32", True, False, p) for p in ("ieee", "tf32x3")]
-    for cands, dn in ((ALL16, "bf16"), (FP16_SUBSET, "fp16"), (FP32, "fp32")):
-        jobs += [(cfg_t(c), dn, False, False, "ieee") for c in (cands[0], cands[1], cands[-1])]
+        jobs.append((cfg_t(c), "fp32", True, False, "ieee"))
+    for dn, cands in CONTRACT_B.items():
+        jobs += [(cfg_t(c), dn, False, False, "ieee") for c in cands]
     broken = prewarm(jobs)
     RESULTS["compile_failed"] = broken
     log(f"prewarmed {len(jobs)} kernels, {len(broken)} failed")
     try:
         if "ceilings" in secs and not SMOKE:
             ceilings()
+        if "negctl" in secs:
+            negctl(args.budget_s * 0.1)
         if "bits" in secs:
             bits(args.budget_s * 0.45, broken)
         if "sweep" in secs:
             sweep(args.budget_s * 0.85, broken)
         if "fp32" in secs:
             fp32_precision(args.budget_s * 0.93, broken)
-        if "splitk" in secs:
-            splitk(args.budget_s)
     finally:
         with open(os.path.join(args.out, "landscape.json"), "w") as f:
             json.dump(RESULTS, f, indent=1, default=str)

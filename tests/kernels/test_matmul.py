@@ -120,6 +120,22 @@ def test_other_tile_shapes_are_accurate_in_the_interpreter():
         assert_accurate(out[0], x, w.t(), bias)
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+def test_tma_kernel_matches_pointer_kernel_in_the_interpreter(persistent):
+    """The descriptor (TMA) kernel computes the same tiles in the same K order as the pointer kernel."""
+    x, w = rand((23, 104), torch.float16, 8), rand((70, 104), torch.float16, 9)  # rows of 208 B: aligned
+    bias = rand((70,), torch.float16, 10)
+    assert mm._tma_usable(x, w)
+    cfg = MatmulConfig(1, 64, 32, 4, 1)
+    ref = _run_cfg(x, w, cfg, bias)
+    tma = MatmulConfig(1, 64, 32, 4, 1, tma=True, persistent=persistent)
+    assert torch.equal(_run_cfg(x, w, tma, bias), ref)
+    assert torch.equal(_run_cfg(x[5:6], w, tma, bias), ref[5:6])
+    x_odd = torch.zeros(23, 105, dtype=torch.float16, device=DEV)[:, 1:].copy_(x)  # misaligned rows
+    assert not mm._tma_usable(x_odd, w)
+    assert torch.equal(_run_cfg(x_odd, w, tma, bias), ref)  # pointer fallback, same bits
+
+
 # ---------------------------------------------------------------- reference path: property tests
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
 @given(m=st.one_of(st.sampled_from([1, 7, 333]), st.integers(1, 64)), k=SIZES_K, n=SIZES_N,
@@ -240,7 +256,7 @@ def _run_cfg(x, w, cfg, bias=None):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", list(LLAMA3_8B))
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 def test_gpu_llama_shapes_rows_identical_for_every_m_and_config(dtype, shape):
     k, n = LLAMA3_8B[shape]
     g = torch.Generator(device="cuda").manual_seed(k + n)
@@ -258,7 +274,7 @@ def test_gpu_llama_shapes_rows_identical_for_every_m_and_config(dtype, shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 def test_gpu_bias_and_zero_extension_for_every_config(dtype):
     k, n = 4096, 1024
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -311,15 +327,18 @@ def test_gpu_bf16_property(m, k, n, seed, data):
 
 @pytest.mark.gpu
 def test_gpu_negative_control_stock_linear_varies_with_batch():
-    """The invariance tests can fail: cuBLAS's F.linear gives row 0 different bits for some batch sizes."""
-    g = torch.Generator(device="cuda").manual_seed(11)
-    x = torch.randn(max(GPU_MS), 4096, device="cuda", generator=g).bfloat16()
-    w = (torch.randn(6144, 4096, device="cuda", generator=g) / 64).bfloat16()
-    row0 = F.linear(x[:1], w)
-    varies = [m for m in GPU_MS if not torch.equal(F.linear(x[:m], w)[:1], row0)]
-    assert varies, "stock F.linear was batch-invariant on every M: the negative control proves nothing"
-    ours = mm.linear(x[:1], w)
-    assert all(torch.equal(mm.linear(x[:m], w)[:1], ours) for m in GPU_MS)
+    """The invariance tests can fail: cuBLAS's F.linear gives row 0 different bits for some batch sizes
+    (searched over the Llama shapes: cuBLAS switches to split-K kernels only for some of them)."""
+    varies = []
+    for shape in ("qkv", "down", "o", "gate_up"):
+        k, n = LLAMA3_8B[shape]
+        g = torch.Generator(device="cuda").manual_seed(11)
+        x = torch.randn(max(GPU_MS), k, device="cuda", generator=g).bfloat16()
+        w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).bfloat16()
+        row0, ours = F.linear(x[:1], w), mm.linear(x[:1], w)
+        varies += [(shape, m) for m in GPU_MS if not torch.equal(F.linear(x[:m], w)[:1], row0)]
+        assert all(torch.equal(mm.linear(x[:m], w)[:1], ours) for m in GPU_MS), shape
+    assert varies, "stock F.linear was batch-invariant everywhere: the negative control proves nothing"
 
 
 @pytest.mark.gpu

@@ -36,10 +36,38 @@ __all__ = ["matmul", "bmm", "linear", "matmul_ref", "bmm_ref", "linear_ref", "FP
 FP32_DOT_PRECISION = "ieee"
 
 
-# M and the batch strides change with every batch: not specializing on them (divisibility by 16, == 1)
-# keeps one compiled binary per config instead of one per M residue. They only index rows and batch
-# entries, so the compiler loses nothing it needs for vectorized K/N loads.
-@triton.jit(do_not_specialize=["M", "stride_az", "stride_bz", "stride_cz"])
+@triton.jit
+def _tile_coords(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped launch order: GROUP_M row tiles share each column tile of B while it is in L2. Decides only
+    which program computes which tile, never how a tile is computed."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (tile // num_pid_in_group) * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((tile % num_pid_in_group) % group_size_m)
+    pid_n = (tile % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _store_tile(acc, c_ptr, bias_ptr, pid_m, pid_n, M, N, stride_cm, stride_cn,
+                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    if HAS_BIAS:
+        # Bias is added once, in fp32, after the whole reduction (same bits for every config).
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & n_ok[None, :])
+
+
+# M changes with every batch: not specializing on it (divisibility by 16, == 1) keeps one binary per
+# config instead of one per M residue; it only bounds rows. The batch strides ARE specialized: the
+# compiler must see that z * stride keeps each base pointer 16-byte aligned, or every load becomes scalar
+# (measured: 5x slower). Single-matrix launches pass batch strides of 0 for that reason.
+@triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr,
     M, N, K,
@@ -53,53 +81,88 @@ def _matmul_kernel(
     GROUP_M: tl.constexpr,
 ):
     """C[z] = A[z] @ B[z] (+ bias) for one BLOCK_M x BLOCK_N tile of batch entry z = program_id(1)."""
-    pid = tl.program_id(0)
     z = tl.program_id(1).to(tl.int64)
-    # Grouped launch order: GROUP_M row tiles share each column tile of B while it is in L2.
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    first_pid_m = (pid // num_pid_in_group) * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
-
+    pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Rows/columns past the edge re-read valid ones (never stored): no masks on the M/N edges, and a row's
-    # products never mix with another row's, so what the padding rows hold cannot matter.
-    rm = tl.max_contiguous(tl.multiple_of(offs_m % M, BLOCK_M), BLOCK_M).to(tl.int64)
-    rn = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + z * stride_az + rm[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + z * stride_bz + offs_k[:, None] * stride_bk + rn[None, :] * stride_bn
+    # Rows/columns past the edge load zeros (masks constant along K keep the K loads vectorized); a row's
+    # products never mix with another row's, so padding rows cannot touch real ones.
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    a_ptrs = a_ptr + z * stride_az + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + z * stride_bz + offs_k[:, None] * stride_bk + offs_n.to(tl.int64)[None, :] * stride_bn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
+            a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
         else:
             # The K tail loads exact zeros: zero products leave the accumulator unchanged (contract B).
             k_ok = offs_k < K - kb * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    _store_tile(acc, c_ptr + z * stride_cz, bias_ptr, pid_m, pid_n, M, N, stride_cm, stride_cn,
+                HAS_BIAS, BLOCK_M, BLOCK_N)
 
-    if HAS_BIAS:
-        # Bias is added once, in fp32, after the whole reduction (same bits for every config).
-        acc += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
-    c = acc.to(c_ptr.dtype.element_ty)
-    offs_m64 = offs_m.to(tl.int64)
-    offs_n64 = offs_n.to(tl.int64)
-    c_ptrs = c_ptr + z * stride_cz + offs_m64[:, None] * stride_cm + offs_n64[None, :] * stride_cn
-    tl.store(c_ptrs, c, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+@triton.jit(do_not_specialize=["M", "num_programs"])
+def _matmul_tma_kernel(
+    a_desc, w_desc, c_ptr, bias_ptr,
+    M, N, K, stride_cm, stride_cn, num_programs,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+):
+    """Same tiles and the same K order as `_matmul_kernel`, operands fetched by the TMA engine from
+    descriptors of A [M, K] and W [N, K] (the weight layout). Out-of-range boxes read as zeros, which
+    covers the M/N edges and the K tail (contract B). With num_programs < tiles it is persistent: each
+    program walks tiles num_programs apart (which program owns a tile cannot change its bits)."""
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=FLATTEN,
+                         warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, k_tiles):
+            a = a_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
+            w = w_desc.load([pid_n * BLOCK_N, kb * BLOCK_K])
+            acc = tl.dot(a, w.T, acc)
+        _store_tile(acc, c_ptr, bias_ptr, pid_m, pid_n, M, N, stride_cm, stride_cn, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
+
+
+try:  # host-side TMA descriptors (triton >= 3.4); without them every config runs the pointer kernel
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - depends on the installed triton
+    TensorDescriptor = None
+
+_SM_COUNT: dict = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: any small number exercises the persistent tile walk
+    if device not in _SM_COUNT:
+        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNT[device]
+
+
+def _tma_usable(a2: torch.Tensor, w2: torch.Tensor) -> bool:
+    """TMA needs Hopper+, 16-bit operands here, a unit stride along K and 16-byte aligned rows/bases."""
+    if TensorDescriptor is None or a2.dtype == torch.float32 or a2.shape[1] == 0:
+        return False
+    if a2.is_cuda and torch.cuda.get_device_capability(a2.device)[0] < 9:
+        return False
+    es = a2.element_size()
+    return all(t.stride(1) == 1 and (t.stride(0) * es) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a2, w2))
 
 
 def _launch(a3: torch.Tensor, b3: torch.Tensor, bias: torch.Tensor | None, out3: torch.Tensor,
@@ -113,14 +176,31 @@ def _launch(a3: torch.Tensor, b3: torch.Tensor, bias: torch.Tensor | None, out3:
     if nb > 65535:
         raise ValueError(f"batch size {nb} exceeds the kernel's limit of 65535 batch entries per launch")
     cfg = config or select_config(m, n, k, a3.dtype, interpreting())
+    bias_arg = bias if bias is not None else out3
+    if cfg.tma and nb == 1 and _tma_usable(a3[0], b3[0].t()):
+        a2, w2, c2 = a3[0], b3[0].t(), out3[0]
+        a_desc = TensorDescriptor(a2, [m, k], [a2.stride(0), 1], [cfg.block_m, cfg.block_k])
+        w_desc = TensorDescriptor(w2, [n, k], [w2.stride(0), 1], [cfg.block_n, cfg.block_k])
+        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+        programs = min(tiles, _num_sms(a3.device)) if cfg.persistent else tiles
+        _matmul_tma_kernel[(programs,)](
+            a_desc, w_desc, c2, bias_arg, m, n, k, c2.stride(0), c2.stride(1), programs,
+            HAS_BIAS=bias is not None,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            FLATTEN=cfg.persistent, WARP_SPECIALIZE=cfg.warp_specialize,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return out3
+    # A TMA config whose operands do not qualify runs the same tiles through pointer loads: same bits.
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), nb)
     precision = FP32_DOT_PRECISION if a3.dtype == torch.float32 else "tf32"  # "tf32" is ignored for 16-bit
+    bstride = (lambda t: t.stride(0)) if nb > 1 else (lambda t: 0)  # 0: keeps bases provably aligned
     _matmul_kernel[grid](
-        a3, b3, out3, bias if bias is not None else a3,
+        a3, b3, out3, bias_arg,
         m, n, k,
-        a3.stride(0), a3.stride(1), a3.stride(2),
-        b3.stride(0), b3.stride(1), b3.stride(2),
-        out3.stride(0), out3.stride(1), out3.stride(2),
+        bstride(a3), a3.stride(1), a3.stride(2),
+        bstride(b3), b3.stride(1), b3.stride(2),
+        bstride(out3), out3.stride(1), out3.stride(2),
         HAS_BIAS=bias is not None,
         EVEN_K=k % cfg.block_k == 0,
         PRECISION=precision,

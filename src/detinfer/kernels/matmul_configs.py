@@ -16,7 +16,7 @@ fixed config per dtype (`INTERPRETER_CONFIG`), never chosen from M, N or K.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -31,6 +31,12 @@ class MatmulConfig:
     # Row-tile grouping of the launch order (L2 reuse of B across neighbouring row tiles). Changes only
     # which program runs when, never what a program computes: free to vary.
     group_m: int = 8
+    # Operands fetched by the TMA engine from descriptors (Hopper+, 16-bit, aligned operands; otherwise the
+    # same tiles run with pointer loads). `persistent`: one program per SM walking tiles;
+    # `warp_specialize`: producer/consumer warps. All three change how data moves, not the K order.
+    tma: bool = False
+    persistent: bool = False
+    warp_specialize: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -54,19 +60,17 @@ INTERPRETER_CONFIG = MatmulConfig(block_m=1, block_n=64, block_k=32, num_warps=4
 # bench/matmul_gpu_check.py replaces them with measured winners). 16-bit dtypes.
 _C = MatmulConfig
 GPU_CONFIGS_16BIT = {
-    # decode (M <= 16): weight-bandwidth bound; small N tiles give enough programs to fill 132 SMs and a
-    # long BLOCK_K keeps many weight bytes in flight per program.
-    "decode": _C(16, 32, 256, 4, 4),
-    "small": _C(64, 64, 128, 4, 4),
-    "medium": _C(128, 128, 64, 8, 4),
-    "large": _C(128, 256, 64, 8, 3),
+    "decode": _C(16, 64, 256, 4, 4, tma=True),
+    "small": _C(64, 128, 128, 4, 4, tma=True),
+    "medium": _C(128, 128, 64, 8, 4, tma=True),
+    "large": _C(128, 256, 64, 8, 3, tma=True, persistent=True),
 }
 # fp32 runs IEEE fp32 FMA dots (no tf32): smaller tiles, the FMA path holds operands in registers.
 GPU_CONFIGS_FP32 = {
     "decode": _C(16, 32, 64, 4, 3),
     "small": _C(32, 64, 32, 4, 3),
     "medium": _C(64, 64, 32, 4, 3),
-    "large": _C(64, 128, 32, 8, 3),
+    "large": _C(128, 128, 32, 8, 3),
 }
 
 
@@ -83,7 +87,11 @@ def _m_class(m: int) -> str:
 def gpu_configs(dtype: torch.dtype) -> tuple[MatmulConfig, ...]:
     """Every config the GPU dispatcher can select for `dtype` (what the GPU invariance tests sweep)."""
     table = GPU_CONFIGS_FP32 if dtype == torch.float32 else GPU_CONFIGS_16BIT
-    return tuple(dict.fromkeys(table.values()))
+    picked = list(table.values())
+    # A TMA config falls back to pointer loads with the same tiles when operands do not qualify (bmm,
+    # unaligned or transposed operands): that twin is selectable too.
+    twins = [replace(c, tma=False, persistent=False, warp_specialize=False) for c in picked if c.tma]
+    return tuple(dict.fromkeys(picked + twins))
 
 
 def select_config(m: int, n: int, k: int, dtype: torch.dtype, interpreter: bool) -> MatmulConfig:
