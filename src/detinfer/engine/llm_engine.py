@@ -119,6 +119,14 @@ class LLMEngine:
                               num_finished_requests=0, last_step_tokens=0)
         self._last_step_seconds = 0.0
 
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.runner.dtype
+
     # -- requests ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None) -> None:
