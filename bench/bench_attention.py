@@ -120,9 +120,10 @@ def decode_variants(sweep: bool) -> dict:
         v.update({
             "inv_par": (A.paged_attention, {"schedule": "parallel"}, {}),
             "inv_seq": (A.paged_attention, {"schedule": "sequential"}, {}),
+            "inv128": (A.paged_attention, {"split_size": 128}, {}),
             "inv512": (A.paged_attention, {"split_size": 512}, {}),
-            "inv_w8": (A.paged_attention, {}, {"warps_bm16": 8}),
-            "inv_st2": (A.paged_attention, {}, {"stages": 2}),
+            "inv512_par": (A.paged_attention, {"split_size": 512, "schedule": "parallel"}, {}),
+            "inv_st4": (A.paged_attention, {}, {"stages": 4}),
         })
     return v
 
@@ -159,11 +160,13 @@ def prefill_cell(n: int, length: int, sweep: bool) -> dict:
     row["fast"] = eager_ms(lambda: A.paged_attention_fast(q, k_cache, v_cache, tables, kv_lens, cu, SCALE,
                                                           **kw))
     if sweep:
-        saved = dict(A._TUNE)
-        A._TUNE.update({"bm_max": 64})
-        row["inv_bm64"] = eager_ms(lambda: A.paged_attention(q, k_cache, v_cache, tables, kv_lens, cu, SCALE,
-                                                             **kw))
-        A._TUNE.update(saved)
+        for name, tune in (("inv_bm64", {"bm_max": 64}), ("inv_maskall", {"mask_all": True}),
+                           ("inv_st2", {"stages": 2})):
+            saved = dict(A._TUNE)
+            A._TUNE.update(tune)
+            row[name] = eager_ms(lambda: A.paged_attention(q, k_cache, v_cache, tables, kv_lens, cu, SCALE,
+                                                           **kw))
+            A._TUNE.update(saved)
         row["inv512"] = eager_ms(lambda: A.paged_attention(q, k_cache, v_cache, tables, kv_lens, cu, SCALE,
                                                            split_size=512, **kw))
     q4 = q.view(n, length, HQ, D).transpose(1, 2)
@@ -225,7 +228,7 @@ def main() -> None:
             print(f"  prefill {n}x{length}: " + ", ".join(f"{k}={v:.3f}" for k, v in rows[-1].items()
                                                           if isinstance(v, float)), flush=True)
         out["prefill"] = rows
-        names = ["inv", "fast"] + (["inv_bm64", "inv512"] if args.sweep else [])
+        names = ["inv", "fast"] + (["inv_bm64", "inv_maskall", "inv_st2", "inv512"] if args.sweep else [])
         print_prefill(rows, names)
     if args.json:
         with open(args.json, "w") as f:

@@ -45,11 +45,12 @@ _NOMINAL_SMS = 132  # used off-GPU (interpreter), where the schedule only matter
 # Speed-only launch choices (none of them changes a bit; bench/bench_attention.py sweeps them):
 _TUNE = {
     "bm_max": 128,  # query rows per program for 16-bit head_dim <= 128 (prefill tiles)
-    "bm_max_other": 32,  # fp32 (its exact dots are FMA loops in registers) and head_dim 256
+    "bm_max_other": 16,  # fp32 (exact dots are FMA loops in registers) and head_dim 256: spills beyond
     "warps_bm16": 4,  # decode tiles (16 rows)
     "warps_bm128": 8,
     "stages": 3,  # K+V tiles in flight per program (32 KB each at head_dim 128)
     "parallel_below": 2,  # split-parallel when sequential programs < this x SM count (GPU otherwise idles)
+    "mask_all": False,  # mask every tile, not only the ones some row cannot fully see (same bits; A/B)
 }
 
 
@@ -203,7 +204,8 @@ def _launch(q, k, v, out, *, paged: bool, cu_q, kv_lens, bt, key_start, num_seqs
         num_seqs, fixed_q_len, fixed_kv_len, max_blocks, num_blocks, block_size, split_size,
         window if has_window else 0, hq, num_splits, scale * math.log2(math.e),
         GROUP=group, GROUP_PAD=gp, BLOCK_T=bt_, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, PAGED=paged,
-        SPLIT_PARALLEL=parallel, HAS_WINDOW=has_window, FIXED_ORDER_DOT=fixed, PRECISION=precision,
+        SPLIT_PARALLEL=parallel, HAS_WINDOW=has_window, MASK_ALL=_TUNE["mask_all"], FIXED_ORDER_DOT=fixed,
+        PRECISION=precision,
         # 3 stages of K+V tiles (32 KB each) hide the paged gather's latency; fusion off: see kernels doc.
         num_warps=warps, num_stages=_TUNE["stages"] if d <= 128 else 2, enable_fp_fusion=False)
     if parallel:

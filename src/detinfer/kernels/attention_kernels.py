@@ -32,9 +32,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Columns of the ones-matrix that turns the softmax denominator into a dot: 16 is the smallest N a
-# matrix instruction takes.
-L_COLS = tl.constexpr(16)
+# Columns of the ones-matrix that turns the softmax denominator into a dot. 32, not the minimal 16: with
+# N = 16 the compiler picks another warp layout for this dot than for P @ V and converts P twice
+# (measured +65 registers per thread on the 16-row decode tile, sm_90).
+L_COLS = tl.constexpr(32)
 
 
 @triton.jit
@@ -61,17 +62,85 @@ def _finalize(l, o):
 
 
 @triton.jit
-def _attend_tiles(q, pos, t_start, t_end, split_size, window, qk_scale,
+def _tile_step(start, t_start, q, pos, M, L, O, m_i, l_acc, acc, blk_next, ones, split_size, window, qk_scale,
+               k_ptr, v_ptr, seq, kvh, kv_len, key_start, bt_row, max_blocks, num_blocks, block_size,
+               stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGED: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, MASKED: tl.constexpr, CHAIN: tl.constexpr,
+               FIXED_ORDER_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """One key tile [start, start + BLOCK_N) of the online softmax (see the module doc).
+
+    MASKED=False is only used for tiles every row of the program sees entirely: there the mask would
+    keep every score, so skipping it changes no bit. CHAIN: the range may cross split boundaries.
+    """
+    if CHAIN:
+        if (start % split_size == 0) & (start > t_start):
+            # Split boundary: close the open split into the chain, start a fresh one.
+            M, L, O = _merge(M, L, O, m_i, tl.max(l_acc, 1), acc)
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_acc = tl.zeros([BLOCK_M, L_COLS], tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    d = tl.arange(0, HEAD_DIM)
+    n = start + tl.arange(0, BLOCK_N)
+    # Key n's offsets in the K and V stores, and whether it is real. Paged: through the block table,
+    # whose entries for this tile were loaded one tile ahead (a K/V address that depends on a load of
+    # the same iteration defeats Triton's software pipelining: measured, loads went fully serial). A
+    # key past kv_len or the table, or in a block id outside the pool, is never loaded, whatever the
+    # metadata says. Contiguous: row `seq` from key_start on (left padding skipped).
+    kv_ok = n < kv_len
+    if PAGED:
+        blk = blk_next.to(tl.int64)
+        n_nx = n + BLOCK_N
+        blk_next = tl.load(bt_row + n_nx // block_size,
+                           mask=(n_nx < kv_len) & (n_nx // block_size < max_blocks), other=-1)
+        kv_ok = kv_ok & (blk >= 0) & (blk < num_blocks)
+        in_blk = n % block_size
+        k_off = blk * stride_kb + in_blk * stride_kt + kvh * stride_kh
+        v_off = blk * stride_vb + in_blk * stride_vt + kvh * stride_vh
+    else:
+        tok = (key_start + n).to(tl.int64)
+        k_off = seq.to(tl.int64) * stride_kb + tok * stride_kt + kvh * stride_kh
+        v_off = seq.to(tl.int64) * stride_vb + tok * stride_vt + kvh * stride_vh
+    k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_ok[:, None], other=0.0)
+    # The dots are written out here (not a helper): each helper call costs the interpreter ~1 ms.
+    if FIXED_ORDER_DOT:
+        s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if MASKED:
+        visible = kv_ok[None, :] & (n[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (n[None, :] > pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+    # Max in log2 units: scaling by qk_scale > 0 commutes with max exactly.
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_use))
+    p = tl.exp2(tl.fma(s, qk_scale, -m_use[:, None])).to(v_ptr.dtype.element_ty)
+    v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_ok[:, None], other=0.0)
+    acc = acc * alpha[:, None]
+    l_acc = l_acc * alpha[:, None]
+    if FIXED_ORDER_DOT:
+        p32 = p.to(tl.float32)
+        acc = acc + tl.sum(p32[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        l_acc = l_acc + tl.sum(p32[:, :, None] * ones.to(tl.float32)[None, :, :], axis=1)
+    else:
+        acc = tl.dot(p, v, acc, input_precision=PRECISION)
+        l_acc = tl.dot(p, ones, l_acc, input_precision=PRECISION)
+    return M, L, O, m_new, l_acc, acc, blk_next
+
+
+@triton.jit
+def _attend_tiles(q, pos, p_first, p_last, t_start, t_end, split_size, window, qk_scale,
                   k_ptr, v_ptr, seq, kvh, kv_len, key_start, bt_ptr, stride_bt, max_blocks, num_blocks,
                   block_size, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                  FIXED_ORDER_DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """Online softmax over key tiles [t_start, t_end) (t_start a multiple of BLOCK_N).
-
-    Returns the chain of all completed splits (M, L, O) and the open split's partial (m, l, o).
-    """
-    d = tl.arange(0, HEAD_DIM)
+                  PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr, CHAIN: tl.constexpr,
+                  MASK_ALL: tl.constexpr, FIXED_ORDER_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax over key tiles [t_start, t_end) (t_start a multiple of BLOCK_N); the rows' positions
+    span [p_first, p_last]. Returns the chain of the completed splits (M, L, O) and the open split's
+    partial (m, l, o). Three loops: masked head (sliding window), unmasked middle (keys every row sees),
+    masked tail (the causal diagonal, the sequence end); MASK_ALL masks every tile (same bits)."""
     ones = tl.full([BLOCK_N, L_COLS], 1.0, dtype=v_ptr.dtype.element_ty)
     M = tl.full([BLOCK_M], float("-inf"), tl.float32)
     L = tl.zeros([BLOCK_M], tl.float32)
@@ -79,56 +148,40 @@ def _attend_tiles(q, pos, t_start, t_end, split_size, window, qk_scale,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_acc = tl.zeros([BLOCK_M, L_COLS], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for start in range(t_start, t_end, BLOCK_N):
-        if (start % split_size == 0) & (start > t_start):
-            # Split boundary: close the open split into the chain, start a fresh one.
-            M, L, O = _merge(M, L, O, m_i, tl.max(l_acc, 1), acc)
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_acc = tl.zeros([BLOCK_M, L_COLS], tl.float32)
-            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        n = start + tl.arange(0, BLOCK_N)
-        # Key n's offsets in the K and V stores, and whether it is real. Paged: through the block table;
-        # a key past kv_len, past the table, or in a block id outside the pool is never loaded, whatever
-        # the metadata says. Contiguous: row `seq` from key_start on (left padding skipped).
-        kv_ok = n < kv_len
-        if PAGED:
-            blk_idx = n // block_size
-            kv_ok = kv_ok & (blk_idx < max_blocks)
-            blk = tl.load(bt_ptr + seq.to(tl.int64) * stride_bt + blk_idx, mask=kv_ok, other=0).to(tl.int64)
-            kv_ok = kv_ok & (blk >= 0) & (blk < num_blocks)
-            in_blk = n % block_size
-            k_off = blk * stride_kb + in_blk * stride_kt + kvh * stride_kh
-            v_off = blk * stride_vb + in_blk * stride_vt + kvh * stride_vh
-        else:
-            tok = (key_start + n).to(tl.int64)
-            k_off = seq.to(tl.int64) * stride_kb + tok * stride_kt + kvh * stride_kh
-            v_off = seq.to(tl.int64) * stride_vb + tok * stride_vt + kvh * stride_vh
-        k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_ok[:, None], other=0.0)
-        # The dots are written out (not a helper) because each helper call costs the interpreter ~1 ms.
-        if FIXED_ORDER_DOT:
-            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-        else:
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        visible = kv_ok[None, :] & (n[None, :] <= pos[:, None])
-        if HAS_WINDOW:
-            visible = visible & (n[None, :] > pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        # Max in log2 units: scaling by qk_scale > 0 commutes with max exactly.
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_use))
-        p = tl.exp2(tl.fma(s, qk_scale, -m_use[:, None])).to(v_ptr.dtype.element_ty)
-        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None]
-        l_acc = l_acc * alpha[:, None]
-        if FIXED_ORDER_DOT:
-            p32 = p.to(tl.float32)
-            acc = acc + tl.sum(p32[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-            l_acc = l_acc + tl.sum(p32[:, :, None] * ones.to(tl.float32)[None, :, :], axis=1)
-        else:
-            acc = tl.dot(p, v, acc, input_precision=PRECISION)
-            l_acc = tl.dot(p, ones, l_acc, input_precision=PRECISION)
-        m_i = m_new
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    n0 = t_start + tl.arange(0, BLOCK_N)
+    if PAGED:
+        blk_next = tl.load(bt_row + n0 // block_size,
+                           mask=(n0 < kv_len) & (n0 // block_size < max_blocks), other=-1)
+    else:
+        blk_next = n0 * 0
+    # Tiles wholly visible to every row: after p_last - window (window) and ending at or before p_first.
+    u_lo = t_start
+    if HAS_WINDOW:
+        u_lo = tl.maximum(t_start, tl.cdiv(p_last - window + 1, BLOCK_N) * BLOCK_N)
+    u_hi = tl.maximum(((p_first + 1) // BLOCK_N) * BLOCK_N, t_start)
+    if MASK_ALL:
+        u_lo = t_end
+    u_lo = tl.minimum(u_lo, t_end)
+    u_hi = tl.minimum(tl.maximum(u_hi, u_lo), t_end)
+    for start in range(t_start, u_lo, BLOCK_N):
+        M, L, O, m_i, l_acc, acc, blk_next = _tile_step(
+            start, t_start, q, pos, M, L, O, m_i, l_acc, acc, blk_next, ones, split_size, window, qk_scale,
+            k_ptr, v_ptr, seq, kvh, kv_len, key_start, bt_row, max_blocks, num_blocks, block_size,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_M, BLOCK_N, HEAD_DIM,
+            PAGED, HAS_WINDOW, True, CHAIN, FIXED_ORDER_DOT, PRECISION)
+    for start in range(u_lo, u_hi, BLOCK_N):
+        M, L, O, m_i, l_acc, acc, blk_next = _tile_step(
+            start, t_start, q, pos, M, L, O, m_i, l_acc, acc, blk_next, ones, split_size, window, qk_scale,
+            k_ptr, v_ptr, seq, kvh, kv_len, key_start, bt_row, max_blocks, num_blocks, block_size,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_M, BLOCK_N, HEAD_DIM,
+            PAGED, HAS_WINDOW, False, CHAIN, FIXED_ORDER_DOT, PRECISION)
+    for start in range(u_hi, t_end, BLOCK_N):
+        M, L, O, m_i, l_acc, acc, blk_next = _tile_step(
+            start, t_start, q, pos, M, L, O, m_i, l_acc, acc, blk_next, ones, split_size, window, qk_scale,
+            k_ptr, v_ptr, seq, kvh, kv_len, key_start, bt_row, max_blocks, num_blocks, block_size,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_M, BLOCK_N, HEAD_DIM,
+            PAGED, HAS_WINDOW, True, CHAIN, FIXED_ORDER_DOT, PRECISION)
     # All L_COLS columns of l_acc hold the same bits; max picks one exactly.
     return M, L, O, m_i, tl.max(l_acc, 1), acc
 
@@ -144,14 +197,17 @@ def _attention_kernel(
     num_q_heads, num_splits_ws, qk_scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, SPLIT_PARALLEL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, FIXED_ORDER_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, MASK_ALL: tl.constexpr, FIXED_ORDER_DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """One program: BLOCK_T query tokens x GROUP query heads sharing kv head `pid(1)`.
 
     Sequential: all splits of the tile's key range, result written to out. Split-parallel: split
     `pid(2)` only, partial written to the workspace for `_merge_splits_kernel`.
     """
-    tile = tl.program_id(0)
+    # Last query tiles first: causal prefill tiles get heavier towards a sequence's end, and starting
+    # the heavy ones early shortens the tail of the grid.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kvh = tl.program_id(1)
     if PAGED:
         seq = _seq_of_tile(cu_q_ptr, num_seqs, tile, BLOCK_T)
@@ -201,11 +257,12 @@ def _attention_kernel(
     else:
         t_start = lo
         t_end = hi
+    p_first = kv_len - q_len + tile_local * BLOCK_T
     M, L, O, m_i, l_i, acc = _attend_tiles(
-        q, pos, t_start, t_end, split_size, window, qk_scale, k_ptr, v_ptr, seq, kvh, kv_len, key_start,
-        bt_ptr, stride_bt, max_blocks, num_blocks, block_size, stride_kb, stride_kt, stride_kh,
-        stride_vb, stride_vt, stride_vh, BLOCK_M, BLOCK_N, HEAD_DIM, PAGED, HAS_WINDOW,
-        FIXED_ORDER_DOT, PRECISION)
+        q, pos, p_first, hi - 1, t_start, t_end, split_size, window, qk_scale, k_ptr, v_ptr, seq, kvh,
+        kv_len, key_start, bt_ptr, stride_bt, max_blocks, num_blocks, block_size, stride_kb, stride_kt,
+        stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_M, BLOCK_N, HEAD_DIM, PAGED, HAS_WINDOW,
+        not SPLIT_PARALLEL, MASK_ALL, FIXED_ORDER_DOT, PRECISION)
     if SPLIT_PARALLEL:
         # Workspace rows: [token, q head, split]; o is [.., HEAD_DIM], ml is [.., 2] = (m, l).
         w_row = ((q_first + t).to(tl.int64) * num_q_heads + head) * num_splits_ws + sp
