@@ -41,12 +41,18 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
 def _loc_to_param(loc: tuple) -> str:
-    """('messages', 0, 'content') -> 'messages[0].content'."""
+    """('messages', 0, 'content') -> 'messages[0].content'. Union members appear in pydantic's locations as
+    type tags ('stop', 'list[str]', 1); those are dropped: the client only knows field names."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
+        elif part in _TYPE_TAGS or any(c in part for c in "[(-"):
+            continue
         else:
             out += ("." if out else "") + str(part)
     return out

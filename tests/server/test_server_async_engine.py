@@ -1,0 +1,240 @@
+"""AsyncEngine (engine loop thread + asyncio streams) over a scripted fake engine: admission bound, aborts,
+engine failure, shutdown and drain, cancellation while adding. Each test runs its own event loop and
+bounds every wait, so a bug shows as a failure, never as a hung CI job."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from detinfer.engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from detinfer.server.async_engine import (
+    AsyncEngine,
+    EngineUnavailableError,
+    QueueFullError,
+    RequestAborted,
+    RequestStream,
+)
+
+WAIT_S = 10.0
+
+
+class FakeEngine:
+    """Follows LLMEngine's contract: the prompt is a list of ids, each step appends token 7 to every
+    request; a request holds one KV block until it ends; abort frees at once and reports in the next step."""
+
+    def __init__(self, step_seconds: float = 0.0, fail_at_step: int | None = None):
+        self.step_seconds, self.fail_at_step = step_seconds, fail_at_step
+        self.requests: dict[str, dict] = {}
+        self.aborted: list[str] = []
+        self.steps = 0
+        self.thread_ids: set[int] = set()
+
+    def add_request(self, request_id, prompt, params):
+        self.thread_ids.add(threading.get_ident())
+        if not prompt:
+            raise ValueError("prompt is empty")
+        self.requests[request_id] = {"prompt": tuple(prompt), "out": [], "max": params, "aborted": False}
+
+    def abort_request(self, request_id):
+        self.thread_ids.add(threading.get_ident())
+        if request_id in self.requests:
+            self.requests[request_id]["aborted"] = True
+            self.aborted.append(request_id)
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def step(self):
+        self.thread_ids.add(threading.get_ident())
+        self.steps += 1
+        if self.fail_at_step is not None and self.steps >= self.fail_at_step:
+            raise RuntimeError("device lost")
+        time.sleep(self.step_seconds)
+        outs = []
+        for rid, r in list(self.requests.items()):
+            if not r["aborted"]:
+                r["out"].append(7)
+            reason = "abort" if r["aborted"] else "length" if len(r["out"]) >= r["max"] else None
+            comp = CompletionOutput(0, "x" * len(r["out"]), tuple(r["out"]), None, None, reason)
+            outs.append(RequestOutput(rid, None, r["prompt"], None, (comp,), reason is not None))
+            if reason is not None:
+                del self.requests[rid]
+        return outs
+
+    def stats(self):
+        live = sum(not r["aborted"] for r in self.requests.values())
+        return EngineStats(live, 0, live, 0, 64, self.steps, 0, 0, 0, 0, 0, 0, 0.0, 0)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, WAIT_S))
+
+
+async def _started(engine, **kw) -> AsyncEngine:
+    ae = AsyncEngine(engine, **kw)
+    ae.start()
+    return ae
+
+
+async def _collect(stream: RequestStream):
+    outs = [out async for out in stream]
+    return outs[-1]
+
+
+def test_requests_run_on_the_engine_thread_and_finish():
+    fake = FakeEngine()
+
+    async def main():
+        ae = await _started(fake)
+        streams = [await ae.add_request(f"r{i}", [1, 2], 3 + i) for i in range(4)]
+        finals = await asyncio.gather(*map(_collect, streams))
+        assert [len(f.outputs[0].token_ids) for f in finals] == [3, 4, 5, 6]
+        assert all(f.finished for f in finals) and ae.num_pending == 0
+        await ae.shutdown()
+        return ae
+
+    ae = run(main())
+    assert len(fake.thread_ids) == 1 and threading.get_ident() not in fake.thread_ids
+    assert ae.metrics.steps.get() == fake.steps and ae.metrics.engine_alive.get() == 0
+
+
+def test_refused_request_raises_and_releases_its_slot():
+    async def main():
+        ae = await _started(FakeEngine(), max_pending_requests=1)
+        with pytest.raises(ValueError, match="empty"):
+            await ae.add_request("bad", [], 3)
+        assert ae.num_pending == 0
+        await _collect(await ae.add_request("good", [1], 2))  # the slot is free again
+        await ae.shutdown()
+
+    run(main())
+
+
+def test_admission_bound_raises_queue_full():
+    async def main():
+        ae = await _started(FakeEngine(step_seconds=0.01), max_pending_requests=2)
+        a = await ae.add_request("a", [1], 50)
+        b = await ae.add_request("b", [1], 50)
+        with pytest.raises(QueueFullError):
+            await ae.add_request("c", [1], 1)
+        assert ae.metrics.rejected.get(reason="queue_full") == 1
+        ae.abort("a")
+        with pytest.raises(RequestAborted):
+            await _collect(a)
+        await _collect(await ae.add_request("c", [1], 1))  # admitted once a slot freed
+        await _collect(b)
+        await ae.shutdown()
+
+    run(main())
+
+
+def test_abort_frees_the_request_in_the_engine():
+    fake = FakeEngine(step_seconds=0.005)
+
+    async def main():
+        ae = await _started(fake)
+        s = await ae.add_request("long", [1], 10_000)
+        await s.__anext__()
+        ae.abort("long")
+        with pytest.raises(RequestAborted):
+            await _collect(s)
+        ae.abort("long")  # twice, or after the end: a no-op
+        for _ in range(200):  # the engine reports the abort in its next step and forgets the request
+            if not fake.requests and ae.stats.get("kv_blocks_used") == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert fake.aborted == ["long"] and not fake.requests and ae.stats["kv_blocks_used"] == 0
+        assert ae.metrics.aborted.get() == 1 and ae.num_pending == 0
+        await ae.shutdown()
+
+    run(main())
+
+
+def test_stream_skips_to_the_latest_cumulative_output():
+    async def main():
+        s = RequestStream("r")
+        for k in range(1, 4):
+            comp = CompletionOutput(0, "", (7,) * k, None, None, "length" if k == 3 else None)
+            s._put(RequestOutput("r", None, (1,), None, (comp,), k == 3))
+        outs = [o async for o in s]
+        assert len(outs) == 1 and len(outs[0].outputs[0].token_ids) == 3
+
+    run(main())
+
+
+def test_engine_failure_fails_requests_and_refuses_new_ones():
+    async def main():
+        ae = await _started(FakeEngine(fail_at_step=3))
+        s = await ae.add_request("r", [1], 100)
+        with pytest.raises(EngineUnavailableError, match="device lost"):
+            await _collect(s)
+        assert not ae.is_healthy and ae.num_pending == 0
+        with pytest.raises(EngineUnavailableError):
+            await ae.add_request("r2", [1], 1)
+        await ae.shutdown()
+
+    run(main())
+
+
+def test_shutdown_aborts_in_flight_and_refuses_new():
+    fake = FakeEngine(step_seconds=0.005)
+
+    async def main():
+        ae = await _started(fake)
+        s = await ae.add_request("r", [1], 10_000)
+        await ae.shutdown()
+        with pytest.raises(RequestAborted):
+            await _collect(s)
+        with pytest.raises(EngineUnavailableError):
+            await ae.add_request("r2", [1], 1)
+        assert ae.num_pending == 0
+
+    run(main())
+    assert fake.aborted == ["r"]
+
+
+def test_drain_lets_short_requests_finish_then_aborts_the_rest():
+    async def main():
+        ae = await _started(FakeEngine(step_seconds=0.002))
+        short = await ae.add_request("short", [1], 3)
+        long = await ae.add_request("long", [1], 100_000)
+        t0 = time.monotonic()
+        ae.request_drain(0.3)
+        await asyncio.sleep(0)  # the drain is scheduled through the loop (it is signal-safe)
+        await asyncio.sleep(0.01)
+        with pytest.raises(EngineUnavailableError):
+            await ae.add_request("late", [1], 1)
+        assert (await _collect(short)).outputs[0].finish_reason == "length"
+        with pytest.raises(RequestAborted):
+            await _collect(long)
+        assert time.monotonic() - t0 >= 0.3
+        await ae.shutdown()
+
+    run(main())
+
+
+def test_cancelled_add_is_undone():
+    """A client that disconnects while its add waits for a busy engine thread must not leak the request."""
+    fake = FakeEngine(step_seconds=0.2)
+
+    async def main():
+        ae = await _started(fake)
+        busy = await ae.add_request("busy", [1], 3)  # keeps the thread inside slow steps
+        task = asyncio.ensure_future(ae.add_request("gone", [1], 10_000))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _collect(busy)
+        for _ in range(300):
+            if ae.num_pending == 0 and not fake.requests:
+                break
+            await asyncio.sleep(0.01)
+        assert ae.num_pending == 0 and "gone" in fake.aborted and not fake.requests
+        await ae.shutdown()
+
+    run(main())
