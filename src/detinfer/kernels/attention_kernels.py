@@ -56,9 +56,10 @@ def _merge(m_a, l_a, o_a, m_b, l_b, o_b):
 
 @triton.jit
 def _finalize(l, o):
-    """Normalize; rows that saw no key (only possible for padding rows) give 0, not NaN."""
-    safe_l = tl.where(l > 0.0, l, 1.0)
-    return tl.where(l[:, None] > 0.0, o / safe_l[:, None], 0.0)
+    """Normalize; rows that saw no key (only possible for padding rows) give 0, not 0/0. A NaN (a NaN
+    key or value was read) still propagates."""
+    safe_l = tl.where(l == 0.0, 1.0, l)
+    return tl.where(l[:, None] == 0.0, 0.0, o / safe_l[:, None])
 
 
 @triton.jit

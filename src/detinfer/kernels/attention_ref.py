@@ -48,8 +48,8 @@ def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.T
         p = torch.exp(s - m)  # masked keys: exp(-inf) = 0 exactly
         l = fold_sum(p, -1)  # [r, Hq]
         o = fold_sum(p[..., None] * vf[None], -2)  # [r, Hq, D]
-        safe_l = torch.where(l > 0, l, torch.ones_like(l))
-        out[r0:r0 + rows] = torch.where(l[..., None] > 0, o / safe_l[..., None], 0.0).to(q.dtype)
+        safe_l = torch.where(l == 0, torch.ones_like(l), l)
+        out[r0:r0 + rows] = torch.where(l[..., None] == 0, 0.0, o / safe_l[..., None]).to(q.dtype)
     return out
 
 
