@@ -1,0 +1,235 @@
+"""End-to-end engine benchmark: fast vs deterministic mode on one random Qwen3-8B-shaped model.
+
+The Thinking Machines setup ("Defeating Nondeterminism in LLM Inference"): 1000 requests, prompts of
+~100 tokens, output lengths uniform in 90..110 (ignore_eos), all submitted at once; wall time and output
+tokens/s per mode, and their ratio. Then decode tokens/s at fixed batch sizes (every sequence decoding,
+CUDA graphs) against the weight-bandwidth roofline (all matmul weights read once per step at 3.0 TB/s).
+
+The model is built from a ModelConfig with random bf16 weights initialised in place on the GPU (no
+checkpoint file); both modes share the same weight tensors. No tokenizer: prompts are random token ids.
+
+    python bench/bench_e2e.py                                  # full: 36 layers, 1000 requests
+    python bench/bench_e2e.py --layers 4 --num-requests 100    # quick, scaled down
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from detinfer.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from detinfer.models.config import ModelConfig  # noqa: E402
+from detinfer.models.transformer import Transformer  # noqa: E402
+from detinfer.ops import Ops  # noqa: E402
+
+HBM_BYTES_PER_S = 3.0e12  # measured device-to-device copy on this H100 kind (bench/NOTES.md)
+
+
+def qwen3_8b_config(layers: int, max_len: int) -> ModelConfig:
+    return ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=4096,
+                       intermediate_size=12288, num_hidden_layers=layers, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
+                       max_position_embeddings=max_len, qk_norm=True, eos_token_ids=(151645,),
+                       torch_dtype="bfloat16")
+
+
+def random_model(cfg: ModelConfig, device: torch.device, seed: int) -> Transformer:
+    """Fast-mode model with random bf16 weights: linear ~ N(0, 1/in), norms ~ 1 + N(0, 0.01)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = Transformer(cfg, Ops("fast"))
+    finally:
+        torch.set_default_dtype(default)
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(1.0, 0.1, generator=gen)
+            else:
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=gen)
+    model.rotary.reset_parameters(device)
+    return model.eval()
+
+
+def model_in_mode(fast_model: Transformer, cfg: ModelConfig, mode: str) -> Transformer:
+    """The same weight tensors (no copy) behind another Ops mode."""
+    if mode == "fast":
+        return fast_model
+    with torch.device("meta"):
+        model = Transformer(cfg, Ops(mode))
+    model.load_state_dict(fast_model.state_dict(), strict=True, assign=True)
+    model.rotary.reset_parameters(fast_model.embed_tokens.device)
+    return model.eval()
+
+
+def matmul_weight_bytes(model: Transformer) -> int:
+    """Bytes of every weight a decode step reads in full (all linears + lm_head; the embedding is only
+    gathered, norms are negligible but counted)."""
+    total = 0
+    for name, p in model.named_parameters():
+        if name == "embed_tokens" and model.lm_head is not None:
+            continue
+        total += p.numel() * p.element_size()
+    return total
+
+
+def workload(n: int, vocab: int, seed: int, prompt_len: int):
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(n):
+        plen = rng.randint(prompt_len - 5, prompt_len + 5)
+        prompt = [rng.randrange(vocab) for _ in range(plen)]
+        reqs.append((f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=rng.randint(90, 110),
+                                                     ignore_eos=True)))
+    return reqs
+
+
+def warm_up(engine: LLMEngine, vocab: int) -> None:
+    """Compile every kernel variant before timing: prefills of many lengths (the attention tile height
+    follows the longest chunk), each added in its own step so it mixes with the earlier ones' decodes."""
+    rng = random.Random(2)
+    for i, n in enumerate((1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513, 100, 100, 100)):
+        engine.add_request(f"warm{i}", [rng.randrange(vocab) for _ in range(n)],
+                           SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        engine.step()
+    drain(engine)
+
+
+def count_graph_steps(engine: LLMEngine) -> dict:
+    counts, orig_graph, orig_eager = {"graph": 0, "eager": 0}, engine.runner._run_graph, engine.runner._run_eager
+
+    def graph(host):
+        counts["graph"] += 1
+        return orig_graph(host)
+
+    def eager(host):
+        counts["eager"] += 1
+        return orig_eager(host)
+
+    engine.runner._run_graph, engine.runner._run_eager = graph, eager
+    return counts
+
+
+def drain(engine: LLMEngine) -> dict:
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    return final
+
+
+def run_e2e(engine: LLMEngine, reqs) -> dict:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for rid, prompt, params in reqs:
+        engine.add_request(rid, prompt, params)
+    final = drain(engine)
+    wall = time.perf_counter() - start
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in final.values())
+    return {"wall_s": wall, "output_tokens": out_tokens, "output_tok_s": out_tokens / wall,
+            "steps": engine.stats().num_steps, "tokens": {r: final[r].outputs[0].token_ids for r, _, _ in reqs}}
+
+
+def decode_rate(engine: LLMEngine, batch: int, vocab: int, steps: int, seed: int) -> dict:
+    """Median step time of steps where exactly `batch` sequences decode (graph replays)."""
+    rng = random.Random(seed)
+    for i in range(batch):
+        engine.add_request(f"d{batch}-{i}", [rng.randrange(vocab) for _ in range(100)],
+                           SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True))
+    times = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        s = engine.stats()
+        if s.last_step_tokens == batch and s.num_running == batch and s.num_waiting == 0:
+            times.append(s.last_step_seconds)
+    times = times[2:]  # the first decode steps may still compile / warm caches
+    med = statistics.median(times)
+    return {"batch": batch, "steps_timed": len(times), "step_ms": med * 1e3, "tok_s": batch / med}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--num-requests", type=int, default=1000)
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--prompt-len", type=int, default=100)
+    ap.add_argument("--modes", default="fast,deterministic")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--decode-batches", default="1,64")
+    ap.add_argument("--decode-steps", type=int, default=48)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_e2e needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    cfg = qwen3_8b_config(args.layers, args.max_model_len)
+    t = time.perf_counter()
+    fast_model = random_model(cfg, dev, seed=0)
+    wbytes = matmul_weight_bytes(fast_model)
+    roof_step = wbytes / HBM_BYTES_PER_S
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  layers {args.layers}  weights read per "
+          f"step {wbytes / 1e9:.2f} GB -> roofline {roof_step * 1e3:.2f} ms/step  (built in "
+          f"{time.perf_counter() - t:.1f}s)", flush=True)
+    reqs = workload(args.num_requests, cfg.vocab_size, seed=1, prompt_len=args.prompt_len)
+    results = {}
+    for mode in args.modes.split(","):
+        gc.collect()
+        torch.cuda.empty_cache()
+        t = time.perf_counter()
+        engine = LLMEngine.from_model(model_in_mode(fast_model, cfg, mode), cfg, EngineConfig(
+            mode=mode, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len, enforce_eager=args.enforce_eager))
+        init_s = time.perf_counter() - t
+        t = time.perf_counter()
+        warm_up(engine, cfg.vocab_size)
+        warm_s = time.perf_counter() - t
+        counts = count_graph_steps(engine)
+        res = run_e2e(engine, reqs)
+        res["graph_steps"], res["eager_steps"] = counts["graph"], counts["eager"]
+        res.update(mode=mode, init_s=init_s, warmup_s=warm_s, kv_blocks=engine.runner.num_kv_blocks,
+                   graphs=engine.runner.graph_sizes)
+        res["decode"] = [decode_rate(engine, int(b), cfg.vocab_size, args.decode_steps, seed=3)
+                         for b in args.decode_batches.split(",")]
+        results[mode] = res
+        print(f"[{mode}] init {init_s:.1f}s warmup {warm_s:.1f}s  e2e wall {res['wall_s']:.2f}s  "
+              f"{res['output_tokens']} output tokens  {res['output_tok_s']:.0f} tok/s  steps {res['steps']}  "
+              f"(graph {res['graph_steps']}, eager {res['eager_steps']})  kv blocks {res['kv_blocks']}", flush=True)
+        for d in res["decode"]:
+            roof = d["batch"] / roof_step
+            print(f"[{mode}] decode batch {d['batch']:>3}: {d['step_ms']:.2f} ms/step  {d['tok_s']:.0f} tok/s  "
+                  f"= {d['tok_s'] / roof:.0%} of roofline {roof:.0f} tok/s", flush=True)
+        del engine
+    if {"fast", "deterministic"} <= results.keys():
+        f, d = results["fast"], results["deterministic"]
+        same = sum(f["tokens"][r] == d["tokens"][r] for r, _, _ in reqs)
+        print(f"deterministic / fast wall-time ratio: {d['wall_s'] / f['wall_s']:.3f} "
+              f"(goal <= 1.10, must be <= 1.25); requests with identical tokens in both modes: {same}/{len(reqs)}")
+    if args.json:
+        for r in results.values():
+            r.pop("tokens")
+        Path(args.json).write_text(json.dumps({"args": vars(args), "weight_bytes": wbytes, "results": results},
+                                              indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
