@@ -113,8 +113,8 @@ def start_server(tiny_model_dir, tmp_path_factory):
     started: list[ServerProcess] = []
     log_dir = tmp_path_factory.mktemp("server-logs")
 
-    def start(*args: str) -> ServerProcess:
-        server = ServerProcess(tiny_model_dir, log_dir, *args)
+    def start(*args: str, model_dir: Path | None = None) -> ServerProcess:
+        server = ServerProcess(model_dir or tiny_model_dir, log_dir, *args)
         started.append(server)
         return server.start()
 

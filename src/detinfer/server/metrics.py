@@ -40,7 +40,9 @@ class _Metric:
     def __init__(self, registry: Registry, name: str, help_: str, labels: Iterable[str] = ()):
         self.name, self.help, self.label_names = name, help_, tuple(labels)
         self._lock = registry.lock
-        self._values: dict[tuple[str, ...], float] = {}
+        # A metric without labels reads 0 from the start (a scrape that finds it missing cannot tell "zero"
+        # from "not exported").
+        self._values: dict[tuple[str, ...], float] = {} if self.label_names else {(): 0.0}
         registry.metrics.append(self)
 
     def _key(self, labels: dict[str, str]) -> tuple[str, ...]:
