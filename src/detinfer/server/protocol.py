@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
 
 MAX_PROMPTS_PER_REQUEST = 64  # a completions `prompt` list is a batch; bound it like any other input
 MAX_STOP_SEQUENCES = 16
@@ -312,6 +312,11 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler):
+        # OpenAI's deltas carry only what changed: no "role": null on content chunks.
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):
