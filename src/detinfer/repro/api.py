@@ -1,0 +1,131 @@
+"""Python API of the experiment: run it against the offline engine (per mode) or servers, get `Section`s
+for `detinfer.repro.report.write_report`.
+
+    from detinfer.repro import ReproConfig, repro_offline, write_report
+    sections = repro_offline("path/to/model", "Tell me about Richard Feynman", ReproConfig(n=100),
+                             modes=("fast", "deterministic"))
+    write_report("out", sections, {"prompt": "Tell me about Richard Feynman"})
+    print([s.summary.num_unique for s in sections])
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Sequence
+from pathlib import Path
+
+from detinfer.engine.config import ENGINE_MODES, EngineConfig
+from detinfer.repro.analysis import summarize
+from detinfer.repro.experiment import ReproConfig, run_offline
+from detinfer.repro.random_model import encode_bytes
+from detinfer.repro.report import Section
+
+
+def _check_prompt(prompt: str) -> None:
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError("the prompt must be a non-empty string")
+
+
+def _engine_for(mode: str, model_dir, random_model, engine_config: EngineConfig, device, random_seed: int):
+    """(engine, prompt ids function, decode function, text_of, what) for one mode."""
+    import torch
+
+    from detinfer.engine.llm_engine import LLMEngine, resolve_device
+    from detinfer.repro import random_model as rm
+
+    config = engine_config.replace(mode=mode)
+    if random_model is None:
+        engine = LLMEngine(model_dir, config, device)
+        tok = engine.tokenizer
+        return engine, tok, (lambda ids: tok.decode(ids, skip_special_tokens=False)), None, f"model {model_dir}"
+    dev = resolve_device(device)
+    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    # "auto" as for checkpoints: bf16 on a GPU, fp32 on a CPU (the CPU kernels' dtype).
+    dtype = dtypes.get(config.dtype, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    model, model_config = rm.build_random_model(random_model, mode=mode, device=dev, dtype=dtype, seed=random_seed)
+    engine = LLMEngine.from_model(model, model_config, config, tokenizer=None)
+    what = f"random {random_model} (seed {random_seed}, {str(dtype).removeprefix('torch.')} on {dev})"
+    return engine, None, rm.decode_ids, (lambda c: rm.decode_ids(c.token_ids)), what
+
+
+def prompt_ids_for(tokenizer, prompt: str, chat: bool) -> list[int]:
+    """The ids a run sends: the chat template around one user message (chat), else the plain encoding.
+    Without a tokenizer (random models): the prompt's UTF-8 bytes."""
+    if tokenizer is None:
+        return encode_bytes(prompt)
+    if chat:
+        if tokenizer.chat_template is None:
+            raise ValueError("the model has no chat template; pass --no-chat (chat=False) to send raw text")
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True)
+    return tokenizer.encode(prompt)
+
+
+def repro_offline(model_dir: str | Path | None, prompt: str, cfg: ReproConfig, *,
+                  modes: Sequence[str] = ("deterministic",), engine_config: EngineConfig | None = None,
+                  device=None, random_model: str | None = None, random_seed: int = 0,
+                  progress: bool = True) -> list[Section]:
+    """Run the experiment on the offline engine once per mode, each with a fresh engine and the same
+    load plan. Give `model_dir`, or `random_model` (a preset of detinfer.repro.random_model)."""
+    _check_prompt(prompt)
+    if not isinstance(cfg, ReproConfig):
+        raise TypeError(f"cfg must be a ReproConfig, got {type(cfg).__name__}")
+    if (model_dir is None) == (random_model is None):
+        raise ValueError("give exactly one of model_dir and random_model")
+    if model_dir is not None and not Path(model_dir).is_dir():
+        raise FileNotFoundError(f"model directory {model_dir} does not exist")
+    modes = tuple(modes)
+    if not modes or any(m not in ENGINE_MODES for m in modes) or len(set(modes)) != len(modes):
+        raise ValueError(f"modes must be distinct values of {ENGINE_MODES}, got {modes!r}")
+    engine_config = EngineConfig() if engine_config is None else engine_config
+    sections = []
+    for mode in modes:
+        engine, tok, decode, text_of, what = _engine_for(mode, model_dir, random_model, engine_config, device,
+                                                          random_seed)
+        try:
+            ids = prompt_ids_for(tok, prompt, cfg.chat)
+            encode = tok.encode if tok is not None else encode_bytes
+            completions, extra = run_offline(engine, ids, cfg, encode=encode, text_of=text_of,
+                                             progress=progress, label=mode)
+            prompt_text = decode(ids)
+        finally:
+            del engine
+            _free_memory()
+        elapsed = extra.pop("elapsed_s")
+        sections.append(Section(label=mode, target=f"offline engine, {mode} mode, {what}", prompt=prompt_text,
+                                summary=summarize(completions, decode, cfg.max_pairs),
+                                completions=tuple(completions), elapsed_s=elapsed, extra=extra))
+    return sections
+
+
+def repro_server(urls: Sequence[str], prompt: str, cfg: ReproConfig, *, model: str | None = None,
+                 api_key: str | None = None, progress: bool = True) -> list[Section]:
+    """Run the experiment against each OpenAI-compatible server in turn (one section per URL)."""
+    from detinfer.repro.analysis import join_decode
+    from detinfer.repro.client import run_server
+
+    _check_prompt(prompt)
+    if isinstance(urls, str) or not urls:
+        raise ValueError("urls must be a non-empty list of server URLs")
+    sections = []
+    for i, url in enumerate(urls):
+        completions, extra = run_server(url, prompt, cfg, model=model, api_key=api_key, progress=progress,
+                                        label=url)
+        elapsed = extra.pop("elapsed_s")
+        label = url if list(urls).count(url) == 1 else f"{url} #{i}"
+        endpoint = "/v1/chat/completions" if cfg.chat else "/v1/completions"
+        sections.append(Section(label=label, target=f"server {url} ({endpoint}, model {extra['model']})",
+                                prompt=prompt, summary=summarize(completions, join_decode, cfg.max_pairs),
+                                completions=tuple(completions), elapsed_s=elapsed, extra=extra))
+    return sections
+
+
+def _free_memory() -> None:
+    """Drop the previous mode's engine (weights, KV pool, graphs) before the next one is built."""
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass

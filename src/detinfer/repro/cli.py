@@ -1,0 +1,150 @@
+"""`detinfer repro`: run one prompt N times under a random background load and report how many unique
+completions came back, where they diverge, and why (logprobs).
+
+    detinfer repro --model DIR --prompt "Tell me about Richard Feynman" --mode both --n 1000
+    detinfer repro --url http://127.0.0.1:8000 --prompt-file prompt.txt --n 200
+    detinfer repro --random-model qwen3-8b --prompt "Tell me about Richard Feynman" --mode both
+
+Flags: the experiment's (`ReproConfig`), the engine's (`EngineConfig`, offline only), and the target.
+Writes report.html (self-contained), report.json (every raw completion) and PNG plots into --out.
+With --check the exit status is 1 when a run set that should reproduce (deterministic mode, or a server)
+gave more than one distinct completion or logprob sequence: a regression test for a deployment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import sys
+from pathlib import Path
+
+from detinfer.engine.config import EngineConfig, add_dataclass_args, from_args
+from detinfer.repro.experiment import ReproConfig
+
+MODES = ("deterministic", "fast", "both")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="detinfer repro", conflict_handler="resolve",
+        description="Run one prompt N times while random background requests are in flight; report the "
+                    "number of unique completions, where they diverge, and plots (HTML + JSON).")
+    target = p.add_argument_group("target (one of)")
+    target.add_argument("--model", help="HF-format model directory for the offline engine")
+    target.add_argument("--random-model", help="build a model of this shape with random weights in-process "
+                        "(qwen3-8b, qwen3-0.6b, llama-3.1-8b, tiny)")
+    target.add_argument("--url", action="append", help="base URL of an OpenAI-compatible server; repeat to "
+                        "compare several side by side")
+    prompt = p.add_argument_group("prompt (one of)")
+    prompt.add_argument("--prompt", help="the prompt text")
+    prompt.add_argument("--prompt-file", help="file whose whole content (UTF-8) is the prompt")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", default="repro-report", help="directory for the report (default: repro-report)")
+    out.add_argument("--check", action="store_true", help="exit 1 unless every deterministic-mode or server "
+                     "run set gave exactly one completion (and one logprob sequence, when logprobs are on)")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_dataclass_args(p, ReproConfig)
+    add_dataclass_args(p, EngineConfig)
+    # Replaces EngineConfig's --mode (conflict_handler="resolve"): "both" runs each engine mode in turn.
+    p.add_argument("--mode", choices=MODES, default=None,
+                   help="offline engine mode; both: fast and deterministic side by side (default: deterministic)")
+    p.add_argument("--device", default=None, help="torch device for the offline engine (default: cuda if "
+                   "available)")
+    p.add_argument("--random-seed", type=int, default=0, help="seed of --random-model's weights (default: 0)")
+    p.add_argument("--model-name", default=None, help="server: the `model` to request (default: the first "
+                   "one GET /v1/models lists)")
+    p.add_argument("--api-key", default=None, help="server: bearer token")
+    return p
+
+
+def _engine_config(ns: argparse.Namespace) -> EngineConfig:
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineConfig)
+              if f.name != "mode" and hasattr(ns, f.name)}
+    return EngineConfig(**values)
+
+
+def _read_prompt(ns: argparse.Namespace) -> str:
+    if (ns.prompt is None) == (ns.prompt_file is None):
+        raise ValueError("give exactly one of --prompt and --prompt-file")
+    if ns.prompt is not None:
+        return ns.prompt
+    path = Path(ns.prompt_file)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} does not exist")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"prompt file {path} is not UTF-8 text ({e})") from None
+
+
+def describe(section) -> str:
+    """A few lines summarising one section for the terminal."""
+    s = section.summary
+    lines = [f"{section.label}: {s.num_unique} unique completion(s) of {s.n} runs "
+             f"(most common: {s.most_common_count})"
+             + (f"; {s.num_unique_logprobs} distinct logprob sequence(s)" if s.num_unique_logprobs else "")]
+    if s.agreed_prefix is not None:
+        lines.append(f"  all runs agree for {s.agreed_prefix} {s.unit}s")
+    if s.logprob_divergence:
+        lines.append(f"  {len(s.logprob_divergence)} run(s) differ from run {s.groups[0].runs[0]} in logprob bits, "
+                     f"the earliest at {s.unit} {min(s.logprob_divergence)}")
+    if s.pairs:
+        p = s.pairs[0]
+        lines.append(f"  #{p.a} vs #{p.b} diverge at {s.unit} {p.index}: ...{p.prefix[-40:]!r} -> "
+                     f"{p.a_text[:30]!r} ({p.a_count} runs) vs {p.b_text[:30]!r} ({p.b_count} runs)")
+    return "\n".join(lines)
+
+
+def reproduces(section) -> bool:
+    s = section.summary
+    return s.num_unique == 1 and (s.num_unique_logprobs in (None, 1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    targets = [ns.model is not None, ns.random_model is not None, bool(ns.url)]
+    if sum(targets) != 1:
+        parser.error("give exactly one target: --model DIR, --random-model NAME or --url URL")
+    if ns.url and ns.mode is not None:
+        parser.error("--mode applies to the offline engine; a server runs in its own mode (compare servers "
+                     "by repeating --url)")
+    try:
+        cfg = from_args(ReproConfig, ns)
+        prompt = _read_prompt(ns)
+        from detinfer.repro import api
+
+        if ns.url:
+            sections = api.repro_server(ns.url, prompt, cfg, model=ns.model_name, api_key=ns.api_key,
+                                        progress=not ns.no_progress)
+        else:
+            mode = ns.mode or "deterministic"
+            modes = ("fast", "deterministic") if mode == "both" else (mode,)
+            sections = api.repro_offline(ns.model, prompt, cfg, modes=modes, engine_config=_engine_config(ns),
+                                         device=ns.device, random_model=ns.random_model,
+                                         random_seed=ns.random_seed, progress=not ns.no_progress)
+        from detinfer.repro.report import write_report
+
+        experiment = {"prompt": prompt, **dataclasses.asdict(cfg),
+                      "target": ns.model or (f"random {ns.random_model}" if ns.random_model else ns.url),
+                      "command": "detinfer repro " + shlex.join(sys.argv[1:] if argv is None else argv)}
+        paths = write_report(ns.out, sections, experiment)
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError, ImportError) as e:
+        print(f"detinfer repro: error: {e}", file=sys.stderr)
+        return 2
+    for s in sections:
+        print(describe(s))
+    print(f"report: {paths['html']}  (raw completions: {paths['json']})")
+    if ns.check:
+        must = [s for s in sections if s.label != "fast"]
+        bad = [s.label for s in must if not reproduces(s)]
+        if bad:
+            print(f"check FAILED: not reproducible: {', '.join(bad)}", file=sys.stderr)
+            return 1
+        print(f"check passed: {', '.join(s.label for s in must)} reproduced bit for bit")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

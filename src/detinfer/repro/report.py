@@ -1,0 +1,278 @@
+"""Report files for a reproducibility experiment: JSON (every raw completion), PNG plots, and one
+self-contained HTML page (plots embedded as base64, no external assets) with the sections side by side.
+
+A `Section` is one set of N runs: one engine mode, or one server URL. `write_report` writes
+report.json, report.html, summary.png (every section's plots in one picture) and per-section PNGs.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import html
+import io
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from detinfer.repro.analysis import Completion, Summary
+
+REPORT_FORMAT = "detinfer-repro/1"
+MAX_BARS = 40  # histogram bars shown before the rarest completions are folded into one "rest" bar
+
+
+@dataclass(frozen=True)
+class Section:
+    """label: "deterministic", "fast", or a URL. target: what ran it, in words. prompt: the prompt text as
+    sent (after any chat template). elapsed_s: wall time of the N runs. extra: anything else to record."""
+
+    label: str
+    target: str
+    prompt: str
+    summary: Summary
+    completions: tuple[Completion, ...]
+    elapsed_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# --- JSON ------------------------------------------------------------------------------------------
+
+
+def _jsonable(x: Any) -> Any:
+    """Strict JSON: non-finite floats (a -inf logprob) become the strings "inf"/"-inf"/"nan"."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return repr(x)
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def completion_dict(c: Completion) -> dict[str, Any]:
+    return {"run": c.run, "text": c.text, "tokens": c.tokens, "logprobs": c.logprobs,
+            "top_logprobs": c.top_logprobs, "finish_reason": c.finish_reason, "meta": c.meta}
+
+
+def summary_dict(s: Summary) -> dict[str, Any]:
+    return {"n": s.n, "unit": s.unit, "num_unique": s.num_unique, "most_common_count": s.most_common_count,
+            "num_unique_with_logprobs": s.num_unique_logprobs, "agreed_prefix": s.agreed_prefix,
+            "logprob_divergence": s.logprob_divergence,
+            "groups": [{"rank": g.rank, "count": g.count, "runs": g.runs, "text": g.completion.text,
+                        "divergence_from_most_common": d, "logprob_variants": g.logprob_variants}
+                       for g, d in zip(s.groups, s.divergence_from_mode)],
+            "pairs": [dataclasses.asdict(p) for p in s.pairs], "pairs_left_out": s.pairs_left_out}
+
+
+def report_dict(sections: Sequence[Section], experiment: dict[str, Any]) -> dict[str, Any]:
+    from detinfer import __version__
+
+    return _jsonable({
+        "format": REPORT_FORMAT, "detinfer_version": __version__, "experiment": experiment,
+        "sections": [{"label": s.label, "target": s.target, "prompt": s.prompt, "elapsed_s": s.elapsed_s,
+                      "extra": s.extra, "summary": summary_dict(s.summary),
+                      "completions": [completion_dict(c) for c in s.completions]} for s in sections]})
+
+
+# --- plots -----------------------------------------------------------------------------------------
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("the repro report draws its plots with matplotlib: pip install 'detinfer[repro]'") \
+            from None
+    matplotlib.use("Agg")  # files only; never needs a display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _draw_histogram(ax, s: Section) -> None:
+    counts = [g.count for g in s.summary.groups]
+    labels = [f"#{i}" for i in range(min(len(counts), MAX_BARS))]
+    if len(counts) > MAX_BARS:
+        counts = counts[:MAX_BARS - 1] + [sum(counts[MAX_BARS - 1:])]
+        labels = labels[:MAX_BARS - 1] + [f"rest ({len(s.summary.groups) - MAX_BARS + 1})"]
+    bars = ax.bar(range(len(counts)), counts, color="#4c72b0" if len(counts) == 1 else "#dd8452")
+    if len(counts) <= 12:
+        ax.bar_label(bars, fontsize=8)
+        ax.set_xticks(range(len(counts)), labels, fontsize=8)
+    else:
+        ax.set_xticks([])
+    ax.set_xlabel("distinct completion (most common first)")
+    ax.set_ylabel("runs")
+    title = f"{s.label}: {s.summary.num_unique} unique of {s.summary.n}"
+    if s.summary.num_unique_logprobs not in (None, s.summary.num_unique):
+        title += f"\n({s.summary.num_unique_logprobs} distinct when logprob bits count)"
+    ax.set_title(title, fontsize=10)
+
+
+def _draw_divergence(ax, s: Section) -> None:
+    """Per run that differs from the most common completion: where its tokens part (red), and where its
+    logprobs first differ in any bit (grey; drift that precedes, or never becomes, a different token)."""
+    sm = s.summary
+    tokens, logprobs = sm.divergence_positions, list(sm.logprob_divergence)
+    if not tokens and not logprobs:
+        what = "and logprobs, bit for bit" if sm.num_unique_logprobs == 1 else "(tokens)"
+        ax.text(0.5, 0.5, f"all {sm.n} runs identical\n{what}:\nno divergence", ha="center", va="center",
+                transform=ax.transAxes, fontsize=11, color="#4c72b0")
+        ax.set_xticks([])
+        ax.set_yticks([])
+    else:
+        longest = max(1, max(len(g.completion.units) for g in sm.groups))
+        bins = min(50, longest)
+        if logprobs:
+            ax.hist(logprobs, bins=bins, range=(0, longest), color="#999999", alpha=0.7,
+                    label=f"first different logprob ({len(logprobs)} runs)")
+        if tokens:
+            ax.hist(tokens, bins=bins, range=(0, longest), color="#c44e52", alpha=0.85,
+                    label=f"first different {sm.unit} ({len(tokens)} runs)")
+            ax.axvline(min(tokens), color="black", linestyle="--", linewidth=0.8)
+        ax.legend(fontsize=7)
+        ax.set_ylabel("runs")
+    ax.set_xlabel(f"{sm.unit} position vs the most common completion")
+    ax.set_title(f"{s.label}: where runs diverge", fontsize=10)
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight", metadata={"Software": None})
+    return buf.getvalue()
+
+
+def section_pngs(s: Section) -> tuple[bytes, bytes]:
+    """(histogram, divergence plot) of one section, as PNG bytes."""
+    plt = _pyplot()
+    out = []
+    for draw in (_draw_histogram, _draw_divergence):
+        fig, ax = plt.subplots(figsize=(5, 3))
+        draw(ax, s)
+        out.append(_png(fig))
+        plt.close(fig)
+    return out[0], out[1]
+
+
+def summary_png(sections: Sequence[Section]) -> bytes:
+    """Every section's histogram (top row) and divergence plot (bottom row), side by side."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, len(sections), figsize=(4.6 * len(sections), 6), squeeze=False)
+    for col, s in enumerate(sections):
+        _draw_histogram(axes[0][col], s)
+        _draw_divergence(axes[1][col], s)
+    fig.tight_layout()
+    data = _png(fig)
+    plt.close(fig)
+    return data
+
+
+# --- HTML ------------------------------------------------------------------------------------------
+
+_CSS = """
+body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}
+.cols{display:flex;gap:1.5em;flex-wrap:wrap;align-items:flex-start}
+.col{flex:1 1 480px;min-width:420px;border:1px solid #ddd;border-radius:6px;padding:0 1em 1em}
+table{border-collapse:collapse;font-size:13px;margin:.5em 0}td,th{border:1px solid #ddd;padding:3px 6px;
+vertical-align:top;text-align:left}pre{white-space:pre-wrap;margin:0;max-height:12em;overflow:auto;
+font-size:12px}.ok{color:#1a7f37;font-weight:bold}.bad{color:#cf222e;font-weight:bold}
+img{max-width:100%}.a{background:#e6f4ea}.b{background:#fde7e9}.muted{color:#777}
+"""
+
+
+def _e(x: Any) -> str:
+    return html.escape(str(x))
+
+
+def _img(png: bytes, alt: str) -> str:
+    return f'<img alt="{_e(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+
+
+def _fmt(x: Any) -> str:
+    return "—" if x is None else (repr(x) if isinstance(x, float) else str(x))
+
+
+def _section_html(s: Section, pngs: tuple[bytes, bytes]) -> str:
+    sm = s.summary
+    verdict = ('<span class="ok">reproducible: 1 unique completion</span>' if sm.num_unique == 1 else
+               f'<span class="bad">{sm.num_unique} unique completions</span>')
+    rows = [("runs", sm.n), ("unique completions", sm.num_unique), ("most common completion", sm.most_common_count),
+            ("unique incl. logprob bits", sm.num_unique_logprobs),
+            (f"{sm.unit}s shared by all runs", "all" if sm.agreed_prefix is None else sm.agreed_prefix),
+            ("earliest logprob difference", min(sm.logprob_divergence, default=None) if sm.num_unique_logprobs
+             else None),
+            ("wall time", f"{s.elapsed_s:.1f} s")] + [(k, v) for k, v in s.extra.items()]
+    parts = [f"<div class=col><h2>{_e(s.label)}</h2><p class=muted>{_e(s.target)}</p><p>{verdict}</p>",
+             "<table>" + "".join(f"<tr><th>{_e(k)}</th><td>{_e(_fmt(v))}</td></tr>" for k, v in rows) + "</table>",
+             _img(pngs[0], f"{s.label} histogram"), _img(pngs[1], f"{s.label} divergence positions"),
+             "<h3>Distinct completions</h3><table><tr><th>#</th><th>runs</th><th>diverges at</th>"
+             "<th>logprob variants</th><th>text</th></tr>"]
+    for g, d in list(zip(sm.groups, sm.divergence_from_mode))[:MAX_BARS]:
+        parts.append(f"<tr><td>{g.rank}</td><td>{g.count}</td><td>{_fmt(d)}</td><td>{_fmt(g.logprob_variants)}"
+                     f"</td><td><pre>{_e(g.completion.text)}</pre></td></tr>")
+    parts.append("</table>")
+    if len(sm.groups) > MAX_BARS:
+        parts.append(f"<p class=muted>{len(sm.groups) - MAX_BARS} rarer completions: see report.json</p>")
+    if sm.pairs:
+        parts.append("<h3>Where pairs diverge</h3><table><tr><th>pair</th><th>at</th><th>shared text ends</th>"
+                     "<th>continuations</th><th>logprobs there (own / other's token)</th>"
+                     "<th>first logprob difference</th></tr>")
+        for p in sm.pairs:
+            lp = (f"#{p.a}: {_fmt(p.a_logprob)} / {_fmt(p.a_logprob_of_b_token)}<br>"
+                  f"#{p.b}: {_fmt(p.b_logprob)} / {_fmt(p.b_logprob_of_a_token)}") if p.logprob_window else "—"
+            first = ("none before the divergence" if p.first_logprob_diff is None else
+                     f"at {p.first_logprob_diff} (max |Δ| {p.max_prefix_logprob_diff:.3g})") \
+                if p.logprob_window else "—"
+            parts.append(
+                f"<tr><td>#{p.a} ({p.a_count}) vs #{p.b} ({p.b_count})</td><td>{p.index}</td>"
+                f"<td><pre>…{_e(p.prefix)}</pre></td><td><pre class=a>{_e(p.a_text or '⟨end⟩')}</pre>"
+                f"<pre class=b>{_e(p.b_text or '⟨end⟩')}</pre></td><td>{lp}</td><td>{_e(first)}</td></tr>")
+        parts.append("</table>")
+        if sm.pairs_left_out:
+            parts.append(f"<p class=muted>{sm.pairs_left_out} more pairs not listed</p>")
+    parts.append(f"<details><summary>prompt as sent</summary><pre>{_e(s.prompt)}</pre></details></div>")
+    return "\n".join(parts)
+
+
+def report_html(sections: Sequence[Section], experiment: dict[str, Any],
+                pngs: Sequence[tuple[bytes, bytes]]) -> str:
+    cmd = experiment.get("command")
+    head = ("<!doctype html><html><head><meta charset=utf-8><title>detinfer repro report</title>"
+            f"<style>{_CSS}</style></head><body><h1>Reproducibility: N runs under load</h1>")
+    info = "<p>" + ", ".join(f"{_e(k)}: <code>{_e(v)}</code>" for k, v in experiment.items()
+                             if k != "command" and not isinstance(v, (dict, list))) + "</p>"
+    if cmd:
+        info += f"<p>command: <code>{_e(cmd)}</code></p>"
+    body = "<div class=cols>" + "".join(_section_html(s, p) for s, p in zip(sections, pngs)) + "</div>"
+    return head + info + body + "<p class=muted>every raw completion: report.json</p></body></html>\n"
+
+
+def _slug(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_")[:60] or "section"
+
+
+def write_report(out_dir: str | Path, sections: Sequence[Section], experiment: dict[str, Any]) -> dict[str, Path]:
+    """Write report.json, report.html, summary.png and <label>_histogram/_divergence.png into out_dir;
+    returns {name: path}."""
+    if not sections:
+        raise ValueError("no sections to report")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "report.json", "html": out / "report.html", "summary_png": out / "summary.png"}
+    with open(paths["json"], "w", encoding="utf-8") as f:
+        json.dump(report_dict(sections, experiment), f, ensure_ascii=False, allow_nan=False)
+        f.write("\n")
+    pngs = [section_pngs(s) for s in sections]
+    slugs = [_slug(s.label) for s in sections]
+    for i, (slug, (hist, div)) in enumerate(zip(slugs, pngs)):
+        slug = slug if slugs.count(slug) == 1 else f"{slug}_{i}"
+        for kind, data in (("histogram", hist), ("divergence", div)):
+            paths[f"{slug}_{kind}"] = out / f"{slug}_{kind}.png"
+            paths[f"{slug}_{kind}"].write_bytes(data)
+    paths["summary_png"].write_bytes(summary_png(sections))
+    paths["html"].write_text(report_html(sections, experiment, pngs), encoding="utf-8")
+    return paths
