@@ -10,6 +10,9 @@ Sections (each stops early once the time budget is spent, and says so):
   sweep     bf16 time of every candidate config per (shape, M) cell vs F.linear; best per cell
   fp32      IEEE vs tf32x3 dot for fp32 inputs: time, error vs fp64, bits across configs
   negctl    for which (shape, M) stock F.linear's row 0 changes bits (bf16)
+  mid       mid-M (128/256/512) candidates; the best worst-case one is written as the 'mid' class of a
+            DETINFER_MATMUL_CONFIGS table (--write-table PATH)
+  tests     only compiles, in parallel, every variant the GPU tests will launch (saves test time)
 Writes DIR/landscape.json (all numbers) and prints a summary table last. `--smoke` runs every section on
 tiny shapes in Triton's CPU interpreter (numbers meaningless; only checks that the script runs).
 """
@@ -34,6 +37,7 @@ import triton  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from detinfer.kernels import matmul as mm  # noqa: E402
 from detinfer.kernels.matmul_configs import MatmulConfig as C  # noqa: E402
+from detinfer.kernels.matmul_configs import gpu_configs, pick_from_family  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
           "lm_head": (4096, 128256)}  # (K, N)
@@ -53,6 +57,14 @@ LARGE = [C(128, 256, 64, 8, 3), C(128, 256, 64, 8, 4), C(128, 128, 64, 8, 4), C(
          C(128, 128, 64, 4, 4, **T), C(128, 128, 64, 8, 4, **T), C(256, 128, 64, 8, 3, **T),
          C(128, 256, 64, 8, 3, **P), C(128, 256, 64, 8, 4, **P), C(128, 128, 64, 8, 4, **P),
          C(128, 128, 64, 4, 4, **P), C(128, 128, 64, 4, 3, **WS), C(128, 256, 64, 8, 3, **WS)]
+# Mid M (65..768): few whole-K tiles per SM; candidates trade tile efficiency against wave quantization
+# (small tiles: many per SM; low shared memory: several programs resident per SM).
+MID = [C(64, 64, 64, 4, 4, **P), C(64, 64, 64, 4, 3, **T), C(64, 64, 128, 4, 3, **P), C(64, 128, 64, 4, 4, **P),
+       C(128, 64, 64, 4, 3, **T), C(128, 64, 64, 4, 4, **P), C(128, 128, 64, 4, 4, **T), C(128, 128, 64, 4, 4, **P),
+       C(128, 128, 64, 8, 4, **P), C(128, 128, 64, 4, 3, **WS), C(64, 64, 64, 4, 4, **WS),
+       C(128, 256, 64, 8, 3, **WS), C(64, 128, 128, 4, 4, **T), C(128, 64, 128, 4, 4, **T), C(64, 64, 256, 4, 3),
+       C(64, 32, 256, 4, 4)]
+MID_MS = [128, 256, 512]
 ALL16 = DECODE + SMALL + LARGE
 FP16_SUBSET = [DECODE[1], DECODE[9], SMALL[1], SMALL[8], LARGE[0], LARGE[10]]
 FP32 = [C(16, 32, 32, 4, 3), C(16, 64, 32, 4, 3), C(32, 64, 32, 4, 3), C(64, 64, 32, 4, 3),
@@ -72,6 +84,7 @@ if SMOKE:  # interpreter: tiny shapes, one-row tiles (the interpreter's multi-ro
     FP32_MKN = (20, 64, 64)
     CONTRACT_B = {"bf16": ALL16, "fp16": ALL16, "fp32": FP32}
     BIAS = ALL16
+    MID, MID_MS = [C(1, 64, 32, 4, 1), C(1, 32, 32, 4, 1, **T)], [20]
 DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 T0 = time.time()
@@ -94,14 +107,13 @@ def run_cfg(x, w, cfg, bias=None):
 
 # ------------------------------------------------------------------ parallel compile into the disk cache
 def _warm_one(job):
-    cfg, dname, even_k, has_bias, precision = job
+    """Compile one (config, dtype, K/N divisibility class, bias) variant into Triton's disk cache."""
+    cfg, dname, k, n, has_bias = job
     try:
-        mm.FP32_DOT_PRECISION = precision
         dt = DT[dname]
-        k = 1024 if even_k else 1040  # same divisibility classes as the real K (4096/14336; 4096 + 48)
         x = torch.randn(2, k, device=DEV).to(dt)
-        w = torch.randn(64, k, device=DEV).to(dt)
-        b = torch.randn(64, device=DEV).to(dt) if has_bias else None
+        w = torch.randn(n, k, device=DEV).to(dt)
+        b = torch.randn(n, device=DEV).to(dt) if has_bias else None
         run_cfg(x, w, cfg_from_t(cfg), b)
         torch.cuda.synchronize()
         return job, "ok"
@@ -109,16 +121,24 @@ def _warm_one(job):
         return job, f"{type(e).__name__}: {str(e)[:200]}"
 
 
-def prewarm(jobs, procs=12):
+def job(c, dname, even_k=True, has_bias=False, n=64):
+    # K = 1024: same divisibility class as the real K (4096, 14336); 1040: masked K tail (4096 + 48)
+    return (cfg_t(c), dname, 1024 if even_k else 1040, n, has_bias)
+
+
+def prewarm(jobs, procs=14):
+    """Compile in parallel processes (one compile takes seconds; dozens are needed per run)."""
     if SMOKE:
-        return {}
+        return set()
     ctx = mp.get_context("spawn")
     with ctx.Pool(procs) as pool:
         res = pool.map(_warm_one, jobs, chunksize=1)
-    bad = {str(j): r for j, r in res if r != "ok"}
-    for j, r in bad.items():
-        log("compile failed:", j, r)
-    return bad
+    broken = set()
+    for j, r in res:
+        if r != "ok":
+            log("compile failed:", j, r)
+            broken.add((j[0], j[1]))
+    return broken
 
 
 def bench(fn, warmup, rep, return_mode):
@@ -164,7 +184,7 @@ def bits(budget, broken):
             g = torch.Generator(device=DEV).manual_seed(k + n)
             x = torch.randn(4096, k, device=DEV, generator=g).to(dt)
             w = (torch.randn(n, k, device=DEV, generator=g) / k**0.5).to(dt)
-            ok_c = [c for c in cands if str((cfg_t(c), dname, True, False, "ieee")) not in broken]
+            ok_c = [c for c in cands if (cfg_t(c), dname) not in broken]
             ref = run_cfg(x[:300], w, ok_c[0])
             row = {}
             for c in ok_c:
@@ -188,7 +208,7 @@ def bits(budget, broken):
         xp = torch.cat([x, torch.zeros(64, 48, device=DEV, dtype=dt)], 1)
         wp = torch.cat([w, torch.zeros(n, 48, device=DEV, dtype=dt)], 1)
         res = {str(cfg_t(c)): torch.equal(run_cfg(xp, wp, c), ref) for c in CONTRACT_B[dname]
-               if str((cfg_t(c), dname, False, False, "ieee")) not in broken}
+               if (cfg_t(c), dname) not in broken}
         log(f"contract B {dname}:", res)
         out[f"{dname}/contractB"] = res
     # bias path: identical across configs
@@ -218,7 +238,7 @@ def sweep(budget, broken):
             t_cub = bench(lambda x=x, w=w: F.linear(x, w), warmup=10, rep=rep, return_mode="median")
             cell = {"cublas_us": t_cub * 1e3}
             for c in cands:
-                if str((cfg_t(c), "bf16", True, False, "ieee")) in broken:
+                if (cfg_t(c), "bf16") in broken:
                     continue
                 fn = lambda c=c, x=x, w=w, o=out3: mm._launch(x.unsqueeze(0), w.t().unsqueeze(0), None, o, c)
                 cell[str(cfg_t(c))] = bench(fn, warmup=10, rep=rep,
@@ -245,7 +265,7 @@ def fp32_precision(budget, broken):
         row = {}
         y0 = None
         for c in FP32:
-            if str((cfg_t(c), "fp32", True, False, prec)) in broken or left(budget) < 10:
+            if (cfg_t(c), "fp32") in broken or left(budget) < 10:
                 continue
             y = run_cfg(x, w, c)
             err = ((y.double() - ref).norm() / ref.norm()).item()
@@ -256,6 +276,50 @@ def fp32_precision(budget, broken):
         out[prec] = row
         log(f"fp32 {prec} (cuBLAS {t_cub * 1e3:.1f}us):", row)
     mm.FP32_DOT_PRECISION = "ieee"
+
+
+# --------------------------------------------------------------------- mid-M tuning (writes a table)
+def mid(budget, broken, table_path):
+    """Time every MID candidate at M in MID_MS on all shapes; the one with the best worst-case ratio
+    becomes the 'mid' class of the table written to table_path (DETINFER_MATMUL_CONFIGS format)."""
+    out = RESULTS.setdefault("mid", {})
+    cands = [c for c in MID if (cfg_t(c), "bf16") not in broken]
+    for m in MID_MS:
+        for shape, (k, n) in SHAPES.items():
+            if left(budget) < 5:
+                log("mid: budget spent at", shape, m)
+                break
+            x = torch.randn(m, k, device=DEV).bfloat16()
+            w = (torch.randn(n, k, device=DEV) / 64).bfloat16()
+            o3 = torch.empty(1, m, n, device=DEV, dtype=torch.bfloat16)
+            t_cub = bench(lambda x=x, w=w: F.linear(x, w), warmup=10, rep=30, return_mode="median")
+            cell = {"cublas_us": t_cub * 1e3}
+            for c in cands:
+                fn = lambda c=c, x=x, w=w, o=o3: mm._launch(x.unsqueeze(0), w.t().unsqueeze(0), None, o, c)
+                t = bench(fn, warmup=10, rep=30, return_mode="median")
+                cell[str(cfg_t(c))] = t * 1e3
+            out[f"{shape}/M{m}"] = cell
+            best = max((t_cub * 1e3 / v, c) for c, v in cell.items() if c != "cublas_us")
+            log(f"mid {shape:8s} M={m:4d} cublas {t_cub * 1e3:8.1f}us best ratio {best[0]:.3f} {best[1]}")
+    # Families of one or two candidates, each cell served by the member the dispatcher's own rule would
+    # pick (pick_from_family): the family with the best worst-case ratio wins.
+    cells = [(int(key.split("/M")[1]), SHAPES[key.split("/M")[0]][1], cell) for key, cell in out.items()]
+    ok = [c for c in cands if all(str(cfg_t(c)) in cell for _, _, cell in cells)]
+    fams = [(c,) for c in ok] + [(a, b) for i, a in enumerate(ok) for b in ok[i + 1:]]
+    scored = []
+    for fam in fams:
+        r = [cell["cublas_us"] / cell[str(cfg_t(pick_from_family(fam, m, n)))] for m, n, cell in cells]
+        scored.append((min(r), sum(r) / len(r), -len(fam), fam))
+    scored.sort(key=lambda t: t[:3], reverse=True)
+    for worst, mean, _, fam in scored[:6]:
+        log(f"mid family {[cfg_t(c) for c in fam]}: worst {worst:.3f} mean {mean:.3f}")
+    winner = scored[0][3]
+    table = {"16bit": {"mid": {"max_m": 768, "configs": [c.spec() for c in winner]}}}
+    RESULTS["mid_table"] = table
+    if table_path:
+        with open(table_path, "w") as f:
+            json.dump(table, f)
+        log("wrote", table_path, table)
 
 
 # ------------------------------------------------------------- negative control: where does cuBLAS vary?
@@ -280,22 +344,26 @@ def main():
     ap.add_argument("--budget-s", type=float, default=240)
     ap.add_argument("--sections", default="ceilings,negctl,bits,sweep,fp32")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--write-table", default=None, help="mid section: write the tuned table JSON here")
     args = ap.parse_args()
     secs = args.sections.split(",")
     gpu = "interpreter (smoke)" if SMOKE else torch.cuda.get_device_name()
     log("torch", torch.__version__, "triton", triton.__version__, gpu)
     RESULTS["env"] = {"torch": torch.__version__, "triton": triton.__version__, "gpu": gpu}
-    jobs = [(cfg_t(c), "bf16", True, True, "ieee") for c in BIAS]
-    for c in ALL16:
-        jobs.append((cfg_t(c), "bf16", True, False, "ieee"))
-    for c in FP16_SUBSET:
-        jobs.append((cfg_t(c), "fp16", True, False, "ieee"))
-    for c in FP32:
-        jobs.append((cfg_t(c), "fp32", True, False, "ieee"))
-    for dn, cands in CONTRACT_B.items():
-        jobs += [(cfg_t(c), dn, False, False, "ieee") for c in cands]
-    broken = prewarm(jobs)
-    RESULTS["compile_failed"] = broken
+    jobs = []
+    if "bits" in secs or "sweep" in secs:
+        jobs += [job(c, "bf16", has_bias=True) for c in BIAS] + [job(c, "bf16") for c in ALL16]
+        jobs += [job(c, "fp16") for c in FP16_SUBSET] + [job(c, "fp32") for c in FP32]
+        jobs += [job(c, dn, even_k=False) for dn, cands in CONTRACT_B.items() for c in cands]
+    if "mid" in secs:
+        jobs += [job(c, "bf16") for c in MID]
+    if "tests" in secs:  # the variants the GPU tests will launch: every selectable config
+        for dn in ("bf16", "fp16", "fp32"):
+            for c in gpu_configs(DT[dn]):
+                jobs += [job(c, dn), job(c, dn, even_k=False), job(c, dn, has_bias=True)]
+                jobs += [(cfg_t(c), dn, 1001, 77, False)] if dn == "bf16" else []  # hypothesis: odd K, N
+    broken = prewarm(list(dict.fromkeys(jobs)))
+    RESULTS["compile_failed"] = sorted(map(str, broken))
     log(f"prewarmed {len(jobs)} kernels, {len(broken)} failed")
     try:
         if "ceilings" in secs and not SMOKE:
@@ -308,6 +376,8 @@ def main():
             sweep(args.budget_s * 0.85, broken)
         if "fp32" in secs:
             fp32_precision(args.budget_s * 0.93, broken)
+        if "mid" in secs:
+            mid(args.budget_s, broken, args.write_table)
     finally:
         with open(os.path.join(args.out, "landscape.json"), "w") as f:
             json.dump(RESULTS, f, indent=1, default=str)

@@ -15,7 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from detinfer.kernels import matmul as mm
-from detinfer.kernels.matmul_configs import MatmulConfig, gpu_configs, select_config
+from detinfer.kernels import matmul_configs as mc
+from detinfer.kernels.matmul_configs import MatmulConfig, gpu_configs, pick_from_family, select_config
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -238,6 +239,42 @@ def test_dispatcher_config_never_depends_on_m_in_the_interpreter():
     cfgs = {select_config(m, 64, 300, dt, interpreter=True) for m in (1, 7, 100, 5000)
             for dt in (torch.float32, torch.float16)}
     assert len(cfgs) == 1
+
+
+def test_family_rule_and_gpu_tables():
+    """The N-tile rule: the largest tile that still gives ~0.7 tiles per SM, else the most tiles."""
+    fam = (MatmulConfig(64, 128, 128, 4, 4), MatmulConfig(64, 64, 256, 4, 3), MatmulConfig(64, 32, 256, 4, 4))
+    assert pick_from_family(fam, 64, 4096, 132).block_n == 32  # 128 tiles
+    assert pick_from_family(fam, 64, 6144, 132).block_n == 64  # 96 tiles
+    assert pick_from_family(fam, 64, 128256, 132).block_n == 128
+    assert pick_from_family(fam, 1, 100, 132).block_n == 32  # none qualifies: most tiles
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        cfgs = gpu_configs(dt)
+        assert all(min(c.block_m, c.block_n, c.block_k) >= 16 for c in cfgs)  # tl.dot minimum on a GPU
+        for m in (1, 16, 17, 64, 65, 768, 769, 10**6):
+            assert select_config(m, 4096, 4096, dt, interpreter=False) in cfgs
+
+
+def test_config_specs_and_table_override(monkeypatch, tmp_path):
+    c = MatmulConfig(128, 256, 64, 8, 3, tma=True, persistent=True, warp_specialize=True)
+    assert c.spec() == [128, 256, 64, 8, 3, "TPW"] and MatmulConfig.from_spec(c.spec()) == c
+    with pytest.raises(ValueError, match="flags"):
+        MatmulConfig.from_spec([64, 64, 64, 4, 3, "X"])
+    with pytest.raises(ValueError, match="spec is"):
+        MatmulConfig.from_spec([64, 64])
+    with pytest.raises(ValueError, match="need tma=True"):
+        MatmulConfig(64, 64, 64, 4, 3, persistent=True)
+    table = dict(mc.GPU_CONFIGS_16BIT)
+    monkeypatch.setattr(mc, "GPU_CONFIGS_16BIT", table)
+    path = tmp_path / "t.json"
+    path.write_text('{"16bit": {"mid": {"max_m": 500, "configs": [[64, 64, 64, 4, 4, "TP"]]}}}')
+    monkeypatch.setenv(mc.ENV_OVERRIDE, str(path))
+    mc._apply_overrides()
+    assert table["mid"] == (500, (MatmulConfig(64, 64, 64, 4, 4, tma=True, persistent=True),))
+    assert select_config(300, 4096, 4096, torch.bfloat16, interpreter=False).block_m == 64
+    path.write_text('{"16bit": {"huge": {"configs": [[64, 64, 64, 4, 4]]}}}')
+    with pytest.raises(ValueError, match="unknown class"):
+        mc._apply_overrides()
 
 
 # ==================================================================================== GPU only

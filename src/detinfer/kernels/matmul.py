@@ -175,7 +175,7 @@ def _launch(a3: torch.Tensor, b3: torch.Tensor, bias: torch.Tensor | None, out3:
         return out3
     if nb > 65535:
         raise ValueError(f"batch size {nb} exceeds the kernel's limit of 65535 batch entries per launch")
-    cfg = config or select_config(m, n, k, a3.dtype, interpreting())
+    cfg = config or select_config(m, n, k, a3.dtype, interpreting(), sm_count=_num_sms(a3.device))
     bias_arg = bias if bias is not None else out3
     if cfg.tma and nb == 1 and _tma_usable(a3[0], b3[0].t()):
         a2, w2, c2 = a3[0], b3[0].t(), out3[0]

@@ -2,23 +2,36 @@
 
 Why the choice may depend on M at all: the kernel's reduction order is fixed by the data, not by the
 config. Every config walks K upward from k = 0 into ONE fp32 accumulator per output element, and the GPU's
-matrix instructions consume K in fixed hardware steps (16 elements for bf16/fp16, 8 for tf32), each added
-to that accumulator in turn. A tile's BLOCK_M/BLOCK_N only decide which outputs one program owns; BLOCK_K
-only decides how many hardware steps one loop iteration issues. None of them regroups the additions, so
-one output row gets the same bits under every config. That is a claim about the hardware, so it is
-asserted bitwise on the GPU for every config in `GPU_CONFIGS` (tests/kernels/test_matmul.py, marker gpu,
-and bench/matmul_gpu_check.py); a config that failed it must not be listed here.
+matrix instructions consume K in fixed hardware steps (16 elements for bf16/fp16), each added to that
+accumulator in turn. A tile's BLOCK_M/BLOCK_N only decide which outputs one program owns; BLOCK_K only
+decides how many hardware steps one loop iteration issues; TMA, persistence and warp specialization only
+change how operands move. None of them regroups the additions, so an output row gets the same bits under
+every config. That is a claim about the hardware, so it is asserted bitwise on the GPU for every config
+`gpu_configs()` lists (tests/kernels/test_matmul.py, marker gpu) and for every candidate of the offline
+sweep (bench/matmul_gpu_check.py; measured on an H100: 42 bf16, 6 fp16 and 7 fp32 configs, BLOCK_K 32 to
+512, all identical; see bench/NOTES.md). A config that fails it must not be listed here.
 
 Triton's CPU interpreter is different: it computes each `tl.dot` block with numpy and adds the block to the
 accumulator, so there BLOCK_K *is* part of the reduction order. The interpreter therefore always uses one
-fixed config per dtype (`INTERPRETER_CONFIG`), never chosen from M, N or K.
+fixed config, never chosen from M, N or K.
+
+Offline tuning: the GPU tables below can be replaced, class by class, from a JSON file named by the
+environment variable DETINFER_MATMUL_CONFIGS (read once, at import), e.g.
+    {"16bit": {"mid": {"max_m": 768, "configs": [[64, 64, 64, 4, 4, "TP"]]}}}
+(a config is [block_m, block_n, block_k, num_warps, num_stages, flags], flags from T = tma,
+P = persistent, W = warp_specialize). The choice stays a pure function of (M, N, dtype, table); any table
+is only as safe as its GPU test run, which sweeps whatever table is active.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, replace
 
 import torch
+
+ENV_OVERRIDE = "DETINFER_MATMUL_CONFIGS"
 
 
 @dataclass(frozen=True)
@@ -47,6 +60,24 @@ class MatmulConfig:
             raise ValueError(f"MatmulConfig.num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps}")
         if self.num_stages < 1 or self.group_m < 1:
             raise ValueError("MatmulConfig.num_stages and group_m must be >= 1")
+        if (self.persistent or self.warp_specialize) and not self.tma:
+            raise ValueError("MatmulConfig: persistent / warp_specialize need tma=True (the descriptor kernel)")
+
+    def spec(self) -> list:
+        flags = "".join(f for f, on in (("T", self.tma), ("P", self.persistent), ("W", self.warp_specialize))
+                        if on)
+        return [self.block_m, self.block_n, self.block_k, self.num_warps, self.num_stages, flags]
+
+    @staticmethod
+    def from_spec(spec) -> MatmulConfig:
+        if not isinstance(spec, (list, tuple)) or len(spec) not in (5, 6):
+            raise ValueError(f"a matmul config spec is [block_m, block_n, block_k, num_warps, num_stages, "
+                             f"flags], got {spec!r}")
+        flags = spec[5] if len(spec) == 6 else ""
+        if set(flags) - set("TPW"):
+            raise ValueError(f"matmul config flags are letters of 'TPW', got {flags!r}")
+        return MatmulConfig(*map(int, spec[:5]), tma="T" in flags, persistent="P" in flags,
+                            warp_specialize="W" in flags)
 
 
 # Interpreter (CPU CI). BLOCK_M = 1 because the interpreter's `tl.dot` is numpy's matmul, i.e. BLAS,
@@ -56,47 +87,80 @@ class MatmulConfig:
 # many K blocks. BLOCK_N = 64 keeps the number of interpreted programs down.
 INTERPRETER_CONFIG = MatmulConfig(block_m=1, block_n=64, block_k=32, num_warps=4, num_stages=1)
 
-# GPU candidates, by the M range they are meant for (placeholders until the offline sweep in
-# bench/matmul_gpu_check.py replaces them with measured winners). 16-bit dtypes.
+# GPU tables: M classes in increasing order, each (max_m, family). Within a family the rule below picks by
+# N only. Measured winners of the offline sweep on an H100 (bench/NOTES.md has the numbers).
 _C = MatmulConfig
-GPU_CONFIGS_16BIT = {
-    "decode": _C(16, 64, 256, 4, 4, tma=True),
-    "small": _C(64, 128, 128, 4, 4, tma=True),
-    "medium": _C(128, 128, 64, 8, 4, tma=True),
-    "large": _C(128, 256, 64, 8, 3, tma=True, persistent=True),
+GPU_CONFIGS_16BIT: dict = {
+    # decode: weight-bandwidth bound; 16-row tiles, 64-wide N tiles, 256-deep K steps keep ~40 KB of weights
+    # in flight per program. Worst of 10 cells 1.00x cuBLAS.
+    "decode": (16, (_C(16, 64, 256, 4, 4),)),
+    # small batches: still bandwidth bound; the N tile narrows until there are enough programs for the SMs.
+    "small": (64, (_C(64, 128, 128, 4, 4, tma=True), _C(64, 64, 256, 4, 3), _C(64, 32, 256, 4, 4))),
+    # between bandwidth and compute bound: the hardest range for whole-K tiles (few tiles per SM).
+    "mid": (768, (_C(128, 128, 64, 4, 4, tma=True, persistent=True),)),
+    # compute bound: 128x256 tiles, TMA, persistent, warp-specialized. Worst of 10 cells 0.93x cuBLAS.
+    "large": (None, (_C(128, 256, 64, 8, 3, tma=True, persistent=True, warp_specialize=True),)),
 }
-# fp32 runs IEEE fp32 FMA dots (no tf32): smaller tiles, the FMA path holds operands in registers.
-GPU_CONFIGS_FP32 = {
-    "decode": _C(16, 32, 64, 4, 3),
-    "small": _C(32, 64, 32, 4, 3),
-    "medium": _C(64, 64, 32, 4, 3),
-    "large": _C(128, 128, 32, 8, 3),
+# fp32 runs IEEE fp32 FMA dots (no tf32, like torch's default): smaller tiles, operands live in registers.
+GPU_CONFIGS_FP32: dict = {
+    "decode": (16, (_C(16, 64, 32, 4, 3),)),
+    "small": (64, (_C(32, 64, 32, 4, 3),)),
+    "mid": (768, (_C(64, 64, 32, 4, 3),)),
+    "large": (None, (_C(128, 128, 32, 8, 3),)),
 }
+# A family member qualifies when it yields at least this many tiles per SM: enough programs to keep every
+# SM busy while streaming weights.
+TILES_PER_SM = 0.7
+_SM_COUNT = 132  # H100 SXM; only used to size the tile-count target, read from the device when available
 
 
-def _m_class(m: int) -> str:
-    if m <= 16:
-        return "decode"
-    if m <= 128:
-        return "small"
-    if m <= 1024:
-        return "medium"
-    return "large"
+def _apply_overrides() -> None:
+    path = os.environ.get(ENV_OVERRIDE)
+    if not path:
+        return
+    with open(path) as f:
+        data = json.load(f)
+    for key, table in (("16bit", GPU_CONFIGS_16BIT), ("fp32", GPU_CONFIGS_FP32)):
+        for cls, entry in data.get(key, {}).items():
+            if cls not in table:
+                raise ValueError(f"{ENV_OVERRIDE}: unknown class {key}/{cls}; classes are {list(table)}")
+            max_m = entry.get("max_m", table[cls][0])
+            configs = tuple(MatmulConfig.from_spec(s) for s in entry["configs"])
+            if not configs:
+                raise ValueError(f"{ENV_OVERRIDE}: class {key}/{cls} has no configs")
+            table[cls] = (max_m, configs)
+
+
+_apply_overrides()
+
+
+def _table(dtype: torch.dtype) -> dict:
+    return GPU_CONFIGS_FP32 if dtype == torch.float32 else GPU_CONFIGS_16BIT
 
 
 def gpu_configs(dtype: torch.dtype) -> tuple[MatmulConfig, ...]:
     """Every config the GPU dispatcher can select for `dtype` (what the GPU invariance tests sweep)."""
-    table = GPU_CONFIGS_FP32 if dtype == torch.float32 else GPU_CONFIGS_16BIT
-    picked = list(table.values())
+    picked = [c for _, family in _table(dtype).values() for c in family]
     # A TMA config falls back to pointer loads with the same tiles when operands do not qualify (bmm,
     # unaligned or transposed operands): that twin is selectable too.
     twins = [replace(c, tma=False, persistent=False, warp_specialize=False) for c in picked if c.tma]
     return tuple(dict.fromkeys(picked + twins))
 
 
-def select_config(m: int, n: int, k: int, dtype: torch.dtype, interpreter: bool) -> MatmulConfig:
-    """The config for one launch. Any GPU choice is bit-identical to any other (module doc)."""
+def select_config(m: int, n: int, k: int, dtype: torch.dtype, interpreter: bool,
+                  sm_count: int = _SM_COUNT) -> MatmulConfig:
+    """The config for one launch. Any GPU choice is bit-identical to any other (module doc), so this may
+    look at M; `k` is accepted for future tables but unused (the reduction order never depends on it)."""
     if interpreter:
         return INTERPRETER_CONFIG
-    table = GPU_CONFIGS_FP32 if dtype == torch.float32 else GPU_CONFIGS_16BIT
-    return table[_m_class(m)]
+    family = next(fam for max_m, fam in _table(dtype).values() if max_m is None or m <= max_m)
+    return pick_from_family(family, m, n, sm_count)
+
+
+def pick_from_family(family, m: int, n: int, sm_count: int = _SM_COUNT) -> MatmulConfig:
+    """Largest tile area that still gives TILES_PER_SM tiles per SM; else the member with the most tiles."""
+    tiles = [-(-m // c.block_m) * -(-n // c.block_n) for c in family]
+    ok = [c for c, t in zip(family, tiles) if t >= TILES_PER_SM * sm_count]
+    if ok:
+        return max(ok, key=lambda c: c.block_m * c.block_n)
+    return family[max(range(len(family)), key=lambda i: tiles[i])]
