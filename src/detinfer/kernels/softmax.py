@@ -8,7 +8,8 @@ several to a program, and rows never interact):
   lane i sees elements i, i + block, ... in order. When a lane's max is unchanged its sum is scaled by
   exactly 1 (not by exp(0), which an approximate exp need not round to 1). At the end the lane sums
   are rescaled to the row max and combined with the fixed pairwise fold of `reduce.fold_lanes`.
-* Pass 2 re-reads the row and writes exp(x - max) / sum, or (x - max) - log(sum).
+* Pass 2 re-reads the row (a row of one block is kept in registers instead) and writes
+  exp(x - max) * (1 / sum), or (x - max) - log(sum).
 
 The order depends only on the block, so a row's bits never depend on the batch (contract A).
 Appending -inf entries (a masked key) leaves every lane's (m, s) unchanged, or adds all-(-inf)
@@ -54,48 +55,101 @@ def _online_update(m, s, x):
 @triton.jit
 def _write_block(x_rows, out_rows, start, offs, mask, row_max, row_shift, log_sum, inv_sum,
                  LOG: tl.constexpr):
-    x = tl.load(x_rows + start + offs, mask=mask, other=0.0).to(tl.float32)
-    if LOG:
-        y = (x - row_max[:, None]) - log_sum[:, None]
-    else:
-        y = tl.exp(x - row_shift[:, None]) * inv_sum[:, None]
+    x = tl.load(x_rows + start + offs, mask=mask, other=0.0)
+    y = _finish(x, row_max, row_shift, log_sum, inv_sum, LOG)
     tl.store(out_rows + start + offs, y.to(out_rows.dtype.element_ty), mask=mask)
 
 
 @triton.jit
+def _row_stats(m, s, ROWS: tl.constexpr, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr):
+    """Row max (and the shift used for exp), log(sum) and 1/sum from the per-lane (max, sum) pairs."""
+    row_max = tl.max(m, axis=1)  # max is exact, so the tree order does not matter
+    row_shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+    # Lanes that only saw -inf (or masked entries whose exp underflowed) contribute exact zeros.
+    row_sum = fold_lanes(s * tl.exp(m - row_shift[:, None]), ROWS, BLOCK, LOG2_BLOCK)
+    return row_max, row_shift, tl.log(row_sum), tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), row_sum)
+
+
+@triton.jit
+def _finish(x, row_max, row_shift, log_sum, inv_sum, LOG: tl.constexpr):
+    x = x.to(tl.float32)
+    if LOG:
+        return (x - row_max[:, None]) - log_sum[:, None]
+    return tl.exp(x - row_shift[:, None]) * inv_sum[:, None]
+
+
+@triton.jit
+def _write_blocks4(x_rows, out_rows, start, offs, BLOCK: tl.constexpr, mask, row_max, row_shift, log_sum,
+                   inv_sum, LOG: tl.constexpr):
+    p0 = start + offs
+    x0 = tl.load(x_rows + p0, mask=mask, other=0.0)
+    x1 = tl.load(x_rows + p0 + BLOCK, mask=mask, other=0.0)
+    x2 = tl.load(x_rows + p0 + 2 * BLOCK, mask=mask, other=0.0)
+    x3 = tl.load(x_rows + p0 + 3 * BLOCK, mask=mask, other=0.0)
+    ty = out_rows.dtype.element_ty
+    tl.store(out_rows + p0, _finish(x0, row_max, row_shift, log_sum, inv_sum, LOG).to(ty), mask=mask)
+    tl.store(out_rows + p0 + BLOCK, _finish(x1, row_max, row_shift, log_sum, inv_sum, LOG).to(ty), mask=mask)
+    tl.store(out_rows + p0 + 2 * BLOCK, _finish(x2, row_max, row_shift, log_sum, inv_sum, LOG).to(ty),
+             mask=mask)
+    tl.store(out_rows + p0 + 3 * BLOCK, _finish(x3, row_max, row_shift, log_sum, inv_sum, LOG).to(ty),
+             mask=mask)
+
+
+@triton.jit
 def _softmax_kernel(x_ptr, out_ptr, n_rows, n_cols, x_row_stride, out_row_stride,
-                    LOG: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr):
+                    LOG: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr,
+                    MULTI_BLOCK: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
     x_rows = x_ptr + rows[:, None] * x_row_stride
     out_rows = out_ptr + rows[:, None] * out_row_stride
     offs = tl.arange(0, BLOCK)[None, :]
-    # Full blocks with only the row mask (constant along a row, so accesses still vectorize), then one
-    # masked tail: same values, same order.
-    n_full = n_cols - n_cols % BLOCK
-    tail_mask = row_ok[:, None] & (n_full + offs < n_cols)
-
     m = tl.full([ROWS, BLOCK], float("-inf"), dtype=tl.float32)
     s = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
-    for start in range(0, n_full, BLOCK):
-        x = tl.load(x_rows + start + offs, mask=row_ok[:, None], other=float("-inf"))
-        m, s = _online_update(m, s, x.to(tl.float32))
-    if n_full < n_cols:
-        x = tl.load(x_rows + n_full + offs, mask=tail_mask, other=float("-inf"))
-        m, s = _online_update(m, s, x.to(tl.float32))
-
-    row_max = tl.max(m, axis=1)  # max is exact, so the tree order does not matter
-    row_shift = tl.where(row_max == float("-inf"), 0.0, row_max)
-    # Lanes that only saw -inf (or masked entries whose exp underflowed) contribute exact zeros.
-    row_sum = fold_lanes(s * tl.exp(m - row_shift[:, None]), ROWS, BLOCK, LOG2_BLOCK)
-    log_sum = tl.log(row_sum)
-    inv_sum = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), row_sum)
-
-    for start in range(0, n_full, BLOCK):
-        _write_block(x_rows, out_rows, start, offs, row_ok[:, None], row_max, row_shift, log_sum,
-                     inv_sum, LOG)
-    if n_full < n_cols:
-        _write_block(x_rows, out_rows, n_full, offs, tail_mask, row_max, row_shift, log_sum, inv_sum, LOG)
+    if MULTI_BLOCK:
+        # Full blocks with only the row mask (constant along a row, so accesses still vectorize), then
+        # one masked tail: same values, same order.
+        n_full = n_cols - n_cols % BLOCK
+        tail_mask = row_ok[:, None] & (n_full + offs < n_cols)
+        # 4 blocks a step: all 4 loads are issued before the first use, so a long row with few rows in
+        # the batch waits one memory latency per 4 blocks, not per block. The updates still run block
+        # by block in order, so the result is that of the plain loop that finishes the row.
+        n_unrolled = n_cols - n_cols % (4 * BLOCK)
+        for start in range(0, n_unrolled, 4 * BLOCK):
+            x0 = tl.load(x_rows + start + offs, mask=row_ok[:, None], other=float("-inf"))
+            x1 = tl.load(x_rows + start + BLOCK + offs, mask=row_ok[:, None], other=float("-inf"))
+            x2 = tl.load(x_rows + start + 2 * BLOCK + offs, mask=row_ok[:, None], other=float("-inf"))
+            x3 = tl.load(x_rows + start + 3 * BLOCK + offs, mask=row_ok[:, None], other=float("-inf"))
+            m, s = _online_update(m, s, x0.to(tl.float32))
+            m, s = _online_update(m, s, x1.to(tl.float32))
+            m, s = _online_update(m, s, x2.to(tl.float32))
+            m, s = _online_update(m, s, x3.to(tl.float32))
+        for start in range(n_unrolled, n_full, BLOCK):
+            x = tl.load(x_rows + start + offs, mask=row_ok[:, None], other=float("-inf"))
+            m, s = _online_update(m, s, x.to(tl.float32))
+        if n_full < n_cols:
+            x = tl.load(x_rows + n_full + offs, mask=tail_mask, other=float("-inf"))
+            m, s = _online_update(m, s, x.to(tl.float32))
+        row_max, row_shift, log_sum, inv_sum = _row_stats(m, s, ROWS, BLOCK, LOG2_BLOCK)
+        # Pass 2 has no loop-carried state; the same 4-block step overlaps the loads' latencies.
+        for start in range(0, n_unrolled, 4 * BLOCK):
+            _write_blocks4(x_rows, out_rows, start, offs, BLOCK, row_ok[:, None], row_max, row_shift,
+                           log_sum, inv_sum, LOG)
+        for start in range(n_unrolled, n_full, BLOCK):
+            _write_block(x_rows, out_rows, start, offs, row_ok[:, None], row_max, row_shift, log_sum,
+                         inv_sum, LOG)
+        if n_full < n_cols:
+            _write_block(x_rows, out_rows, n_full, offs, tail_mask, row_max, row_shift, log_sum,
+                         inv_sum, LOG)
+    else:
+        # The row fits in one block: the same update as a tail block, and the row stays in registers
+        # for pass 2 (one read instead of two; no loops compiled, so fewer registers).
+        mask = row_ok[:, None] & (offs < n_cols)
+        x = tl.load(x_rows + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        m, s = _online_update(m, s, x)
+        row_max, row_shift, log_sum, inv_sum = _row_stats(m, s, ROWS, BLOCK, LOG2_BLOCK)
+        y = _finish(x, row_max, row_shift, log_sum, inv_sum, LOG)
+        tl.store(out_rows + offs, y.to(out_rows.dtype.element_ty), mask=mask)
 
 
 def launch_softmax_rows(rows: torch.Tensor, out: torch.Tensor, log: bool, block_size: int) -> torch.Tensor:
@@ -109,7 +163,7 @@ def launch_softmax_rows(rows: torch.Tensor, out: torch.Tensor, log: bool, block_
     # result depend on its block (the fold step it lands in), breaking block independence.
     _softmax_kernel[(triton.cdiv(m, per_prog),)](
         rows, out, m, n, rows.stride(0), out.stride(0), LOG=log, ROWS=per_prog, BLOCK=block,
-        LOG2_BLOCK=block.bit_length() - 1, num_warps=warps, enable_fp_fusion=False)
+        LOG2_BLOCK=block.bit_length() - 1, MULTI_BLOCK=n > block, num_warps=warps, enable_fp_fusion=False)
     return out
 
 
