@@ -220,7 +220,8 @@ def test_gpu_vocab_rows_batch_sizes(dtype, cols):
 def test_negative_control_stock_softmax_changes_with_masked_keys():
     """Stock CUDA softmax picks its thread split from the row length, so appending masked (-inf) keys
     changes the other outputs' bits for some lengths; the contract-B tests above would catch that.
-    (Across batch sizes alone stock softmax is one row per block/warp and was not seen to vary.)"""
+    (Stock softmax gives each row its own block or warp, so it is not expected to vary with the batch
+    size alone; this control varies the row length instead.)"""
     differs = []
     for cols, pad in ((100, 900), (50, 2000), (1000, 4000), (3000, 30000), (700, 70000)):
         x = rand((8, cols), torch.float32, cols, 3.0)
