@@ -1,0 +1,78 @@
+"""Report files from synthetic sections: they exist, parse, hold every completion, and embed the plots."""
+
+import base64
+import json
+import re
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from detinfer.repro.analysis import Completion, summarize  # noqa: E402
+from detinfer.repro.report import REPORT_FORMAT, Section, write_report  # noqa: E402
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _section(label, texts, logprob=-0.5):
+    comps = [Completion(r, t, tokens=tuple(t), logprobs=tuple([logprob] * len(t)),
+                        top_logprobs=tuple(((ch, logprob),) for ch in t), finish_reason="length",
+                        meta={"arrival_step": r}) for r, t in enumerate(texts)]
+    return Section(label=label, target=f"synthetic {label}", prompt="Tell me <b>about</b>",
+                   summary=summarize(comps), completions=tuple(comps), elapsed_s=1.5, extra={"engine steps": 7})
+
+
+def _strict_json(path):
+    def refuse(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    return json.loads(path.read_text(encoding="utf-8"), parse_constant=refuse)
+
+
+def test_report_files_exist_and_parse(tmp_path):
+    fast = _section("fast", ["abc<script>x", "abd", "abc<script>x", "abc<script>x"])
+    det = _section("deterministic", ["abc"] * 4, logprob=float("-inf"))
+    paths = write_report(tmp_path / "out", [fast, det], {"prompt": "p", "n": 4, "command": "detinfer repro x"})
+    for key in ("json", "html", "summary_png", "fast_histogram", "fast_divergence",
+                "deterministic_histogram", "deterministic_divergence"):
+        assert paths[key].is_file(), key
+    for key in ("summary_png", "fast_histogram", "deterministic_divergence"):
+        assert paths[key].read_bytes().startswith(PNG_MAGIC)
+
+    data = _strict_json(paths["json"])
+    assert data["format"] == REPORT_FORMAT
+    assert [s["label"] for s in data["sections"]] == ["fast", "deterministic"]
+    f, d = data["sections"]
+    assert len(f["completions"]) == 4 and len(d["completions"]) == 4
+    assert [c["text"] for c in f["completions"]] == ["abc<script>x", "abd", "abc<script>x", "abc<script>x"]
+    assert f["completions"][1]["tokens"] == ["a", "b", "d"]
+    assert f["summary"]["num_unique"] == 2 and d["summary"]["num_unique"] == 1
+    assert f["summary"]["pairs"][0]["index"] == 2
+    assert f["summary"]["groups"][0]["runs"] == [0, 2, 3]
+    assert d["completions"][0]["logprobs"] == ["-inf"] * 3  # strict JSON has no -Infinity
+    assert f["completions"][0]["meta"] == {"arrival_step": 0}
+
+    html = paths["html"].read_text(encoding="utf-8")
+    assert html.startswith("<!doctype html>") and html.rstrip().endswith("</html>")
+    assert "<script>" not in html and "abc&lt;script&gt;x" in html  # completion text is escaped
+    images = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', html)
+    assert len(images) == 4  # histogram + divergence plot per section
+    assert all(base64.b64decode(i).startswith(PNG_MAGIC) for i in images)
+    assert "http://" not in html and "https://" not in html  # self-contained: no external assets
+    assert "reproducible: 1 unique completion" in html and "2 unique completions" in html
+
+
+def test_char_sections_and_duplicate_labels(tmp_path):
+    comps = [Completion(0, "same"), Completion(1, "same")]
+    s = Section("http://127.0.0.1:1/v1", "server", "p", summarize(comps), tuple(comps), 0.1)
+    paths = write_report(tmp_path, [s, s], {"prompt": "p"})
+    assert paths["http_127_0_0_1_1_v1_0_histogram"].is_file()
+    assert paths["http_127_0_0_1_1_v1_1_histogram"].is_file()
+    data = _strict_json(paths["json"])
+    assert data["sections"][0]["summary"]["unit"] == "char"
+    assert data["sections"][0]["completions"][0]["tokens"] is None
+
+
+def test_write_report_refuses_nothing(tmp_path):
+    with pytest.raises(ValueError, match="no sections"):
+        write_report(tmp_path, [], {})
