@@ -11,11 +11,10 @@ gone, error) its `finally` aborts any engine request still running, so no KV blo
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -25,10 +24,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from detinfer.engine.sampling_params import SamplingParams
 from detinfer.server import protocol as P
-from detinfer.server.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError, RequestAborted
+from detinfer.server.async_engine import (
+    AsyncEngine,
+    ChoiceTracker,
+    ClientDisconnected,
+    EngineUnavailableError,
+    Generation,
+    QueueFullError,
+    RequestAborted,
+)
+from detinfer.server.metrics import HTTPRequestCounter
 from detinfer.server.serve import ServerConfig
 
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{id}", "/health", "/metrics")
 
 
 def _json(obj: Any) -> bytes:
@@ -84,136 +92,6 @@ async def read_json(request: Request, limit: int) -> Any:
     return data
 
 
-class _CountRequests:
-    """Pure ASGI middleware (not BaseHTTPMiddleware, which interferes with streaming and disconnects)
-    counting answered requests by route and status."""
-
-    def __init__(self, app, metrics):
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        status = [500]
-
-        async def send_status(message):
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_status)
-        finally:
-            path = scope.get("path", "")
-            path = path if path in ROUTES else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
-            self.metrics.http_requests.inc(path=path, status=str(status[0]))
-
-
-class _Choices:
-    """Per-choice progress of a streamed request: what was already sent, to emit only the new part."""
-
-    def __init__(self, n: int):
-        self.n = n
-        self.text_sent: dict[int, int] = {}
-        self.tokens_sent: dict[int, int] = {}
-        self.finished: dict[int, str] = {}
-
-    def deltas(self, prompt_index: int, out: Any):
-        """(choice index, new text, new logprob entries or None, finish_reason newly reached or None)."""
-        for o in out.outputs:
-            c = prompt_index * self.n + o.index
-            if c in self.finished:
-                continue
-            t0, k0 = self.text_sent.get(c, 0), self.tokens_sent.get(c, 0)
-            text, new_lp = o.text[t0:], (o.logprobs[k0:] if o.logprobs is not None else None)
-            self.text_sent[c], self.tokens_sent[c] = len(o.text), len(o.token_ids)
-            if o.finish_reason is not None:
-                self.finished[c] = o.finish_reason
-            if text or new_lp or o.finish_reason is not None:
-                yield c, text, new_lp, o.finish_reason
-
-
-class _Generation:
-    """The engine requests behind one HTTP request (one per prompt)."""
-
-    def __init__(self, engine: AsyncEngine, request_id: str, prompts: list[list[int]], params: SamplingParams):
-        self.engine, self.request_id, self.prompts, self.params = engine, request_id, prompts, params
-        self.streams: list = []
-        self.latest: list[Any] = [None] * len(prompts)
-
-    async def start(self) -> None:
-        try:
-            for i, ids in enumerate(self.prompts):
-                self.streams.append(await self.engine.add_request(f"{self.request_id}-{i}", ids, self.params))
-        except QueueFullError as e:
-            raise P.APIError(429, str(e), code="queue_full") from None
-        except EngineUnavailableError as e:
-            raise P.APIError(503, str(e)) from None
-        except (ValueError, TypeError) as e:
-            raise P.bad_request(str(e), param="prompt") from None
-        finally:
-            if len(self.streams) < len(self.prompts):
-                self.abort()
-
-    def abort(self) -> None:
-        for s in self.streams:
-            if not s.finished:
-                self.engine.abort(s.request_id)
-
-    async def updates(self) -> AsyncIterator[tuple[int, Any]]:
-        """(prompt index, latest RequestOutput) as they come, until every prompt's request finished."""
-        pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(self.streams)}
-        try:
-            while pending:
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    i = pending.pop(task)
-                    try:
-                        out = task.result()
-                    except StopAsyncIteration:
-                        continue
-                    self.latest[i] = out
-                    yield i, out
-                    if not out.finished:
-                        pending[asyncio.ensure_future(anext(self.streams[i]))] = i
-        finally:
-            for task in pending:
-                task.cancel()
-
-    async def run_to_end(self, request: Request) -> list[Any]:
-        """Final outputs; aborts the engine requests if the client disconnects first."""
-
-        async def consume():
-            async for _ in self.updates():
-                pass
-
-        async def client_gone():
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        work, watch = asyncio.ensure_future(consume()), asyncio.ensure_future(client_gone())
-        try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():  # nobody is left to answer; the finally below aborts the requests
-                raise P.APIError(499, "client disconnected", code="client_closed_request")
-            try:
-                work.result()
-            except RequestAborted as e:
-                raise P.APIError(503, f"request aborted: {e}") from None
-            except EngineUnavailableError as e:
-                raise P.APIError(500, str(e)) from None
-            return self.latest
-        finally:
-            work.cancel()
-            watch.cancel()
-            self.abort()
-
-    def usage(self) -> P.Usage:
-        prompt = sum(len(p) for p in self.prompts)
-        completion = sum(len(o.token_ids) for out in self.latest if out is not None for o in out.outputs)
-        return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-
 class _AbortingStream(StreamingResponse):
     """A streaming response that runs `on_close` however it ends. Starlette cancels the response when
     the client disconnects; the body generator may then be suspended at a `yield` and only finalized at
@@ -251,7 +129,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, *, model_name: str, fi
             await engine.shutdown()
 
     app = FastAPI(title="detinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(_CountRequests, metrics=engine.metrics)
+    app.add_middleware(HTTPRequestCounter, metrics=engine.metrics, routes=ROUTES)
 
     @app.exception_handler(P.APIError)
     async def _api_error(_request, exc: P.APIError):
@@ -310,14 +188,39 @@ def create_app(engine: AsyncEngine, config: ServerConfig, *, model_name: str, fi
         except (ValueError, TypeError) as e:  # the message starts with the field's name
             raise P.bad_request(str(e), param=str(e).split(" ", 1)[0]) from None
 
-    async def generate(prompts: list[list[int]], params: SamplingParams, prefix: str) -> _Generation:
-        gen = _Generation(engine, f"{prefix}-{uuid.uuid4().hex}", prompts, params)
-        await gen.start()
+    async def generate(prompts: list[list[int]], params: SamplingParams, prefix: str) -> Generation:
+        gen = Generation(engine, f"{prefix}-{uuid.uuid4().hex}", prompts, params)
+        try:
+            await gen.start()
+        except QueueFullError as e:
+            raise P.APIError(429, str(e), code="queue_full") from None
+        except EngineUnavailableError as e:
+            raise P.APIError(503, str(e)) from None
+        except (ValueError, TypeError) as e:  # refused by the engine (the server checks most of it first)
+            raise P.bad_request(str(e), param="prompt") from None
         return gen
 
-    def stream_response(gen: _Generation, emit: Callable, final: Callable) -> StreamingResponse:
+    async def run_to_end(gen: Generation, request: Request) -> list[Any]:
+        async def client_gone():
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        try:
+            return await gen.run_to_end(client_gone)
+        except ClientDisconnected:  # nobody reads this answer; the status is for the logs and metrics
+            raise P.APIError(499, "client disconnected", code="client_closed_request") from None
+        except RequestAborted as e:
+            raise P.APIError(503, f"request aborted: {e}") from None
+        except EngineUnavailableError as e:
+            raise P.APIError(500, str(e)) from None
+
+    def usage(gen: Generation) -> P.Usage:
+        prompt, completion = gen.token_counts()
+        return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    def stream_response(gen: Generation, emit: Callable, final: Callable) -> StreamingResponse:
         async def body():
-            choices = _Choices(gen.params.n)
+            choices = ChoiceTracker(gen.params.n)
             try:
                 async for i, out in gen.updates():
                     for chunk in emit(choices, i, out):
@@ -377,9 +280,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig, *, model_name: str, fi
         echo = bool(req.echo)
         params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
                                  prompt_logprobs=req.logprobs if echo and req.logprobs is not None else None)
-        gen = await generate(prompts, params, "cmpl")
-        created = int(time.time())
         prompt_text = [tokenizer.decode(p, skip_special_tokens=False) if echo else "" for p in prompts]
+        gen = await generate(prompts, params, "cmpl")  # from here on, every exit path must abort it
+        created = int(time.time())
 
         def choice(out: Any, i: int, o: Any, text: str, entries: Any, offsets: dict[int, int], finish):
             c = i * n + o.index
@@ -401,7 +304,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, *, model_name: str, fi
             offsets: dict[int, int] = {}
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-            def emit(choices: _Choices, i: int, out: Any):
+            def emit(choices: ChoiceTracker, i: int, out: Any):
                 for c, text, entries, finish in choices.deltas(i, out):
                     o = out.outputs[c - i * n]
                     first = c not in offsets
@@ -410,9 +313,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig, *, model_name: str, fi
                         count_finishes([finish])
                     yield resp([choice(out, i, o, text, entries, offsets, finish)])
                 if include_usage and all(x is not None and x.finished for x in gen.latest):
-                    yield resp([], gen.usage())
+                    yield resp([], usage(gen))
 
-            def final(choices: _Choices):
+            def final(choices: ChoiceTracker):
                 open_ = [c for c in range(len(prompts) * n) if c not in choices.finished]
                 count_finishes(["abort"] * len(open_))
                 for c in open_:
@@ -420,13 +323,13 @@ def create_app(engine: AsyncEngine, config: ServerConfig, *, model_name: str, fi
 
             return stream_response(gen, emit, final)
 
-        latest = await gen.run_to_end(request)
+        latest = await run_to_end(gen, request)
         out_choices, offsets = [], {}
         for i, out in enumerate(latest):
             for o in out.outputs:
                 out_choices.append(choice(out, i, o, prompt_text[i] + o.text, o.logprobs, offsets, o.finish_reason))
         count_finishes([c.finish_reason for c in out_choices])
-        return Response(resp(out_choices, gen.usage()).model_dump_json(), media_type="application/json")
+        return Response(resp(out_choices, usage(gen)).model_dump_json(), media_type="application/json")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -456,7 +359,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, *, model_name: str, fi
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             started_choices: set[int] = set()
 
-            def emit(choices: _Choices, i: int, out: Any):
+            def emit(choices: ChoiceTracker, i: int, out: Any):
                 for c, text, entries, finish in choices.deltas(i, out):
                     if c not in started_choices:  # OpenAI opens each choice with the role
                         started_choices.add(c)
@@ -469,10 +372,10 @@ def create_app(engine: AsyncEngine, config: ServerConfig, *, model_name: str, fi
                         yield chunk([P.ChatChunkChoice(index=c, delta=P.DeltaMessage(), finish_reason=finish)])
                 if include_usage and gen.latest[0] is not None and gen.latest[0].finished:
                     u = chunk([])
-                    u.usage = gen.usage()
+                    u.usage = usage(gen)
                     yield u
 
-            def final(choices: _Choices):
+            def final(choices: ChoiceTracker):
                 open_ = [c for c in range(params.n) if c not in choices.finished]
                 count_finishes(["abort"] * len(open_))
                 for c in open_:
@@ -480,13 +383,13 @@ def create_app(engine: AsyncEngine, config: ServerConfig, *, model_name: str, fi
 
             return stream_response(gen, emit, final)
 
-        (out,) = await gen.run_to_end(request)
+        (out,) = await run_to_end(gen, request)
         choices = [P.ChatChoice(index=o.index, message=P.AssistantMessage(content=o.text),
                                 logprobs=formatter.chat_logprobs(o.logprobs) if logprobs is not None else None,
                                 finish_reason=o.finish_reason) for o in out.outputs]
         count_finishes([c.finish_reason for c in choices])
         resp = P.ChatCompletionResponse(id=gen.request_id, created=created, model=model_name,
-                                        system_fingerprint=fingerprint, choices=choices, usage=gen.usage())
+                                        system_fingerprint=fingerprint, choices=choices, usage=usage(gen))
         return Response(resp.model_dump_json(), media_type="application/json")
 
     return app

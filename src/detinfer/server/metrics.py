@@ -186,6 +186,33 @@ class ServerMetrics:
         return self.registry.render()
 
 
+class HTTPRequestCounter:
+    """Pure ASGI middleware counting answered HTTP requests by route and status. (Not Starlette's
+    BaseHTTPMiddleware: it wraps streaming responses in a way that interferes with disconnect handling.)
+    Paths outside `routes` are counted as "other", so scanners cannot blow up the label set."""
+
+    def __init__(self, app, metrics: ServerMetrics, routes: tuple[str, ...]):
+        self.app, self.metrics, self.routes = app, metrics, routes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = [500]
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            path = scope.get("path", "")
+            path = next((r for r in self.routes if r == path or r.endswith("}") and path.startswith(r[:r.index("{")])),
+                        "other")
+            self.metrics.http_requests.inc(path=path, status=str(status[0]))
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """`{"name{labels}": value}` from exposition text; used by tests and the benchmark to read /metrics."""
     out: dict[str, float] = {}
