@@ -92,7 +92,7 @@ INTERPRETER_CONFIG = MatmulConfig(block_m=1, block_n=64, block_k=32, num_warps=4
 _C = MatmulConfig
 GPU_CONFIGS_16BIT: dict = {
     # decode: weight-bandwidth bound; 16-row tiles, 64-wide N tiles, 256-deep K steps keep ~40 KB of weights
-    # in flight per program. Worst of 10 cells 1.00x cuBLAS.
+    # in flight per program. Run-2 sweep: worst of 10 cells 1.00x cuBLAS (run-3 bench: see NOTES).
     "decode": (16, (_C(16, 64, 256, 4, 4),)),
     # small batches: still bandwidth bound; the N tile narrows until there are enough programs for the SMs.
     "small": (64, (_C(64, 128, 128, 4, 4, tma=True), _C(64, 64, 256, 4, 3), _C(64, 32, 256, 4, 4))),
@@ -101,7 +101,7 @@ GPU_CONFIGS_16BIT: dict = {
     # qkv/o at M=256-512: below the bar, see bench/NOTES.md); the table the final GPU tests ran with.
     "mid": (768, (_C(128, 128, 64, 4, 3, tma=True, persistent=True, warp_specialize=True),
                   _C(64, 64, 256, 4, 3))),
-    # compute bound: 128x256 tiles, TMA, persistent, warp-specialized. Worst of 10 cells 0.93x cuBLAS.
+    # compute bound: 128x256 tiles, TMA, persistent, warp-specialized. Run-2 sweep: worst of 10 cells 0.93x.
     "large": (None, (_C(128, 256, 64, 8, 3, tma=True, persistent=True, warp_specialize=True),)),
 }
 # fp32 runs IEEE fp32 FMA dots (no tf32, like torch's default): smaller tiles, operands live in registers.
