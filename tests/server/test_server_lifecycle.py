@@ -1,5 +1,6 @@
-"""Servers with their own flags: the admission bound (429 instead of an unbounded queue), the API key, and
-graceful shutdown (in-flight requests finish within the grace period or end cleanly with "abort")."""
+"""Servers with their own flags: the admission bound (429 instead of an unbounded queue), the API key, the
+fingerprint of another mode, and graceful shutdown (in-flight requests finish within the grace period or end
+cleanly with "abort")."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ MODEL = "tiny-llama"
 LONG = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
 
 
-def test_queue_bound_returns_429_and_api_key_is_required(start_server):
-    server = start_server("--max-pending-requests", "2", "--api-key", "sesame")
+def test_queue_bound_returns_429_and_api_key_is_required(start_server, server):
+    shared = server  # the session's deterministic-mode server, same model
+    server = start_server("--max-pending-requests", "2", "--api-key", "sesame", "--mode", "fast")
     auth = {"Authorization": "Bearer sesame"}
     r = httpx.post(f"{server.url}/v1/completions", json={**LONG, "max_tokens": 1})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
@@ -42,6 +44,9 @@ def test_queue_bound_returns_429_and_api_key_is_required(start_server):
     assert m['detinfer_requests_rejected_total{reason="queue_full"}'] == 6
     ok = httpx.post(f"{server.url}/v1/completions", json={**LONG, "max_tokens": 2}, headers=auth)
     assert ok.status_code == 200  # capacity is back once the long ones finished
+    # same weights, other mode: the answers are not comparable, and the fingerprint says so
+    ref = httpx.post(f"{shared.url}/v1/completions", json={**LONG, "max_tokens": 2})
+    assert ok.json()["system_fingerprint"] != ref.json()["system_fingerprint"]
 
 
 def _stream(url: str, body: dict, events: list, first_chunk: threading.Event) -> None:

@@ -142,6 +142,17 @@ def test_echo_with_logprobs(client):
     assert c.logprobs.token_logprobs[n_prompt:] == plain.logprobs.token_logprobs
 
 
+def test_streaming_echo_equals_non_streaming(client):
+    kw = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=1,
+              extra_body=IGNORE_EOS)
+    full = client.completions.create(**kw).choices[0]
+    chunks = [ch.choices[0] for ch in client.completions.create(stream=True, **kw) if ch.choices]
+    assert "".join(c.text for c in chunks) == full.text and full.text.startswith(PROMPT)
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for c in chunks if c.logprobs for x in getattr(c.logprobs, field)] == \
+            getattr(full.logprobs, field), field
+
+
 def test_streaming_completion_equals_non_streaming(client):
     kw = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0.8, seed=3, logprobs=2,
               extra_body=IGNORE_EOS)

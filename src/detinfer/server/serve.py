@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     engine = LLMEngine(model_dir, engine_config, device=server_config.device)
     resolved = engine.config  # max_model_len resolved from the model
-    device, dtype = str(engine.runner.device), str(engine.runner.dtype).removeprefix("torch.")
+    device, dtype = str(engine.device), str(engine.dtype).removeprefix("torch.")
     fingerprint = system_fingerprint(weights_digest=model_files_digest(model_dir), dtype=dtype,
                                      mode=resolved.mode, block_size=resolved.block_size, device=device)
     name = server_config.served_model_name or model_dir.resolve().name
