@@ -100,8 +100,7 @@ def repro_offline(model_dir: str | Path | None, prompt: str, cfg: ReproConfig, *
 def repro_server(urls: Sequence[str], prompt: str, cfg: ReproConfig, *, model: str | None = None,
                  api_key: str | None = None, progress: bool = True) -> list[Section]:
     """Run the experiment against each OpenAI-compatible server in turn (one section per URL)."""
-    from detinfer.repro.analysis import join_decode
-    from detinfer.repro.client import run_server
+    from detinfer.repro.client import decode_units, run_server
 
     _check_prompt(prompt)
     if isinstance(urls, str) or not urls:
@@ -114,7 +113,7 @@ def repro_server(urls: Sequence[str], prompt: str, cfg: ReproConfig, *, model: s
         label = url if list(urls).count(url) == 1 else f"{url} #{i}"
         endpoint = "/v1/chat/completions" if cfg.chat else "/v1/completions"
         sections.append(Section(label=label, target=f"server {url} ({endpoint}, model {extra['model']})",
-                                prompt=prompt, summary=summarize(completions, join_decode, cfg.max_pairs),
+                                prompt=prompt, summary=summarize(completions, decode_units, cfg.max_pairs),
                                 completions=tuple(completions), elapsed_s=elapsed, extra=extra))
     return sections
 

@@ -11,6 +11,7 @@ character.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from typing import Any
 
@@ -47,6 +48,29 @@ def request_body(cfg: ReproConfig, model: str, prompt: str, *, max_tokens: int, 
     return "/completions", body
 
 
+def token_unit(token: str, raw: list[int] | None = None) -> str:
+    """The unit compared for one server token. A token that is only part of a UTF-8 character cannot be
+    written as text; servers then send `bytes:\\xNN...` (OpenAI's convention) or a placeholder string
+    plus its raw `bytes` (chat). Both are normalised to the `bytes:` form so that `decode_units` can
+    rebuild the exact text."""
+    if raw is not None and token.encode("utf-8") != bytes(raw):
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return token
+
+
+_BYTES_UNIT = re.compile(r"bytes:((?:\\x[0-9a-fA-F]{2})+)")
+
+
+def _unit_bytes(unit: str) -> bytes:
+    m = _BYTES_UNIT.fullmatch(unit)  # anything else is text, even if it starts with "bytes:"
+    return bytes.fromhex(m.group(1).replace("\\x", "")) if m else unit.encode("utf-8")
+
+
+def decode_units(units) -> str:
+    """Text of a run of server tokens (partial UTF-8 characters joined before decoding)."""
+    return b"".join(_unit_bytes(u) for u in units).decode("utf-8", errors="replace")
+
+
 def completion_from_response(run: int, data: dict[str, Any], chat: bool, meta: dict[str, Any]) -> Completion:
     """A Completion from a /v1/chat/completions or /v1/completions response (first choice)."""
     try:
@@ -56,16 +80,17 @@ def completion_from_response(run: int, data: dict[str, Any], chat: bool, meta: d
         tokens = logprobs = top = None
         if chat and lp and lp.get("content") is not None:
             content = lp["content"]
-            tokens = tuple(e["token"] for e in content)
+            tokens = tuple(token_unit(e["token"], e.get("bytes")) for e in content)
             logprobs = tuple(e["logprob"] for e in content)
-            top = tuple(tuple((t["token"], t["logprob"]) for t in e.get("top_logprobs") or ()) for e in content)
+            top = tuple(tuple((token_unit(t["token"], t.get("bytes")), t["logprob"])
+                              for t in e.get("top_logprobs") or ()) for e in content)
         elif not chat and lp and lp.get("tokens") is not None:
             tokens = tuple(lp["tokens"])
             logprobs = tuple(lp["token_logprobs"])
             top = tuple(tuple((d or {}).items()) for d in lp.get("top_logprobs") or [None] * len(tokens))
         return Completion(run=run, text=text or "", tokens=tokens, logprobs=logprobs, top_logprobs=top,
                           finish_reason=choice.get("finish_reason"), meta=meta)
-    except (KeyError, IndexError, TypeError) as e:
+    except (KeyError, IndexError, TypeError, ValueError) as e:
         raise ServerError(f"run {run}: unexpected response shape ({type(e).__name__}: {e}): "
                           f"{str(data)[:300]}") from None
 
