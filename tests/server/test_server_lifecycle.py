@@ -13,7 +13,7 @@ import time
 import httpx
 
 MODEL = "tiny-llama"
-LONG = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+LONG = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
 
 
 def test_queue_bound_returns_429_and_api_key_is_required(start_server, server):

@@ -85,7 +85,7 @@ def test_same_request_alone_and_under_load_is_bit_identical(server, probe):
 
 def test_stream_disconnect_aborts_and_frees_kv(server):
     before = server.wait_idle()
-    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0,
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 240, "temperature": 0,
             "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=server.url, timeout=60.0) as http:
         with http.stream("POST", "/v1/completions", json=body) as r:
@@ -102,7 +102,7 @@ def test_stream_disconnect_aborts_and_frees_kv(server):
     assert after["detinfer_requests_aborted_total"] == before["detinfer_requests_aborted_total"] + 1
     assert after["detinfer_kv_cache_blocks_used"] == 0  # no leaked blocks
     generated = after["detinfer_generation_tokens_total"] - before["detinfer_generation_tokens_total"]
-    assert generated < 200  # stopped early: it was aborted, not run to max_tokens
+    assert generated < 240  # stopped early: it was aborted, not run to max_tokens
     with httpx.Client(base_url=server.url, timeout=60.0) as http:
         ok = http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 3})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
@@ -110,13 +110,13 @@ def test_stream_disconnect_aborts_and_frees_kv(server):
 
 def test_non_streaming_disconnect_aborts(server):
     before = server.wait_idle()
-    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):  # the client gives up after 0.3 s and closes the connection
-        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=0.3))
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up after 0.15 s and closes the connection
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=0.15))
     after = server.wait_idle()
     assert after["detinfer_requests_aborted_total"] == before["detinfer_requests_aborted_total"] + 1
     assert after["detinfer_kv_cache_blocks_used"] == 0
-    assert after["detinfer_generation_tokens_total"] - before["detinfer_generation_tokens_total"] < 200
+    assert after["detinfer_generation_tokens_total"] - before["detinfer_generation_tokens_total"] < 240
 
 
 def test_bounded_load_200_requests_concurrency_32(server):
