@@ -8,8 +8,9 @@ bf16, block_size 16 with shuffled physical blocks. Invariant `paged_attention` v
 CUDA-graph replays (the engine captures decode), each replay running the op over R copies of the KV
 (R * KV bytes >= 256 MB, so L2 does not serve repeat reads); bandwidth counts K and V bytes once.
 Prefill: causal, sequences of 512..8k, 1k..16k tokens per step, vs SDPA's flash backend on the same
-tokens (paged K/V already written; write_kv timed separately).
---sweep adds the candidate configs (split size, schedule, warps) next to the defaults.
+tokens (paged K/V already written; write_kv timed separately); CUDA-graph replays too (GPU time), plus
+the invariant kernel timed eagerly (with the host's launch overhead).
+--sweep adds the candidate configs (split size, split grouping) next to the defaults.
 """
 
 from __future__ import annotations
@@ -118,12 +119,9 @@ def decode_variants(sweep: bool) -> dict:
     v = {"inv": (A.paged_attention, {}, {}), "fast": (A.paged_attention_fast, {}, {})}
     if sweep:
         v.update({
-            "inv_par": (A.paged_attention, {"schedule": "parallel"}, {}),
-            "inv_seq": (A.paged_attention, {"schedule": "sequential"}, {}),
-            "inv128": (A.paged_attention, {"split_size": 128}, {}),
             "inv512": (A.paged_attention, {"split_size": 512}, {}),
-            "inv512_par": (A.paged_attention, {"split_size": 512, "schedule": "parallel"}, {}),
-            "inv_st4": (A.paged_attention, {}, {"stages": 4}),
+            "inv_pp4": (A.paged_attention, {}, {"programs_per_sm": 4}),
+            "inv_pp16": (A.paged_attention, {}, {"programs_per_sm": 16}),
         })
     return v
 
@@ -154,30 +152,27 @@ def prefill_cell(n: int, length: int, sweep: bool) -> dict:
     kv_lens = torch.full((n,), length, dtype=torch.int32, device="cuda")
     cu = torch.arange(0, t + 1, length, dtype=torch.int32, device="cuda")
     row = {"n": n, "len": length, "tflop": 4 * n * HQ * D * length * (length + 1) / 2 / 1e12}
-    row["write_kv"] = eager_ms(lambda: write_kv(k, v, k_cache, v_cache, slots, validate=False))
+    row["write_kv"] = graph_ms(lambda i: write_kv(k, v, k_cache, v_cache, slots, validate=False), 1, 10)
     kw = dict(max_q_len=length, max_kv_len=length, validate=False)
-    row["inv"] = eager_ms(lambda: A.paged_attention(q, k_cache, v_cache, tables, kv_lens, cu, SCALE, **kw))
-    row["fast"] = eager_ms(lambda: A.paged_attention_fast(q, k_cache, v_cache, tables, kv_lens, cu, SCALE,
-                                                          **kw))
+    inv = lambda i: A.paged_attention(q, k_cache, v_cache, tables, kv_lens, cu, SCALE, **kw)  # noqa: E731
+    row["inv"] = graph_ms(inv, 1, 10)
+    row["inv_eager"] = eager_ms(lambda: inv(0))  # includes host launch overhead
+    row["fast"] = graph_ms(lambda i: A.paged_attention_fast(q, k_cache, v_cache, tables, kv_lens, cu, SCALE,
+                                                            **kw), 1, 10)
     if sweep:
-        for name, tune in (("inv_bm64", {"bm_max": 64}), ("inv_maskall", {"mask_all": True}),
-                           ("inv_st2", {"stages": 2})):
-            saved = dict(A._TUNE)
-            A._TUNE.update(tune)
-            row[name] = eager_ms(lambda: A.paged_attention(q, k_cache, v_cache, tables, kv_lens, cu, SCALE,
-                                                           **kw))
-            A._TUNE.update(saved)
-        row["inv512"] = eager_ms(lambda: A.paged_attention(q, k_cache, v_cache, tables, kv_lens, cu, SCALE,
-                                                           split_size=512, **kw))
+        row["inv512"] = graph_ms(lambda i: A.paged_attention(q, k_cache, v_cache, tables, kv_lens, cu, SCALE,
+                                                             split_size=512, **kw), 1, 10)
     q4 = q.view(n, length, HQ, D).transpose(1, 2)
     k4 = k.view(n, length, HKV, D).transpose(1, 2)
     v4 = v.view(n, length, HKV, D).transpose(1, 2)
     try:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            row["sdpa_flash"] = eager_ms(lambda: F.scaled_dot_product_attention(
-                q4, k4, v4, is_causal=True, scale=SCALE, enable_gqa=True))
+        def flash(i):
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=SCALE, enable_gqa=True)
+
+        row["sdpa_flash"] = graph_ms(flash, 1, 10)
     except Exception as e:
         print(f"  sdpa flash n={n} len={length}: {type(e).__name__}: {str(e)[:200]}")
         row["sdpa_flash"] = float("nan")
@@ -228,7 +223,7 @@ def main() -> None:
             print(f"  prefill {n}x{length}: " + ", ".join(f"{k}={v:.3f}" for k, v in rows[-1].items()
                                                           if isinstance(v, float)), flush=True)
         out["prefill"] = rows
-        names = ["inv", "fast"] + (["inv_bm64", "inv_maskall", "inv_st2", "inv512"] if args.sweep else [])
+        names = ["inv", "inv_eager", "fast"] + (["inv512"] if args.sweep else [])
         print_prefill(rows, names)
     if args.json:
         with open(args.json, "w") as f:

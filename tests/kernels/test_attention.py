@@ -11,20 +11,13 @@ GPU (test_attention_gpu.py).
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_attention_scenarios import (
-    DEV,
-    PagedRunner,
-    assert_accurate,
-    make_seqs,
-    prefill_then_decode,
-    random_plans,
-    reference,
-    whole_plan,
-)
 
 from detinfer.kernels.attention import (
     DEFAULT_SPLIT_SIZE,
@@ -33,6 +26,20 @@ from detinfer.kernels.attention import (
     paged_attention,
     paged_attention_fast,
     paged_attention_ref,
+)
+
+# Sibling helper modules: the suite runs with --import-mode=importlib, which does not put test
+# folders on sys.path.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_attention_scenarios import (  # noqa: E402
+    DEV,
+    PagedRunner,
+    assert_accurate,
+    make_seqs,
+    prefill_then_decode,
+    random_plans,
+    reference,
+    whole_plan,
 )
 
 CPU_DTYPES = [torch.float32, torch.float16]
@@ -87,6 +94,28 @@ def test_schedules_and_hints_agree_at_default_split(dtype):
             for s, (sched, hint) in enumerate([("sequential", None), ("parallel", 16), ("sequential", 1)])]
     for r in runs[1:]:
         assert_same(runs[0], r, f"default split {DEFAULT_SPLIT_SIZE}")
+
+
+@pytest.mark.parametrize("programs", [1, 3])
+def test_split_parallel_programs_walking_several_splits(monkeypatch, programs):
+    """Split-parallel programs that walk several splits (storing each split's partial on its own) give
+    the sequential bits; how many splits a program walks is a speed choice."""
+    from detinfer.kernels import attention
+
+    lengths = [300, 140, 1]
+    seqs = make_seqs(lengths, 4, 2, 64, torch.float16, seed=10)
+    ref = PagedRunner(seqs).run(whole_plan(lengths, schedule="sequential"), SCALE, split_size=64)
+    # ~programs in total: every program walks many splits
+    monkeypatch.setitem(attention._TUNE, "programs_per_sm", programs / 132)
+    for window in (None, 100):
+        par = PagedRunner(seqs, seed=1).run(whole_plan(lengths, schedule="parallel"), SCALE, split_size=64,
+                                            sliding_window=window)
+        if window is None:
+            assert_same(ref, par, f"{programs} programs")
+        dec = PagedRunner(seqs, seed=2).run(prefill_then_decode(lengths, [n - 1 for n in lengths],
+                                                                schedule="parallel"), SCALE, split_size=64,
+                                            sliding_window=window)
+        assert_same(par, dec, f"{programs} programs, window {window}")
 
 
 @settings(max_examples=FEW)

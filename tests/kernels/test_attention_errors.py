@@ -3,11 +3,18 @@ value checks are off (NaN-poisoned pool: a stray read would show)."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
-from test_attention_scenarios import DEV, PagedRunner, make_seqs, whole_plan
 
 from detinfer.kernels.attention import attention_contiguous, paged_attention, paged_attention_fast
+
+# Sibling helper modules: the suite runs with --import-mode=importlib, which does not put test
+# folders on sys.path.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_attention_scenarios import DEV, PagedRunner, make_seqs, whole_plan  # noqa: E402
 
 SCALE = 0.125
 

@@ -10,27 +10,33 @@ negative control (stock SDPA decode changes with the batch size) so the invarian
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_attention import assert_same
-from test_attention_scenarios import (
-    TOL,
-    PagedRunner,
-    make_seqs,
-    prefill_then_decode,
-    random_plans,
-    whole_plan,
-)
 
 from detinfer.kernels.attention import (
     DEFAULT_SPLIT_SIZE,
     attention_contiguous,
     paged_attention,
     paged_attention_fast,
+)
+
+# Sibling helper modules: the suite runs with --import-mode=importlib, which does not put test
+# folders on sys.path.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_attention import assert_same  # noqa: E402
+from test_attention_scenarios import (  # noqa: E402
+    TOL,
+    PagedRunner,
+    make_seqs,
+    prefill_then_decode,
+    random_plans,
+    whole_plan,
 )
 
 pytestmark = pytest.mark.gpu

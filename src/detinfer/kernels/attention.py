@@ -50,6 +50,7 @@ _TUNE = {
     "warps_bm128": 8,
     "stages": 3,  # K+V tiles in flight per program (32 KB each at head_dim 128)
     "parallel_below": 2,  # split-parallel when sequential programs < this x SM count (GPU otherwise idles)
+    "programs_per_sm": 8,  # split-parallel: group consecutive splits per program down to ~this many
     "mask_all": False,  # mask every tile, not only the ones some row cannot fully see (same bits; A/B)
 }
 
@@ -190,22 +191,27 @@ def _launch(q, k, v, out, *, paged: bool, cu_q, kv_lens, bt, key_start, num_seqs
     fixed = interpreting()
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 dots exact-ish; 16-bit unaffected
     has_window = window is not None
+    splits_per_program = 1
     if parallel:
         ws_o = torch.empty((tokens, hq, num_splits, d), dtype=torch.float32, device=q.device)
         ws_ml = torch.empty((tokens, hq, num_splits, 2), dtype=torch.float32, device=q.device)
+        # Consecutive splits per program (each still stored as its own partial): enough programs to
+        # fill the GPU, no more, so per-program set-up is paid less often. Speed only.
+        target = max(1, int(_TUNE["programs_per_sm"] * _sm_count(q.device)))
+        splits_per_program = max(1, triton.cdiv(n_tiles * hkv * num_splits, target))
     else:
         ws_o = ws_ml = out  # unused pointers
     dummy_i32 = cu_q if cu_q is not None else key_start
-    grid = (n_tiles, hkv, num_splits if parallel else 1)
+    grid = (n_tiles, hkv, triton.cdiv(num_splits, splits_per_program) if parallel else 1)
     K._attention_kernel[grid](
         q, k, v, out, ws_o, ws_ml, dummy_i32, kv_lens if kv_lens is not None else dummy_i32,
         bt if bt is not None else dummy_i32, key_start if key_start is not None else dummy_i32,
         *q_strides, *o_strides, *k_strides, *v_strides, bt_stride,
         num_seqs, fixed_q_len, fixed_kv_len, max_blocks, num_blocks, block_size, split_size,
-        window if has_window else 0, hq, num_splits, scale * math.log2(math.e),
+        window if has_window else 0, hq, num_splits, splits_per_program, scale * math.log2(math.e),
         GROUP=group, GROUP_PAD=gp, BLOCK_T=bt_, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, PAGED=paged,
         SPLIT_PARALLEL=parallel, HAS_WINDOW=has_window, MASK_ALL=_TUNE["mask_all"], FIXED_ORDER_DOT=fixed,
-        PRECISION=precision,
+        PRECISION=precision, MULTI_SPLIT=splits_per_program > 1,
         # 3 stages of K+V tiles (32 KB each) hide the paged gather's latency; fusion off: see kernels doc.
         num_warps=warps, num_stages=_TUNE["stages"] if d <= 128 else 2, enable_fp_fusion=False)
     if parallel:
@@ -215,7 +221,7 @@ def _launch(q, k, v, out, *, paged: bool, cu_q, kv_lens, bt, key_start, num_seqs
         K._merge_splits_kernel[(triton.cdiv(tokens, tokens_per), hkv)](
             ws_o, ws_ml, out, dummy_i32, kv_lens if kv_lens is not None else dummy_i32,
             key_start if key_start is not None else dummy_i32, *o_strides,
-            num_seqs, tokens, max(1, num_seqs).bit_length() + 1, fixed_q_len, fixed_kv_len, split_size,
+            num_seqs, tokens, fixed_q_len, fixed_kv_len, split_size,
             window if has_window else 0, hq, num_splits,
             GROUP=group, GROUP_PAD=gp, TOKENS=tokens_per, HEAD_DIM=d, PAGED=paged, HAS_WINDOW=has_window,
             num_warps=4, enable_fp_fusion=False)
