@@ -144,69 +144,118 @@ try:  # host-side TMA descriptors (triton >= 3.4); without them every config run
 except ImportError:  # pragma: no cover - depends on the installed triton
     TensorDescriptor = None
 
+# ------------------------------------------------------------------------------------------ host path
+# Everything below runs once per call on the host, in front of a kernel that can take only a few
+# microseconds: no torch view ops beyond one reshape, no `triton.cdiv` (a constexpr function: ~10 us per
+# call on a slow CPU in triton 3.9), device properties and configs looked up once and cached.
 _SM_COUNT: dict = {}
+_TMA_ARCH: dict = {}
+_CONFIGS: dict = {}
+_CONFIG_CACHE_MAX = 1 << 14  # (M, N, K, dtype, device) keys; cleared when full (a batch-size sweep)
+_KERNEL_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # interpreter: any small number exercises the persistent tile walk
-    if device not in _SM_COUNT:
-        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT[device]
+    n = _SM_COUNT.get(device)
+    if n is None:
+        # interpreter: any small number exercises the persistent tile walk
+        n = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        _SM_COUNT[device] = n
+    return n
+
+
+def _tma_arch(device: torch.device) -> bool:
+    """Host TMA descriptors exist and the device has a TMA engine (Hopper+; the interpreter emulates it)."""
+    ok = _TMA_ARCH.get(device)
+    if ok is None:
+        ok = TensorDescriptor is not None and (
+            device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9)
+        _TMA_ARCH[device] = ok
+    return ok
+
+
+def _config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> MatmulConfig:
+    """`select_config` memoized per (M, N, K, dtype, device, interpreter). A pure function of its key, so
+    the cache cannot change which config a shape gets; `clear_config_cache` after editing the tables."""
+    interp = interpreting()
+    key = (m, n, k, dtype, device, interp)
+    cfg = _CONFIGS.get(key)
+    if cfg is None:
+        cfg = select_config(m, n, k, dtype, interp, sm_count=_num_sms(device))
+        if len(_CONFIGS) >= _CONFIG_CACHE_MAX:
+            _CONFIGS.clear()
+        _CONFIGS[key] = cfg
+    return cfg
+
+
+def clear_config_cache() -> None:
+    """Forget memoized dispatcher choices (tests that swap the config tables call this)."""
+    _CONFIGS.clear()
+
+
+def _tma_ok(a: torch.Tensor, sam: int, sak: int, w: torch.Tensor, swn: int, swk: int, k: int) -> bool:
+    """TMA needs Hopper+, 16-bit operands here, a unit stride along K, 16-byte aligned rows and bases.
+    `a` / `w` are base tensors (data_ptr = element [0, 0]) of A [M, K] and W [N, K] with these strides."""
+    es = a.element_size()
+    return (es == 2 and k > 0 and sak == 1 and swk == 1 and (sam * es) % 16 == 0 and (swn * es) % 16 == 0
+            and a.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and _tma_arch(a.device))
 
 
 def _tma_usable(a2: torch.Tensor, w2: torch.Tensor) -> bool:
-    """TMA needs Hopper+, 16-bit operands here, a unit stride along K and 16-byte aligned rows/bases."""
-    if TensorDescriptor is None or a2.dtype == torch.float32 or a2.shape[1] == 0:
-        return False
-    if a2.is_cuda and torch.cuda.get_device_capability(a2.device)[0] < 9:
-        return False
-    es = a2.element_size()
-    return all(t.stride(1) == 1 and (t.stride(0) * es) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a2, w2))
+    """Whether A [M, K] and W [N, K] (2-D tensors) qualify for the descriptor kernel."""
+    return TensorDescriptor is not None and _tma_ok(a2, a2.stride(0), a2.stride(1), w2, w2.stride(0),
+                                                    w2.stride(1), a2.shape[1])
+
+
+def _run(a, sa, b, sb, c, sc, bias, nb: int, m: int, n: int, k: int, cfg: MatmulConfig | None) -> None:
+    """c[z] = a[z] @ b[z] (+ bias) for z < nb. a, b, c are base tensors (data_ptr = element [0, 0, 0]) of
+    A [nb, M, K], B [nb, K, N], C [nb, M, N], described by element strides sa / sb / sc = (z, row, col):
+    the caller passes strides instead of building views. `cfg` overrides the dispatcher (tests use it to
+    prove every config gives the same bits)."""
+    if nb == 0 or m == 0 or n == 0:
+        return
+    if nb > 65535:
+        raise ValueError(f"batch size {nb} exceeds the kernel's limit of 65535 batch entries per launch")
+    if cfg is None:
+        cfg = _config(m, n, k, a.dtype, a.device)
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    tiles = _cdiv(m, bm) * _cdiv(n, bn)
+    has_bias = bias is not None
+    bias_arg = bias if has_bias else c
+    # W [N, K] is B [K, N] read through its strides: its row stride is B's column stride.
+    if cfg.tma and nb == 1 and TensorDescriptor is not None and _tma_ok(a, sa[1], sa[2], b, sb[2], sb[1], k):
+        a_desc = TensorDescriptor(a, [m, k], [sa[1], 1], [bm, bk])
+        w_desc = TensorDescriptor(b, [n, k], [sb[2], 1], [bn, bk])
+        programs = min(tiles, _num_sms(a.device)) if cfg.persistent else tiles
+        _matmul_tma_kernel[(programs,)](
+            a_desc, w_desc, c, bias_arg, m, n, k, sc[1], sc[2], programs,
+            HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
+            FLATTEN=cfg.persistent, WARP_SPECIALIZE=cfg.warp_specialize,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return
+    # A TMA config whose operands do not qualify runs the same tiles through pointer loads: same bits.
+    # Single matrices pass batch strides of 0 (keeps the bases provably aligned, see the kernel).
+    if nb == 1:
+        sa, sb, sc = (0, sa[1], sa[2]), (0, sb[1], sb[2]), (0, sc[1], sc[2])
+    _matmul_kernel[(tiles, nb)](
+        a, b, c, bias_arg, m, n, k, *sa, *sb, *sc,
+        HAS_BIAS=has_bias, EVEN_K=k % bk == 0,
+        PRECISION=FP32_DOT_PRECISION if a.dtype == torch.float32 else "tf32",  # "tf32" is ignored for 16-bit
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
 
 
 def _launch(a3: torch.Tensor, b3: torch.Tensor, bias: torch.Tensor | None, out3: torch.Tensor,
             config: MatmulConfig | None = None) -> torch.Tensor:
-    """out3[z] = a3[z] @ b3[z] (+ bias) for 3-D views with any strides. `config` overrides the dispatcher
-    (tests use it to prove every config gives the same bits)."""
+    """out3[z] = a3[z] @ b3[z] (+ bias) for 3-D views with any strides (tests and the offline sweep)."""
     nb, m, k = a3.shape
-    n = b3.shape[2]
-    if nb == 0 or m == 0 or n == 0:
-        return out3
-    if nb > 65535:
-        raise ValueError(f"batch size {nb} exceeds the kernel's limit of 65535 batch entries per launch")
-    cfg = config or select_config(m, n, k, a3.dtype, interpreting(), sm_count=_num_sms(a3.device))
-    bias_arg = bias if bias is not None else out3
-    if cfg.tma and nb == 1 and _tma_usable(a3[0], b3[0].t()):
-        a2, w2, c2 = a3[0], b3[0].t(), out3[0]
-        a_desc = TensorDescriptor(a2, [m, k], [a2.stride(0), 1], [cfg.block_m, cfg.block_k])
-        w_desc = TensorDescriptor(w2, [n, k], [w2.stride(0), 1], [cfg.block_n, cfg.block_k])
-        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-        programs = min(tiles, _num_sms(a3.device)) if cfg.persistent else tiles
-        _matmul_tma_kernel[(programs,)](
-            a_desc, w_desc, c2, bias_arg, m, n, k, c2.stride(0), c2.stride(1), programs,
-            HAS_BIAS=bias is not None,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            FLATTEN=cfg.persistent, WARP_SPECIALIZE=cfg.warp_specialize,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-        return out3
-    # A TMA config whose operands do not qualify runs the same tiles through pointer loads: same bits.
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), nb)
-    precision = FP32_DOT_PRECISION if a3.dtype == torch.float32 else "tf32"  # "tf32" is ignored for 16-bit
-    bstride = (lambda t: t.stride(0)) if nb > 1 else (lambda t: 0)  # 0: keeps bases provably aligned
-    _matmul_kernel[grid](
-        a3, b3, out3, bias_arg,
-        m, n, k,
-        bstride(a3), a3.stride(1), a3.stride(2),
-        bstride(b3), b3.stride(1), b3.stride(2),
-        bstride(out3), out3.stride(1), out3.stride(2),
-        HAS_BIAS=bias is not None,
-        EVEN_K=k % cfg.block_k == 0,
-        PRECISION=precision,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    _run(a3, a3.stride(), b3, b3.stride(), out3, out3.stride(), bias, nb, m, b3.shape[2], k, config)
     return out3
 
 
@@ -225,6 +274,21 @@ def _check_same_dtype(op: str, *tensors: torch.Tensor | None) -> None:
     dts = {t.dtype for t in tensors if t is not None}
     if len(dts) > 1:
         raise TypeError(f"{op}: all operands must have one dtype, got {sorted(map(_name, dts))}")
+
+
+def _check_inputs(op: str, *tensors: torch.Tensor | None) -> None:
+    """The boundary checks of every Triton entry point: tensors, one kernel dtype, one device that runs the
+    kernel. The usual case (CUDA tensors of one dtype) is decided with a few attribute reads; anything else
+    goes through the full checks, which raise the descriptive errors."""
+    first = tensors[0]
+    if isinstance(first, torch.Tensor):
+        dt, dev = first.dtype, first.device
+        if dev.type == "cuda" and dt in _KERNEL_DTYPES and all(
+                t is None or (isinstance(t, torch.Tensor) and t.dtype == dt and t.device == dev)
+                for t in tensors[1:]):
+            return
+    check_kernel_inputs(op, *tensors)
+    _check_same_dtype(op, *tensors)
 
 
 def _check_matmul_shapes(op: str, a: torch.Tensor, b: torch.Tensor, nd: int) -> None:
@@ -253,21 +317,24 @@ def _check_linear_shapes(op: str, x: torch.Tensor, weight: torch.Tensor, bias: t
 # ------------------------------------------------------------------------------------------ Triton path
 def matmul(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """a [M, K] @ b [K, N] -> [M, N] in a.dtype, fp32 accumulation, batch-invariant. Any strides."""
-    check_kernel_inputs("matmul", a, b, out)
+    _check_inputs("matmul", a, b, out)
     _check_matmul_shapes("matmul", a, b, 2)
-    _check_same_dtype("matmul", a, b)
-    res = _check_out("matmul", out, (a.shape[0], b.shape[1]), a)
-    _launch(a.unsqueeze(0), b.unsqueeze(0), None, res.unsqueeze(0))
+    m, k = a.shape
+    n = b.shape[1]
+    res = _check_out("matmul", out, (m, n), a)
+    sa, sb, sc = a.stride(), b.stride(), res.stride()
+    _run(a, (0, sa[0], sa[1]), b, (0, sb[0], sb[1]), res, (0, sc[0], sc[1]), None, 1, m, n, k, None)
     return res
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """a [B, M, K] @ b [B, K, N] -> [B, M, N]; each batch entry as `matmul` (same bits as alone)."""
-    check_kernel_inputs("bmm", a, b, out)
+    _check_inputs("bmm", a, b, out)
     _check_matmul_shapes("bmm", a, b, 3)
-    _check_same_dtype("bmm", a, b)
-    res = _check_out("bmm", out, (a.shape[0], a.shape[1], b.shape[2]), a)
-    _launch(a, b, None, res)
+    nb, m, k = a.shape
+    n = b.shape[2]
+    res = _check_out("bmm", out, (nb, m, n), a)
+    _run(a, a.stride(), b, b.stride(), res, res.stride(), None, nb, m, n, k, None)
     return res
 
 
@@ -275,18 +342,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias[N]) -> [..., N]. The weight is read through its strides (no
     transposed copy); bias is added in fp32 after the reduction."""
-    check_kernel_inputs("linear", x, weight, bias, out)
+    _check_inputs("linear", x, weight, bias, out)
     _check_linear_shapes("linear", x, weight, bias)
-    _check_same_dtype("linear", x, weight, bias)
-    lead = tuple(x.shape[:-1])
     n, k = weight.shape
-    x2 = x.reshape(math.prod(lead), k)  # a view for the usual contiguous activations
-    res = _check_out("linear", out, lead + (n,), x)
-    try:
-        res2 = res.view(math.prod(lead), n)
-    except RuntimeError as e:
-        raise ValueError("linear: out must be viewable as [-1, N] (e.g. contiguous)") from e
-    _launch(x2.unsqueeze(0), weight.t().unsqueeze(0), bias, res2.unsqueeze(0))
+    if x.dim() == 2:
+        rows, x2, lead = x.shape[0], x, (x.shape[0],)
+    else:
+        lead = tuple(x.shape[:-1])
+        rows = math.prod(lead)
+        x2 = x.reshape(rows, k)  # a view for the usual contiguous activations
+    if out is None:
+        res = torch.empty(lead + (n,), dtype=x.dtype, device=x.device)
+        src, scm, scn = res, n, 1  # contiguous: row r of [rows, N] starts at r * N
+    else:
+        res = _check_out("linear", out, lead + (n,), x)
+        try:
+            src = res.view(rows, n)
+        except RuntimeError as e:
+            raise ValueError("linear: out must be viewable as [-1, N] (e.g. contiguous)") from e
+        scm, scn = src.stride()
+    sxm, sxk = x2.stride()
+    swn, swk = weight.stride()
+    # B [K, N] = weight^T: strides (k, n) are the weight's (column, row) strides.
+    _run(x2, (0, sxm, sxk), weight, (0, swk, swn), src, (0, scm, scn), bias, 1, rows, n, k, None)
     return res
 
 
