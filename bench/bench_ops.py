@@ -1,7 +1,7 @@
 """GPU benchmark: detinfer's batch-invariant ops against the stock torch ops, side by side in one process.
 
     PYTHONUNBUFFERED=1 python bench/bench_ops.py [--sections linear,rmsnorm,log_softmax] [--json FILE]
-                                                 [--timer events|graph]
+                                                 [--timer both|graph|eager]
 
 linear       bf16 Llama-3-8B shapes x M in {1, 4, 16, 64, 256, 1024, 4096, 8192}: ours vs F.linear (cuBLAS)
 rmsnorm      detinfer.kernels.rmsnorm.rms_norm vs torch's F.rms_norm, hidden 4096, rows {1, 64, 1024, 8192}
@@ -12,11 +12,14 @@ A section whose module is missing is skipped with a message. Times are medians o
 rotated over several copies so that no repeated call can be served from cache. ratio = stock time / ours
 (>= 1: ours is faster). Bandwidth fractions are of PEAK_BW (3.0 TB/s, the measured H100 copy rate).
 
---timer events (default) is do_bench: the host is in the loop, so for a kernel shorter than its own
-launch cost on the host (plus do_bench's ~85 us L2 flush) the time includes host overhead; that is what
-eager serving pays. --timer graph captures the calls in a CUDA graph (triton's do_bench_cudagraph,
-no L2 flush; the rotation above keeps small inputs out of L2) and times replays: device time only, what
-a CUDA-graph decode loop pays.
+Two timers, ours and the stock op measured the same way in each (--timer both, the default, runs both):
+* graph: the calls are captured in a CUDA graph and the graph is replayed (`graph_ms`, the method of
+  triton's do_bench_cudagraph): device time only, no host launch cost, no L2 flush (the rotation above
+  keeps inputs out of L2). What a CUDA-graph decode loop pays, and the like-for-like kernel comparison:
+  the speed bar is judged on this ratio.
+* eager: triton's do_bench (CUDA events around each call, L2 flushed before each). The host is in the
+  loop: a call whose host-side launch cost exceeds the flush (~85 us of GPU time) plus its kernel is
+  timed with host time in it. What eager serving pays, shown for reference.
 """
 
 from __future__ import annotations
@@ -49,15 +52,61 @@ def copies_for(nbytes: int) -> int:
     return 1 if nbytes >= l2_bytes() else min(32, math.ceil(2 * l2_bytes() / max(nbytes, 1)))
 
 
-TIMER = {"mode": "events"}
+TIMERS = ["graph", "eager"]
 
 
-def median_ms(fn) -> float:
+def graph_ms(fn, rep_ms: float = 20.0, replays: int = 7, max_calls: int = 2000) -> float:
+    """Median device time of one fn() in ms, from CUDA-graph replays of n back-to-back captured calls
+    (n chosen so that one replay takes ~rep_ms). Warm calls first (compilation, allocator), then a
+    3-call graph to estimate n."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def capture(n):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(n):
+                fn()
+        g.replay()  # first replay uploads the graph
+        torch.cuda.synchronize()
+        return g
+
+    def time_replay(g, n):
+        start.record()
+        g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / n
+
+    g = capture(3)
+    est = time_replay(g, 3)
+    del g
+    n = max(1, min(max_calls, int(rep_ms / max(est, 1e-4))))
+    g = capture(n)
+    times = sorted(time_replay(g, n) for _ in range(replays))
+    del g
+    return times[len(times) // 2]
+
+
+def eager_ms(fn) -> float:
     import triton
 
-    if TIMER["mode"] == "graph":
-        return triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median")
-    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def median_ms(fn, timer: str) -> float:
+    return graph_ms(fn) if timer == "graph" else eager_ms(fn)
+
+
+def both(ours, stock) -> dict:
+    """{timer: (ours ms, stock ms)} for the active timers, each pair measured back to back."""
+    return {t: (median_ms(ours, t), median_ms(stock, t)) for t in TIMERS}
 
 
 def rotated(fn, sets):
@@ -84,9 +133,10 @@ def bench_linear(rows_out: list) -> None:
     mm = try_import("detinfer.kernels.matmul")
     if mm is None:
         return
-    print("\n## linear, bf16 (ratio = F.linear time / ours; wBW = weight bytes / time / 3.0 TB/s)")
-    print(f"{'shape':8s} {'M':>5s} {'ours us':>10s} {'cuBLAS us':>10s} {'ratio':>6s} {'ours wBW':>8s} "
-          f"{'cub wBW':>8s} {'ours TF/s':>9s} {'cub TF/s':>9s}")
+    print(f"\n## linear, bf16 (ratio = F.linear time / ours; timers: {', '.join(TIMERS)}; "
+          "wBW = weight bytes / time / 3.0 TB/s, TF/s: first timer)")
+    cols = "".join(f" {t[:5] + ' ours':>11s} {t[:5] + ' cuBLAS':>12s} {t[:5] + ' ratio':>11s}" for t in TIMERS)
+    print(f"{'shape':8s} {'M':>5s}{cols} {'ours wBW':>8s} {'cub wBW':>8s} {'ours TF/s':>9s} {'cub TF/s':>9s}")
     for m in LINEAR_MS:
         for shape, (k, n) in LINEAR_SHAPES.items():
             w_bytes, x_bytes = n * k * 2, m * k * 2
@@ -97,18 +147,23 @@ def bench_linear(rows_out: list) -> None:
             rel = ((y_ours.float() - y_ref.float()).norm() / y_ref.float().norm()).item()
             if not rel < 1e-2:
                 raise AssertionError(f"linear {shape} M={m}: ours differs from F.linear by {rel:.3g} (relative)")
-            t_ours = median_ms(rotated(mm.linear, sets))
-            t_ref = median_ms(rotated(F.linear, sets))
+            del y_ours, y_ref
+            t = both(rotated(mm.linear, sets), rotated(F.linear, sets))
             flop = 2 * m * n * k
-            row = {"section": "linear", "shape": shape, "M": m, "ours_us": t_ours * 1e3, "stock_us": t_ref * 1e3,
-                   "ratio": t_ref / t_ours, "ours_wbw": w_bytes / (t_ours * 1e-3) / PEAK_BW,
-                   "stock_wbw": w_bytes / (t_ref * 1e-3) / PEAK_BW, "ours_tflops": flop / t_ours / 1e9,
-                   "stock_tflops": flop / t_ref / 1e9, "copies": nw}
+            row = {"section": "linear", "shape": shape, "M": m, "copies": nw}
+            for timer, (t_o, t_s) in t.items():
+                row.update({f"{timer}_ours_us": t_o * 1e3, f"{timer}_stock_us": t_s * 1e3,
+                            f"{timer}_ratio": t_s / t_o})
+            t_o, t_s = t[TIMERS[0]]
+            row.update({"ratio": t_s / t_o, "ours_wbw": w_bytes / (t_o * 1e-3) / PEAK_BW,
+                        "stock_wbw": w_bytes / (t_s * 1e-3) / PEAK_BW, "ours_tflops": flop / t_o / 1e9,
+                        "stock_tflops": flop / t_s / 1e9})
             rows_out.append(row)
+            vals = "".join(f" {row[f'{tm}_ours_us']:11.1f} {row[f'{tm}_stock_us']:12.1f} {row[f'{tm}_ratio']:11.3f}"
+                           for tm in TIMERS)
             bw = (f"{row['ours_wbw']:8.2f} {row['stock_wbw']:8.2f}" if m <= 64 else f"{'':8s} {'':8s}")
-            print(f"{shape:8s} {m:5d} {row['ours_us']:10.1f} {row['stock_us']:10.1f} {row['ratio']:6.3f} {bw} "
-                  f"{row['ours_tflops']:9.1f} {row['stock_tflops']:9.1f}", flush=True)
-            del sets, y_ours, y_ref
+            print(f"{shape:8s} {m:5d}{vals} {bw} {row['ours_tflops']:9.1f} {row['stock_tflops']:9.1f}", flush=True)
+            del sets
 
 
 def bench_rmsnorm(rows_out: list) -> None:
@@ -124,7 +179,7 @@ def bench_rmsnorm(rows_out: list) -> None:
                 for _ in range(copies_for(nbytes))]
         ours = lambda x, w: rn.rms_norm(x, w, eps)
         stock = lambda x, w: F.rms_norm(x, (h,), w, eps)
-        t_o, t_s = median_ms(rotated(ours, sets)), median_ms(rotated(stock, sets))
+        t_o, t_s = both(rotated(ours, sets), rotated(stock, sets))[TIMERS[0]]
         row = {"section": "rmsnorm", "rows": r, "ours_us": t_o * 1e3, "stock_us": t_s * 1e3, "ratio": t_s / t_o,
                "ours_bw": nbytes / (t_o * 1e-3) / PEAK_BW, "stock_bw": nbytes / (t_s * 1e-3) / PEAK_BW}
         rows_out.append(row)
@@ -145,7 +200,7 @@ def bench_log_softmax(rows_out: list) -> None:
             sets = [((torch.randn(r, v, device="cuda") * 4).bfloat16(),) for _ in range(copies_for(nbytes))]
             ours = lambda x: sm.log_softmax(x, dim=-1, dtype=torch.float32)
             stock = lambda x: torch.log_softmax(x, dim=-1, dtype=torch.float32)
-            t_o, t_s = median_ms(rotated(ours, sets)), median_ms(rotated(stock, sets))
+            t_o, t_s = both(rotated(ours, sets), rotated(stock, sets))[TIMERS[0]]
             row = {"section": "log_softmax", "vocab": v, "rows": r, "ours_us": t_o * 1e3, "stock_us": t_s * 1e3,
                    "ratio": t_s / t_o, "ours_bw": nbytes / (t_o * 1e-3) / PEAK_BW,
                    "stock_bw": nbytes / (t_s * 1e-3) / PEAK_BW}
@@ -162,16 +217,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--json", default=None, help="also write every row to this JSON file")
-    ap.add_argument("--timer", choices=("events", "graph"), default="events",
-                    help="events: do_bench (host in the loop); graph: CUDA-graph replays (device time only)")
+    ap.add_argument("--timer", choices=("both", "graph", "eager"), default="both",
+                    help="graph: CUDA-graph replays (device time only; the bar); eager: do_bench (host in the "
+                         "loop); both: graph then eager, each for ours and the stock op")
     args = ap.parse_args()
-    TIMER["mode"] = args.timer
+    TIMERS[:] = ["graph", "eager"] if args.timer == "both" else [args.timer]
     if not torch.cuda.is_available():
         sys.exit("bench_ops.py needs a CUDA GPU (it times kernels against cuBLAS / torch's fused kernels)")
     import triton
 
     print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}, "
-          f"L2 {l2_bytes() >> 20} MiB, timer {args.timer}")
+          f"L2 {l2_bytes() >> 20} MiB, timers {TIMERS}")
     rows: list = []
     try:
         for name in args.sections.split(","):
@@ -183,11 +239,13 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
     lin = [r for r in rows if r["section"] == "linear"]
-    if lin:
-        worst = min(lin, key=lambda r: r["ratio"])
-        print(f"\nlinear: worst ratio {worst['ratio']:.3f} ({worst['shape']} M={worst['M']}); "
-              f"cells < 0.95: {sum(r['ratio'] < 0.95 for r in lin)}, < 0.85: {sum(r['ratio'] < 0.85 for r in lin)} "
-              f"of {len(lin)}")
+    for timer in TIMERS if lin else []:
+        key = f"{timer}_ratio"
+        worst = min(lin, key=lambda r: r[key])
+        low = [f"{r['shape']}@{r['M']}={r[key]:.2f}" for r in lin if r[key] < 0.95]
+        print(f"\nlinear ({timer}): worst ratio {worst[key]:.3f} ({worst['shape']} M={worst['M']}); "
+              f"cells < 0.95: {len(low)}, < 0.85: {sum(r[key] < 0.85 for r in lin)} of {len(lin)}"
+              + (f"; below 0.95: {' '.join(low)}" if low else ""))
 
 
 if __name__ == "__main__":

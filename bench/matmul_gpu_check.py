@@ -13,6 +13,12 @@ Sections (each stops early once the time budget is spent, and says so):
   mid       mid-M (128/256/512) candidates; the best worst-case one is written as the 'mid' class of a
             DETINFER_MATMUL_CONFIGS table (--write-table PATH)
   tests     only compiles, in parallel, every variant the GPU tests will launch (saves test time)
+  host      host time of one call (time.perf_counter over 1000 calls, no sync; tiny shapes so that the
+            GPU never becomes the bottleneck): F.linear, linear(), the previous linear() if
+            .devcarry/old_matmul.py exists, _run with a given config, the bare Triton launch
+  cells     per (shape, M) cell of the bar: cuBLAS and the dispatcher under both timers (CUDA-graph
+            replays and do_bench), and every CELL_CANDS candidate of that M class under graph replays
+  cellbits  every CELL_CANDS candidate against one reference config, bitwise, on the five shapes
 Writes DIR/landscape.json (all numbers) and prints a summary table last. `--smoke` runs every section on
 tiny shapes in Triton's CPU interpreter (numbers meaningless; only checks that the script runs).
 """
@@ -86,6 +92,29 @@ if SMOKE:  # interpreter: tiny shapes, one-row tiles (the interpreter's multi-ro
     BIAS = ALL16
     MID, MID_MS = [C(1, 64, 32, 4, 1), C(1, 32, 32, 4, 1, **T)], [20]
 DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# Candidates per M class for the `cells` section (the bar's weak cells and their neighbours).
+TW = {"tma": True, "persistent": True, "warp_specialize": True}
+CELL_CANDS = {
+    "decode": [C(16, 64, 256, 4, 4), C(16, 32, 256, 4, 4), C(16, 64, 128, 4, 6), C(16, 128, 128, 4, 4, **T)],
+    "small": [C(64, 128, 128, 4, 4, **T), C(64, 64, 256, 4, 3), C(64, 32, 256, 4, 4), C(64, 64, 128, 4, 4, **T),
+              C(64, 128, 64, 4, 4, **P), C(64, 256, 64, 4, 3, **T), C(64, 64, 64, 4, 4, **TW),
+              C(64, 128, 64, 4, 4, **TW)],
+    "mid": [C(128, 128, 64, 4, 3, **TW), C(64, 64, 256, 4, 3), C(128, 256, 64, 8, 3, **TW),
+            C(128, 128, 64, 8, 3, **TW), C(128, 128, 64, 8, 4, **TW), C(128, 128, 64, 4, 4, **TW),
+            C(128, 128, 64, 4, 4, **T), C(128, 128, 64, 8, 4, **T), C(128, 128, 64, 8, 4, **P),
+            C(64, 128, 64, 4, 4, **T), C(128, 64, 64, 4, 4, **T), C(64, 128, 64, 4, 4, **TW),
+            C(64, 256, 64, 4, 4, **T), C(128, 128, 128, 8, 3, **T), C(256, 128, 64, 8, 3, **TW),
+            C(128, 256, 64, 8, 4, **TW), C(128, 64, 64, 4, 4, **TW)],
+    "large": [C(128, 256, 64, 8, 3, **TW), C(128, 256, 64, 8, 4, **TW), C(256, 128, 64, 8, 3, **TW),
+              C(128, 256, 64, 8, 3, **P), C(128, 128, 64, 8, 4, **TW), C(128, 128, 64, 8, 3, **TW),
+              C(128, 256, 64, 8, 4, **T)],
+}
+CELLS = [(4, ("qkv", "o"), "decode"), (64, tuple(SHAPES), "small"), (256, tuple(SHAPES), "mid"),
+         (1024, tuple(SHAPES), "mid"), (4096, ("qkv", "lm_head", "o"), "large")]
+if SMOKE:
+    CELL_CANDS = {cls: [C(1, 64, 32, 4, 1), C(1, 32, 32, 4, 1, **T)] for cls in CELL_CANDS}
+    CELLS = [(4, ("qkv",), "decode"), (20, tuple(SHAPES), "mid")]
 
 T0 = time.time()
 RESULTS: dict = {}
@@ -322,6 +351,142 @@ def mid(budget, broken, table_path):
         log("wrote", table_path, table)
 
 
+# ------------------------------------------------------------------------- host cost and weak cells
+def _timers():
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_ops  # noqa: E402  (same folder: the bench's graph timer and input rotation)
+
+    return bench_ops
+
+
+def _per_call_us(fn, n=3 if SMOKE else 1000):
+    """(host us per call with no sync in the loop, us per call including the final sync)."""
+    for _ in range(1 if SMOKE else 50):
+        fn()
+    if not SMOKE:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    if not SMOKE:
+        torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return round((t1 - t0) / n * 1e6, 2), round((t2 - t0) / n * 1e6, 2)
+
+
+def _host_case(m, k, n, old):
+    x = torch.randn(m, k, device=DEV).to(torch.float16 if SMOKE else torch.bfloat16)
+    w = torch.randn(n, k, device=DEV).to(x.dtype)
+    o3 = torch.empty(1, m, n, device=DEV, dtype=x.dtype)
+    cfg = mm._config(m, n, k, x.dtype, x.device)
+    row = {"config": str(cfg_t(cfg)), "F.linear": _per_call_us(lambda: F.linear(x, w)),
+           "linear": _per_call_us(lambda: mm.linear(x, w))}
+    if old is not None:
+        row["previous linear"] = _per_call_us(lambda: old.linear(x, w))
+    row["_run(cfg)"] = _per_call_us(lambda: mm._run(x, (0, k, 1), w, (0, 1, k), o3, (0, n, 1), None, 1, m, n, k,
+                                                    cfg))
+    row["torch.empty"] = _per_call_us(lambda: torch.empty(m, n, device=DEV, dtype=x.dtype))
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    meta = dict(HAS_BIAS=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
+    if cfg.tma and mm._tma_usable(x, w):
+        from triton.tools.tensor_descriptor import TensorDescriptor as TD
+
+        row["2 descriptors"] = _per_call_us(lambda: (TD(x, [m, k], [k, 1], [bm, bk]), TD(w, [n, k], [k, 1], [bn, bk])))
+        ad, wd = TD(x, [m, k], [k, 1], [bm, bk]), TD(w, [n, k], [k, 1], [bn, bk])
+        progs = min(-(-m // bm) * -(-n // bn), mm._num_sms(x.device))
+        row["bare triton launch"] = _per_call_us(lambda: mm._matmul_tma_kernel[(progs,)](
+            ad, wd, o3, o3, m, n, k, n, 1, progs, FLATTEN=cfg.persistent, WARP_SPECIALIZE=cfg.warp_specialize,
+            **meta))
+    else:
+        grid = (-(-m // bm) * -(-n // bn), 1)
+        row["bare triton launch"] = _per_call_us(lambda: mm._matmul_kernel[grid](
+            x, w, o3, o3, m, n, k, 0, k, 1, 0, 1, k, 0, n, 1, EVEN_K=k % bk == 0, PRECISION="tf32", **meta))
+    return row
+
+
+def host(budget):
+    """Host time per call, no sync inside the timed loop; tiny shapes keep the GPU ahead of the host."""
+    import importlib.util
+
+    out = RESULTS.setdefault("host", {})
+    old = None
+    old_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".devcarry", "old_matmul.py")
+    if os.path.exists(old_path):
+        spec = importlib.util.spec_from_file_location("old_matmul", old_path)
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+    cases = {"decode cfg (pointer kernel)": (1, 256, 512), "large cfg (TMA kernel)": (1024, 256, 512)}
+    for label, (m, k, n) in ({"smoke": (2, 32, 64)} if SMOKE else cases).items():
+        if left(budget) < 5:
+            return
+        out[label] = _host_case(m, k, n, old)
+        log(f"host us per call (no sync, with sync) {label}:", out[label])
+
+
+def cells(budget, broken):
+    """Weak cells of the bar: cuBLAS and the dispatcher under both timers; candidates under graphs."""
+    bo = _timers()
+    out = RESULTS.setdefault("cells", {})
+    gms = (lambda fn: bench(fn, 5, 10, "median")) if SMOKE else (lambda fn: bo.graph_ms(fn, rep_ms=8, replays=5))
+    ems = (lambda fn: bench(fn, 5, 10, "median")) if SMOKE else bo.eager_ms
+    for m, shapes, cls in CELLS:
+        for shape in shapes:
+            if left(budget) < 10:
+                log("cells: budget spent at", shape, m)
+                return
+            k, n = SHAPES[shape]
+            nw = 1 if SMOKE else bo.copies_for(n * k * 2 + m * k * 2)
+            sets = [((torch.randn(m, k, device=DEV) * 0.5).to(DT["fp16" if SMOKE else "bf16"]),
+                     (torch.randn(n, k, device=DEV) / k**0.5).to(DT["fp16" if SMOKE else "bf16"]))
+                    for _ in range(nw)]
+            o3 = torch.empty(1, m, n, device=DEV, dtype=sets[0][0].dtype)
+            cub, ours = bo.rotated(F.linear, sets), bo.rotated(mm.linear, sets)
+            cell = {"dispatch": str(cfg_t(mm._config(m, n, k, sets[0][0].dtype, sets[0][0].device))),
+                    "cublas_graph_us": gms(cub) * 1e3, "ours_graph_us": gms(ours) * 1e3,
+                    "cublas_eager_us": ems(cub) * 1e3, "ours_eager_us": ems(ours) * 1e3}
+            for c in CELL_CANDS[cls]:
+                if (cfg_t(c), "bf16") in broken or left(budget) < 10:
+                    continue
+                fn = bo.rotated(lambda x, w, c=c, o=o3: mm._launch(x.unsqueeze(0), w.t().unsqueeze(0), None, o, c),
+                                sets)
+                cell[str(cfg_t(c))] = gms(fn) * 1e3
+            out[f"{shape}/M{m}"] = cell
+            cands = {c: v for c, v in cell.items() if c.startswith("(")}
+            best = min(cands, key=cands.get) if cands else "-"
+            cg, og, ce, oe = (cell[f"{w}_{t}_us"] for t in ("graph", "eager") for w in ("cublas", "ours"))
+            log(f"cell {shape:8s} M={m:5d} graph: cuBLAS {cg:8.1f} ours {og:8.1f} ({cg / og:.3f}) | eager: cuBLAS "
+                f"{ce:8.1f} ours {oe:8.1f} ({ce / oe:.3f}) | best {best} {cands.get(best, float('nan')):.1f} "
+                f"({cg / cands.get(best, 1e9):.3f})")
+            del sets, o3
+
+
+def cellbits(budget, broken):
+    out = RESULTS.setdefault("cellbits", {})
+    cands = list(dict.fromkeys(c for cl in CELL_CANDS.values() for c in cl))
+    dt = torch.float16 if SMOKE else torch.bfloat16
+    for shape, (k, n) in SHAPES.items():
+        if left(budget) < 5:
+            log("cellbits: budget spent at", shape)
+            return
+        g = torch.Generator(device=DEV).manual_seed(k + n + 1)
+        x = torch.randn(300, k, device=DEV, generator=g).to(dt)
+        w = (torch.randn(n, k, device=DEV, generator=g) / k**0.5).to(dt)
+        ref = run_cfg(x, w, cands[0])
+        bad = {}
+        for c in cands:
+            if (cfg_t(c), "bf16") in broken:
+                continue
+            fails = [m for m in (1, 7, 64, 300) if not torch.equal(run_cfg(x[:m], w, c), ref[:m])]
+            if not torch.equal(run_cfg(x[100:133], w, c), ref[100:133]):
+                fails.append("rows100:133")
+            if fails:
+                bad[str(cfg_t(c))] = fails
+        out[shape] = {"checked": len(cands), "differ": bad}
+        log(f"cellbits {shape}: {len(cands) - len(bad)}/{len(cands)} identical", bad or "")
+
+
 # ------------------------------------------------------------- negative control: where does cuBLAS vary?
 def negctl(budget):
     out = RESULTS.setdefault("negctl", {})
@@ -357,6 +522,8 @@ def main():
         jobs += [job(c, dn, even_k=False) for dn, cands in CONTRACT_B.items() for c in cands]
     if "mid" in secs:
         jobs += [job(c, "bf16") for c in MID]
+    if "cells" in secs or "cellbits" in secs:
+        jobs += [job(c, "bf16") for cl in CELL_CANDS.values() for c in cl]
     if "tests" in secs:  # the variants the GPU tests will launch: every selectable config
         for dn in ("bf16", "fp16", "fp32"):
             for c in gpu_configs(DT[dn]):
@@ -366,6 +533,12 @@ def main():
     RESULTS["compile_failed"] = sorted(map(str, broken))
     log(f"prewarmed {len(jobs)} kernels, {len(broken)} failed")
     try:
+        if "host" in secs:
+            host(args.budget_s)
+        if "cells" in secs:
+            cells(args.budget_s * 0.8, broken)
+        if "cellbits" in secs:
+            cellbits(args.budget_s, broken)
         if "ceilings" in secs and not SMOKE:
             ceilings()
         if "negctl" in secs:
