@@ -111,7 +111,8 @@ CELL_CANDS = {
               C(128, 256, 64, 8, 4, **T)],
 }
 CELLS = [(4, ("qkv", "o"), "decode"), (64, tuple(SHAPES), "small"), (256, tuple(SHAPES), "mid"),
-         (1024, tuple(SHAPES), "mid"), (4096, ("qkv", "lm_head", "o"), "large")]
+         (1024, tuple(SHAPES), "mid"), (4096, ("qkv", "lm_head", "o"), "large"), (128, ("qkv", "o"), "mid"),
+         (512, ("qkv", "o", "down"), "mid"), (2048, ("qkv", "o"), "mid")]
 if SMOKE:
     CELL_CANDS = {cls: [C(1, 64, 32, 4, 1), C(1, 32, 32, 4, 1, **T)] for cls in CELL_CANDS}
     CELLS = [(4, ("qkv",), "decode"), (20, tuple(SHAPES), "mid")]
