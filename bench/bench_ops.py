@@ -29,6 +29,7 @@ import importlib
 import json
 import math
 import os
+import signal
 import sys
 
 import torch
@@ -221,6 +222,8 @@ def main() -> None:
                     help="graph: CUDA-graph replays (device time only; the bar); eager: do_bench (host in the "
                          "loop); both: graph then eager, each for ours and the stock op")
     args = ap.parse_args()
+    # `timeout` sends SIGTERM: exit through the finally blocks, so the JSON written so far is kept
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     TIMERS[:] = ["graph", "eager"] if args.timer == "both" else [args.timer]
     if not torch.cuda.is_available():
         sys.exit("bench_ops.py needs a CUDA GPU (it times kernels against cuBLAS / torch's fused kernels)")

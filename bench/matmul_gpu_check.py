@@ -29,6 +29,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 
@@ -512,6 +513,8 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--write-table", default=None, help="mid section: write the tuned table JSON here")
     args = ap.parse_args()
+    # `timeout` sends SIGTERM: exit through the finally blocks, so the JSON written so far is kept
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     secs = args.sections.split(",")
     gpu = "interpreter (smoke)" if SMOKE else torch.cuda.get_device_name()
     log("torch", torch.__version__, "triton", triton.__version__, gpu)
