@@ -7,9 +7,10 @@ The invariance argument (what makes a query's bits independent of everything but
   output o) is an online softmax over its tiles in key order. Partials are chained left to right with
   `_merge`, one definition used everywhere.
 * "Sequential" programs walk all tiles of all splits of a query tile in one flat loop, merging at each
-  split boundary; "split-parallel" programs compute one split each into a workspace and
-  `_merge_splits_kernel` chains them. Both run the same `_attend_tiles`, so the per-split arithmetic and
-  the chain are the same; which one runs is a speed choice.
+  split boundary; "split-parallel" programs compute one split (or several consecutive ones, each
+  started fresh and stored on its own) into a workspace and `_merge_splits_kernel` chains them. All run
+  the same `_tile_step`, so the per-split arithmetic and the chain are the same; which one runs is a
+  speed choice.
 * Every sum over keys goes through a dot: QK^T reduces over head_dim, PV over the BLOCK_N keys of a tile,
   and the softmax denominator is also a dot (p @ ones) rather than `tl.sum`, because `tl.sum`'s tree
   follows the register layout, which changes with BLOCK_M and num_warps; a dot row's bits do not (checked
