@@ -10,8 +10,9 @@ Sections (each stops early once the time budget is spent, and says so):
   sweep     bf16 time of every candidate config per (shape, M) cell vs F.linear; best per cell
   fp32      IEEE vs tf32x3 dot for fp32 inputs: time, error vs fp64, bits across configs
   negctl    for which (shape, M) stock F.linear's row 0 changes bits (bf16)
-  mid       mid-M (128/256/512) candidates; the best worst-case one is written as the 'mid' class of a
-            DETINFER_MATMUL_CONFIGS table (--write-table PATH)
+  mid       mid-M (128/256/512) candidates; the family (1-2 configs, picked by the "waves" rule with
+            unit efficiencies) with the best worst case is written as the 'batch' class of a
+            DETINFER_MATMUL_CONFIGS table (--write-table PATH); run 3's tuning, superseded by `cells`
   tests     only compiles, in parallel, every variant the GPU tests will launch (saves test time)
   host      host time of one call (time.perf_counter over 1000 calls, no sync; tiny shapes so that the
             GPU never becomes the bottleneck): F.linear, linear(), the previous linear() if
@@ -312,7 +313,7 @@ def fp32_precision(budget, broken):
 # --------------------------------------------------------------------- mid-M tuning (writes a table)
 def mid(budget, broken, table_path):
     """Time every MID candidate at M in MID_MS on all shapes; the one with the best worst-case ratio
-    becomes the 'mid' class of the table written to table_path (DETINFER_MATMUL_CONFIGS format)."""
+    becomes the 'batch' class of the table written to table_path (DETINFER_MATMUL_CONFIGS format)."""
     out = RESULTS.setdefault("mid", {})
     cands = [c for c in MID if (cfg_t(c), "bf16") not in broken]
     for m in MID_MS:
@@ -339,13 +340,13 @@ def mid(budget, broken, table_path):
     fams = [(c,) for c in ok] + [(a, b) for i, a in enumerate(ok) for b in ok[i + 1:]]
     scored = []
     for fam in fams:
-        r = [cell["cublas_us"] / cell[str(cfg_t(pick_from_family(fam, m, n)))] for m, n, cell in cells]
+        r = [cell["cublas_us"] / cell[str(cfg_t(pick_from_family(fam, m, n, rule="waves")))] for m, n, cell in cells]
         scored.append((min(r), sum(r) / len(r), -len(fam), fam))
     scored.sort(key=lambda t: t[:3], reverse=True)
     for worst, mean, _, fam in scored[:6]:
         log(f"mid family {[cfg_t(c) for c in fam]}: worst {worst:.3f} mean {mean:.3f}")
     winner = scored[0][3]
-    table = {"16bit": {"mid": {"max_m": 768, "configs": [c.spec() for c in winner]}}}
+    table = {"16bit": {"batch": {"configs": [c.spec() for c in winner]}}}
     RESULTS["mid_table"] = table
     if table_path:
         with open(table_path, "w") as f:

@@ -248,11 +248,33 @@ def test_family_rule_and_gpu_tables():
     assert pick_from_family(fam, 64, 6144, 132).block_n == 64  # 96 tiles
     assert pick_from_family(fam, 64, 128256, 132).block_n == 128
     assert pick_from_family(fam, 1, 100, 132).block_n == 32  # none qualifies: most tiles
+    with pytest.raises(ValueError, match="unknown family rule"):
+        pick_from_family(fam, 1, 100, 132, rule="fastest")
     for dt in (torch.bfloat16, torch.float16, torch.float32):
         cfgs = gpu_configs(dt)
         assert all(min(c.block_m, c.block_n, c.block_k) >= 16 for c in cfgs)  # tl.dot minimum on a GPU
-        for m in (1, 16, 17, 64, 65, 768, 769, 10**6):
-            assert select_config(m, 4096, 4096, dt, interpreter=False) in cfgs
+        for m in (1, 16, 17, 64, 65, 128, 129, 768, 769, 4096, 10**6):
+            for n in (1, 64, 333, 4096, 6144, 128256):
+                assert select_config(m, n, 4096, dt, interpreter=False) in cfgs
+
+
+def test_wave_rule_picks_the_measured_winners():
+    """M > 64 (16-bit): ceil(tiles / SMs) x area / efficiency. The picks of the run-4 table on an H100 (132
+    SMs) for the Llama shapes, each the best or within a few % of the best measured config of its cell."""
+    big, mid, row64 = (128, 256), (128, 128), (64, 128)
+    want = {  # (M, N) -> (block_m, block_n)
+        (1024, 6144): mid,  # 192 big tiles = 1.45 waves; 384 mid ones = 2.9
+        (1024, 4096): big,  # 128 big tiles: one full wave
+        (1024, 28672): big, (1024, 128256): big, (8192, 6144): big, (2048, 6144): big,
+        (256, 4096): row64,  # 128 tiles of 64 rows: one per SM
+        (256, 6144): mid, (256, 28672): big, (256, 128256): big, (512, 4096): mid, (512, 6144): big,
+        (128, 4096): (64, 64),
+    }
+    for (m, n), shape in want.items():
+        cfg = select_config(m, n, 4096, torch.bfloat16, interpreter=False, sm_count=132)
+        assert (cfg.block_m, cfg.block_n) == shape, (m, n, cfg)
+    # tiny outputs at large M still get many programs (the narrow tiles), not a handful of big ones
+    assert select_config(8192, 64, 4096, torch.bfloat16, interpreter=False, sm_count=132).block_m == 64
 
 
 def test_config_specs_and_table_override(monkeypatch, tmp_path):
@@ -266,15 +288,42 @@ def test_config_specs_and_table_override(monkeypatch, tmp_path):
         MatmulConfig(64, 64, 64, 4, 3, persistent=True)
     table = dict(mc.GPU_CONFIGS_16BIT)
     monkeypatch.setattr(mc, "GPU_CONFIGS_16BIT", table)
+    monkeypatch.setattr(mc, "WAVE_EFFICIENCY", dict(mc.WAVE_EFFICIENCY))
     path = tmp_path / "t.json"
-    path.write_text('{"16bit": {"mid": {"max_m": 500, "configs": [[64, 64, 64, 4, 4, "TP"]]}}}')
+    path.write_text('{"16bit": {"small": {"max_m": 500, "configs": [[64, 64, 64, 4, 4, "TP"]]}}}')
     monkeypatch.setenv(mc.ENV_OVERRIDE, str(path))
     mc._apply_overrides()
-    assert table["mid"] == (500, (MatmulConfig(64, 64, 64, 4, 4, tma=True, persistent=True),))
+    assert table["small"] == (500, (MatmulConfig(64, 64, 64, 4, 4, tma=True, persistent=True),))
     assert select_config(300, 4096, 4096, torch.bfloat16, interpreter=False).block_m == 64
+    path.write_text('{"16bit": {"batch": {"configs": [[128, 128, 64, 8, 4], [64, 64, 64, 4, 4]], '
+                    '"eff": [1.0, 0.1]}}}')
+    mc._apply_overrides()
+    assert mc.WAVE_EFFICIENCY[MatmulConfig(64, 64, 64, 4, 4)] == 0.1
+    assert select_config(4096, 4096, 4096, torch.bfloat16, interpreter=False).block_m == 128
+    path.write_text('{"16bit": {"batch": {"configs": [[128, 128, 64, 8, 4]], "eff": [0.5, 1]}}}')
+    with pytest.raises(ValueError, match="one positive number per config"):
+        mc._apply_overrides()
     path.write_text('{"16bit": {"huge": {"configs": [[64, 64, 64, 4, 4]]}}}')
     with pytest.raises(ValueError, match="unknown class"):
         mc._apply_overrides()
+
+
+def test_dispatch_memo_matches_the_rule_and_can_be_cleared(monkeypatch):
+    """linear() memoizes select_config per (M, N, K, dtype, device, interpreter); the memo is the rule's answer
+    and clear_config_cache() forgets it."""
+    mm.clear_config_cache()
+    dev = torch.device("cpu")
+    assert mm._config(300, 4096, 4096, torch.float16, dev) == select_config(300, 4096, 4096, torch.float16,
+                                                                             mm.interpreting(), 4)
+    assert len(mm._CONFIGS) == 1
+    mm._config(300, 4096, 4096, torch.float16, dev)
+    assert len(mm._CONFIGS) == 1
+    monkeypatch.setattr(mm, "_CONFIG_CACHE_MAX", 2)
+    mm._config(301, 4096, 4096, torch.float16, dev)
+    mm._config(302, 4096, 4096, torch.float16, dev)  # full: cleared, then this key added
+    assert len(mm._CONFIGS) == 1
+    mm.clear_config_cache()
+    assert not mm._CONFIGS
 
 
 # ==================================================================================== GPU only
@@ -282,7 +331,7 @@ LLAMA3_8B = {  # (K, N) of the five linears of Llama-3-8B
     "qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
     "lm_head": (4096, 128256),
 }
-GPU_MS = list(range(1, 17)) + [31, 64, 128, 257, 1024, 4096]
+GPU_MS = list(range(1, 17)) + [31, 64, 65, 128, 256, 257, 512, 1024, 4096]
 
 
 def _run_cfg(x, w, cfg, bias=None):

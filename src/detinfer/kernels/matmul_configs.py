@@ -15,12 +15,21 @@ Triton's CPU interpreter is different: it computes each `tl.dot` block with nump
 accumulator, so there BLOCK_K *is* part of the reduction order. The interpreter therefore always uses one
 fixed config, never chosen from M, N or K.
 
+How a config is picked: the smallest M class that holds M gives a family; bandwidth-bound classes
+(decode, small) take the largest tile that still yields ~0.7 tiles per SM; the compute-bound "batch"
+class (M > 64) minimizes a wave estimate, ceil(tiles / SMs) x tile area / efficiency, where a config's
+efficiency is its measured per-SM throughput relative to the 128x256 tile (WAVE_EFFICIENCY). That is how
+a 128x128 tile wins when 128x256 tiles would leave part of the last wave idle (qkv at M = 1024: 192 big
+tiles = 1.45 waves; 384 small ones = 2.9), and a 64-row tile wins when one of them per SM covers the
+output (o at M = 256).
+
 Offline tuning: the GPU tables below can be replaced, class by class, from a JSON file named by the
 environment variable DETINFER_MATMUL_CONFIGS (read once, at import), e.g.
-    {"16bit": {"mid": {"max_m": 768, "configs": [[64, 64, 64, 4, 4, "TP"]]}}}
+    {"16bit": {"batch": {"configs": [[128, 128, 64, 8, 4, "TPW"], [64, 64, 256, 4, 3]], "eff": [0.85, 0.33]}}}
 (a config is [block_m, block_n, block_k, num_warps, num_stages, flags], flags from T = tma,
-P = persistent, W = warp_specialize). The choice stays a pure function of (M, N, dtype, table); any table
-is only as safe as its GPU test run, which sweeps whatever table is active.
+P = persistent, W = warp_specialize; "eff", optional, sets WAVE_EFFICIENCY of those configs; "max_m"
+moves a class boundary). The choice stays a pure function of (M, N, dtype, table); any table is only as
+safe as its GPU test run, which sweeps whatever table is active.
 """
 
 from __future__ import annotations
@@ -87,22 +96,23 @@ class MatmulConfig:
 # many K blocks. BLOCK_N = 64 keeps the number of interpreted programs down.
 INTERPRETER_CONFIG = MatmulConfig(block_m=1, block_n=64, block_k=32, num_warps=4, num_stages=1)
 
-# GPU tables: M classes in increasing order, each (max_m, family). Within a family the rule below picks by
-# N only. Measured winners of the offline sweep on an H100 (bench/NOTES.md has the numbers).
+# GPU tables: M classes in increasing order, each (max_m, family); `_RULES` names how a class picks from
+# its family (default "tiles"). Measured on an H100 (bench/NOTES.md, runs 2 and 4).
 _C = MatmulConfig
+_TPW = {"tma": True, "persistent": True, "warp_specialize": True}
 GPU_CONFIGS_16BIT: dict = {
     # decode: weight-bandwidth bound; 16-row tiles, 64-wide N tiles, 256-deep K steps keep ~40 KB of weights
-    # in flight per program. Run-2 sweep: worst of 10 cells 1.00x cuBLAS (run-3 bench: see NOTES).
+    # in flight per program. Run 4 (CUDA graphs): 0.98-1.13x cuBLAS on the five Llama shapes at M = 1-16.
     "decode": (16, (_C(16, 64, 256, 4, 4),)),
     # small batches: still bandwidth bound; the N tile narrows until there are enough programs for the SMs.
+    # Run 4: 0.95-1.07x at M = 64.
     "small": (64, (_C(64, 128, 128, 4, 4, tma=True), _C(64, 64, 256, 4, 3), _C(64, 32, 256, 4, 4))),
-    # between bandwidth and compute bound: the hardest range for whole-K tiles (few tiles per SM). The pair
-    # with the best worst case over M in {128, 256, 512} x five shapes in the run-3 sweep (worst 0.44x,
-    # qkv/o at M=256-512: below the bar, see bench/NOTES.md); the table the final GPU tests ran with.
-    "mid": (768, (_C(128, 128, 64, 4, 3, tma=True, persistent=True, warp_specialize=True),
-                  _C(64, 64, 256, 4, 3))),
-    # compute bound: 128x256 tiles, TMA, persistent, warp-specialized. Run-2 sweep: worst of 10 cells 0.93x.
-    "large": (None, (_C(128, 256, 64, 8, 3, tma=True, persistent=True, warp_specialize=True),)),
+    # M > 64: compute bound, whole-K tiles, wave estimate (module doc). 128x256 TMA + persistent +
+    # warp-specialized tiles for large outputs; 128x128 where 128x256 quantizes badly into waves; 64-row
+    # tiles while few tiles cover the output (M <= ~256 with N <= ~6144). Run 4: M = 1024-4096 0.95-1.15x;
+    # M = 256 0.77-0.93x (whole-K tiles cannot fill 132 SMs there; see bench/NOTES.md).
+    "batch": (None, (_C(128, 256, 64, 8, 3, **_TPW), _C(128, 128, 64, 8, 4, **_TPW), _C(64, 128, 64, 4, 4, tma=True),
+                     _C(64, 64, 256, 4, 3), _C(64, 32, 256, 4, 4))),
 }
 # fp32 runs IEEE fp32 FMA dots (no tf32, like torch's default): smaller tiles, operands live in registers.
 GPU_CONFIGS_FP32: dict = {
@@ -111,10 +121,22 @@ GPU_CONFIGS_FP32: dict = {
     "mid": (768, (_C(64, 64, 32, 4, 3),)),
     "large": (None, (_C(128, 128, 32, 8, 3),)),
 }
-# A family member qualifies when it yields at least this many tiles per SM: enough programs to keep every
-# SM busy while streaming weights.
+_RULES = {"batch": "waves"}
+# Per-SM throughput of a config relative to the 128x256 tile, for the wave estimate: time per tile-wave at
+# K = 4096 over tile area, from run 4's single-wave cells (128x256: o M=1024 46.9 us; 128x128: o/qkv
+# M=256-512 26-31 us; 64x128: o M=256 23.8 us; 64x64: o M=128 18.0 us; 64x32: o M=64 15.1 us). Configs
+# not listed count as 1.0.
+WAVE_EFFICIENCY: dict = {
+    _C(128, 256, 64, 8, 3, **_TPW): 1.0,
+    _C(128, 128, 64, 8, 4, **_TPW): 0.85,
+    _C(64, 128, 64, 4, 4, tma=True): 0.46,
+    _C(64, 64, 256, 4, 3): 0.33,
+    _C(64, 32, 256, 4, 4): 0.19,
+}
+# A family member qualifies for the "tiles" rule when it yields at least this many tiles per SM: enough
+# programs to keep every SM busy while streaming weights.
 TILES_PER_SM = 0.7
-_SM_COUNT = 132  # H100 SXM; only used to size the tile-count target, read from the device when available
+_SM_COUNT = 132  # H100 SXM; only used when the device's count is not given
 
 
 def _apply_overrides() -> None:
@@ -131,6 +153,12 @@ def _apply_overrides() -> None:
             configs = tuple(MatmulConfig.from_spec(s) for s in entry["configs"])
             if not configs:
                 raise ValueError(f"{ENV_OVERRIDE}: class {key}/{cls} has no configs")
+            eff = entry.get("eff")
+            if eff is not None:
+                if len(eff) != len(configs) or not all(float(e) > 0 for e in eff):
+                    raise ValueError(f"{ENV_OVERRIDE}: class {key}/{cls}: 'eff' needs one positive number per "
+                                     "config")
+                WAVE_EFFICIENCY.update(zip(configs, map(float, eff)))
             table[cls] = (max_m, configs)
 
 
@@ -156,13 +184,26 @@ def select_config(m: int, n: int, k: int, dtype: torch.dtype, interpreter: bool,
     look at M; `k` is accepted for future tables but unused (the reduction order never depends on it)."""
     if interpreter:
         return INTERPRETER_CONFIG
-    family = next(fam for max_m, fam in _table(dtype).values() if max_m is None or m <= max_m)
-    return pick_from_family(family, m, n, sm_count)
+    cls, (_, family) = next((c, e) for c, e in _table(dtype).items() if e[0] is None or m <= e[0])
+    return pick_from_family(family, m, n, sm_count, rule=_RULES.get(cls, "tiles"))
 
 
-def pick_from_family(family, m: int, n: int, sm_count: int = _SM_COUNT) -> MatmulConfig:
-    """Largest tile area that still gives TILES_PER_SM tiles per SM; else the member with the most tiles."""
-    tiles = [-(-m // c.block_m) * -(-n // c.block_n) for c in family]
+def _tiles(c: MatmulConfig, m: int, n: int) -> int:
+    return -(-m // c.block_m) * -(-n // c.block_n)
+
+
+def pick_from_family(family, m: int, n: int, sm_count: int = _SM_COUNT, rule: str = "tiles") -> MatmulConfig:
+    """rule "tiles": the largest tile area that still gives TILES_PER_SM tiles per SM, else the member with
+    the most tiles. rule "waves": the member with the smallest ceil(tiles / SMs) x area / efficiency (ties:
+    the larger tile)."""
+    if rule == "waves":
+        def estimate(c):
+            area = c.block_m * c.block_n
+            return -(-_tiles(c, m, n) // sm_count) * area / WAVE_EFFICIENCY.get(c, 1.0), -area
+        return min(family, key=estimate)
+    if rule != "tiles":
+        raise ValueError(f"unknown family rule {rule!r}")
+    tiles = [_tiles(c, m, n) for c in family]
     ok = [c for c, t in zip(family, tiles) if t >= TILES_PER_SM * sm_count]
     if ok:
         return max(ok, key=lambda c: c.block_m * c.block_n)
