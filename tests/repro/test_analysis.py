@@ -72,6 +72,16 @@ def test_logprob_drift_is_found_without_a_token_flip():
     assert first_logprob_divergence(runs[0], runs[1]) == 50
 
 
+def test_reference_is_the_majority_numerics_not_an_outlier():
+    """Run 0 alone has different logprob bits from runs 1-3: they are the reference, and run 0 is the
+    one reported as departing (at the drifted position)."""
+    runs = [_queens(0, 0, lp_shift=0.5)] + [_queens(r, 0) for r in (1, 2, 3)]
+    s = summarize(runs)
+    assert s.reference_run == 1 and s.groups[0].completion.run == 1
+    assert s.groups[0].variant_counts == (3, 1) and s.groups[0].logprob_variants == 2
+    assert s.logprob_divergence == (50,)
+
+
 def test_pair_reports_drift_before_the_flip():
     a, b = _queens(0, 0), _queens(1, 1, lp_shift=-0.125)
     p = summarize([a, b]).pairs[0]

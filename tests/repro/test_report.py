@@ -49,6 +49,7 @@ def test_report_files_exist_and_parse(tmp_path):
     assert f["summary"]["num_unique"] == 2 and d["summary"]["num_unique"] == 1
     assert f["summary"]["pairs"][0]["index"] == 2
     assert f["summary"]["groups"][0]["runs"] == [0, 2, 3]
+    assert f["summary"]["groups"][0]["logprob_variant_counts"] == [3]
     assert d["completions"][0]["logprobs"] == ["-inf"] * 3  # strict JSON has no -Infinity
     assert f["completions"][0]["meta"] == {"arrival_step": 0}
 

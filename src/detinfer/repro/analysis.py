@@ -91,14 +91,19 @@ def join_decode(units: Sequence[Any]) -> str:
 @dataclass(frozen=True)
 class Group:
     """A distinct completion: its rank by count (0 = most common), how many runs produced it, which, and
-    the first such run's completion. logprob_variants: distinct logprob sequences among its runs (None
-    without logprobs); 1 means every run reproduced the logprobs bit for bit as well."""
+    a representative run's completion (from its most common logprob variant, else its first run).
+    variant_counts: runs per distinct logprob sequence among its runs, most common first (empty without
+    logprobs); a single entry means every run reproduced the logprobs bit for bit as well."""
 
     rank: int
     count: int
     runs: tuple[int, ...]
     completion: Completion
-    logprob_variants: int | None
+    variant_counts: tuple[int, ...] = ()
+
+    @property
+    def logprob_variants(self) -> int | None:
+        return len(self.variant_counts) if self.variant_counts else None
 
 
 @dataclass(frozen=True)
@@ -136,10 +141,11 @@ class Summary:
     num_unique: distinct completions; most_common_count: runs that produced the most common one;
     agreed_prefix: units every run shares (None when all are identical); divergence_from_mode: per group,
     its first divergence from group 0 (None for group 0); num_unique_logprobs: distinct (tokens, logprobs)
-    sequences (None unless every run has logprobs); logprob_divergence: for each run whose tokens or
-    logprob bits differ from the reference run (the first run of group 0), the first position where
-    either differs (empty without logprobs); pairs: the pairwise divergences of the most common groups,
-    pairs_left_out of them not listed (max_pairs)."""
+    sequences (None unless every run has logprobs); reference_run: the run group 0 is represented by (the
+    first run of its most common logprob variant); logprob_divergence: for each run whose tokens or
+    logprob bits differ from the reference run, the first position where either differs (empty without
+    logprobs); pairs: the pairwise divergences of the most common groups, pairs_left_out of them not
+    listed (max_pairs)."""
 
     n: int
     unit: str
@@ -149,6 +155,7 @@ class Summary:
     agreed_prefix: int | None
     divergence_from_mode: tuple[int | None, ...]
     num_unique_logprobs: int | None
+    reference_run: int
     logprob_divergence: tuple[int, ...]
     pairs: tuple[PairDivergence, ...]
     pairs_left_out: int
@@ -172,10 +179,16 @@ def group_completions(completions: Sequence[Completion]) -> list[Group]:
     groups = []
     for rank, cs in enumerate(members):
         cs = sorted(cs, key=lambda c: c.run)
-        variants = None
+        rep, counts = cs[0], ()
         if all(c.logprobs is not None for c in cs):
-            variants = len({_bits(c.logprobs) for c in cs})
-        groups.append(Group(rank, len(cs), tuple(c.run for c in cs), cs[0], variants))
+            by_bits: dict[tuple, list[Completion]] = {}
+            for c in cs:
+                by_bits.setdefault(_bits(c.logprobs), []).append(c)
+            # most common variant first (ties: earliest run); its first run stands for the group, so the
+            # reference the other runs are compared with is the majority's numerics, not an outlier's
+            variants = sorted(by_bits.values(), key=lambda v: (-len(v), v[0].run))
+            rep, counts = variants[0][0], tuple(len(v) for v in variants)
+        groups.append(Group(rank, len(cs), tuple(c.run for c in cs), rep, counts))
     return groups
 
 
@@ -266,5 +279,5 @@ def summarize(completions: Sequence[Completion], decode: Decode = join_decode,
     return Summary(n=len(completions), unit="token" if all(with_tokens) else "char",
                    num_unique=len(groups), most_common_count=groups[0].count, groups=tuple(groups),
                    agreed_prefix=agreed, divergence_from_mode=from_mode, num_unique_logprobs=num_lp,
-                   logprob_divergence=tuple(lp_div),
+                   reference_run=groups[0].completion.run, logprob_divergence=tuple(lp_div),
                    pairs=tuple(pairs), pairs_left_out=total - len(pairs))

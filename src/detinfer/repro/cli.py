@@ -87,7 +87,7 @@ def describe(section) -> str:
     if s.agreed_prefix is not None:
         lines.append(f"  all runs agree for {s.agreed_prefix} {s.unit}s")
     if s.logprob_divergence:
-        lines.append(f"  {len(s.logprob_divergence)} run(s) differ from run {s.groups[0].runs[0]} in logprob bits, "
+        lines.append(f"  {len(s.logprob_divergence)} run(s) differ from run {s.reference_run} in logprob bits, "
                      f"the earliest at {s.unit} {min(s.logprob_divergence)}")
     if s.pairs:
         p = s.pairs[0]

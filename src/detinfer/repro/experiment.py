@@ -50,10 +50,10 @@ class ReproConfig:
         "Send the prompt as one user message through the chat template (server: /v1/chat/completions); "
         "--no-chat sends it as raw text (/v1/completions)."))
     load_seed: int = field(default=0, metadata=_help("Seed of the background-load plan."))
-    max_background: int = field(default=8, metadata=_help(
+    max_background: int = field(default=4, metadata=_help(
         "Most background requests submitted around each run (0: no load)."))
-    background_prompt_words: int = field(default=48, metadata=_help("Longest background prompt, in words."))
-    background_max_tokens: int = field(default=64, metadata=_help("Most tokens a background request asks for."))
+    background_prompt_words: int = field(default=16, metadata=_help("Longest background prompt, in words."))
+    background_max_tokens: int = field(default=32, metadata=_help("Most tokens a background request asks for."))
     run_gap: int = field(default=4, metadata=_help("Most steps between the arrivals of consecutive runs."))
     arrival_window: int = field(default=8, metadata=_help(
         "Background requests arrive within this many steps before or after their run."))

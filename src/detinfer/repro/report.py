@@ -22,7 +22,7 @@ from typing import Any
 from detinfer.repro.analysis import Completion, Summary
 
 REPORT_FORMAT = "detinfer-repro/1"
-MAX_BARS = 40  # histogram bars shown before the rarest completions are folded into one "rest" bar
+MAX_BARS = 40  # distinct completions drawn (histogram) and listed (HTML); report.json has them all
 
 
 @dataclass(frozen=True)
@@ -61,9 +61,9 @@ def completion_dict(c: Completion) -> dict[str, Any]:
 def summary_dict(s: Summary) -> dict[str, Any]:
     return {"n": s.n, "unit": s.unit, "num_unique": s.num_unique, "most_common_count": s.most_common_count,
             "num_unique_with_logprobs": s.num_unique_logprobs, "agreed_prefix": s.agreed_prefix,
-            "logprob_divergence": s.logprob_divergence,
+            "reference_run": s.reference_run, "logprob_divergence": s.logprob_divergence,
             "groups": [{"rank": g.rank, "count": g.count, "runs": g.runs, "text": g.completion.text,
-                        "divergence_from_most_common": d, "logprob_variants": g.logprob_variants}
+                        "divergence_from_most_common": d, "logprob_variant_counts": g.variant_counts}
                        for g, d in zip(s.groups, s.divergence_from_mode)],
             "pairs": [dataclasses.asdict(p) for p in s.pairs], "pairs_left_out": s.pairs_left_out}
 
@@ -94,22 +94,36 @@ def _pyplot():
 
 
 def _draw_histogram(ax, s: Section) -> None:
-    counts = [g.count for g in s.summary.groups]
-    labels = [f"#{i}" for i in range(min(len(counts), MAX_BARS))]
-    if len(counts) > MAX_BARS:
-        counts = counts[:MAX_BARS - 1] + [sum(counts[MAX_BARS - 1:])]
-        labels = labels[:MAX_BARS - 1] + [f"rest ({len(s.summary.groups) - MAX_BARS + 1})"]
-    bars = ax.bar(range(len(counts)), counts, color="#4c72b0" if len(counts) == 1 else "#dd8452")
-    if len(counts) <= 12:
-        ax.bar_label(bars, fontsize=8)
-        ax.set_xticks(range(len(counts)), labels, fontsize=8)
+    """Runs per distinct completion, most common first. Past MAX_BARS the rest (each no more frequent
+    than the last bar shown) are left out and the axis label says how many. Runs with the same tokens
+    but different logprob bits cut their bar into one segment per variant (alternating shades)."""
+    from matplotlib.ticker import MaxNLocator
+
+    groups = s.summary.groups[:MAX_BARS]
+    color, light = ("#4c72b0", "#9db4d8") if len(s.summary.groups) == 1 else ("#dd8452", "#f0bfa0")
+    for x, g in enumerate(groups):
+        segments = g.variant_counts if len(g.variant_counts) > 1 else (g.count,)
+        bottom = 0
+        for k, c in enumerate(segments):
+            ax.bar(x, c, bottom=bottom, color=light if k % 2 else color, edgecolor="white",
+                   linewidth=0.6 if len(segments) > 1 else 0)
+            bottom += c
+    if len(groups) <= 12:
+        for x, g in enumerate(groups):
+            ax.annotate(str(g.count), (x, g.count), ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(groups)), [f"#{i}" for i in range(len(groups))], fontsize=8)
     else:
         ax.set_xticks([])
-    ax.set_xlabel("distinct completion (most common first)")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    counts = [g.count for g in s.summary.groups]
+    rest = len(counts) - len(groups)
+    ax.set_xlabel("distinct completion (most common first)"
+                  + (f"\n({rest} more, {max(counts[MAX_BARS:])} run(s) or fewer each, not shown)" if rest else ""),
+                  fontsize=9)
     ax.set_ylabel("runs")
     title = f"{s.label}: {s.summary.num_unique} unique of {s.summary.n}"
     if s.summary.num_unique_logprobs not in (None, s.summary.num_unique):
-        title += f"\n({s.summary.num_unique_logprobs} distinct when logprob bits count)"
+        title += f"\n({s.summary.num_unique_logprobs} distinct when logprob bits count: segments)"
     ax.set_title(title, fontsize=10)
 
 
@@ -119,8 +133,8 @@ def _draw_divergence(ax, s: Section) -> None:
     sm = s.summary
     tokens, logprobs = sm.divergence_positions, list(sm.logprob_divergence)
     if not tokens and not logprobs:
-        what = "and logprobs, bit for bit" if sm.num_unique_logprobs == 1 else "(tokens)"
-        ax.text(0.5, 0.5, f"all {sm.n} runs identical\n{what}:\nno divergence", ha="center", va="center",
+        what = "tokens and logprobs,\nbit for bit" if sm.num_unique_logprobs == 1 else "(tokens)"
+        ax.text(0.5, 0.5, f"all {sm.n} runs identical:\n{what}", ha="center", va="center",
                 transform=ax.transAxes, fontsize=11, color="#4c72b0")
         ax.set_xticks([])
         ax.set_yticks([])
@@ -136,6 +150,9 @@ def _draw_divergence(ax, s: Section) -> None:
             ax.axvline(min(tokens), color="black", linestyle="--", linewidth=0.8)
         ax.legend(fontsize=7)
         ax.set_ylabel("runs")
+        from matplotlib.ticker import MaxNLocator
+
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel(f"{sm.unit} position vs the most common completion")
     ax.set_title(f"{s.label}: where runs diverge", fontsize=10)
 
@@ -196,6 +213,13 @@ def _fmt(x: Any) -> str:
     return "—" if x is None else (repr(x) if isinstance(x, float) else str(x))
 
 
+def _variants(g) -> str:
+    if not g.variant_counts:
+        return "—"
+    n = len(g.variant_counts)
+    return "1" if n == 1 else f"{n} ({' + '.join(map(str, g.variant_counts))} runs)"
+
+
 def _section_html(s: Section, pngs: tuple[bytes, bytes]) -> str:
     sm = s.summary
     verdict = ('<span class="ok">reproducible: 1 unique completion</span>' if sm.num_unique == 1 else
@@ -212,7 +236,7 @@ def _section_html(s: Section, pngs: tuple[bytes, bytes]) -> str:
              "<h3>Distinct completions</h3><table><tr><th>#</th><th>runs</th><th>diverges at</th>"
              "<th>logprob variants</th><th>text</th></tr>"]
     for g, d in list(zip(sm.groups, sm.divergence_from_mode))[:MAX_BARS]:
-        parts.append(f"<tr><td>{g.rank}</td><td>{g.count}</td><td>{_fmt(d)}</td><td>{_fmt(g.logprob_variants)}"
+        parts.append(f"<tr><td>{g.rank}</td><td>{g.count}</td><td>{_fmt(d)}</td><td>{_variants(g)}"
                      f"</td><td><pre>{_e(g.completion.text)}</pre></td></tr>")
     parts.append("</table>")
     if len(sm.groups) > MAX_BARS:
@@ -264,7 +288,8 @@ def write_report(out_dir: str | Path, sections: Sequence[Section], experiment: d
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "report.json", "html": out / "report.html", "summary_png": out / "summary.png"}
     with open(paths["json"], "w", encoding="utf-8") as f:
-        json.dump(report_dict(sections, experiment), f, ensure_ascii=False, allow_nan=False)
+        # compact separators: N=1000 runs with logprobs make a large file, and spaces add ~10% to it
+        json.dump(report_dict(sections, experiment), f, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
         f.write("\n")
     pngs = [section_pngs(s) for s in sections]
     slugs = [_slug(s.label) for s in sections]
