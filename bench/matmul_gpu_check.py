@@ -20,6 +20,11 @@ Sections (each stops early once the time budget is spent, and says so):
   cells     per (shape, M) cell of the bar: cuBLAS and the dispatcher under both timers (CUDA-graph
             replays and do_bench), and every CELL_CANDS candidate of that M class under graph replays
   cellbits  every CELL_CANDS candidate against one reference config, bitwise, on the five shapes
+  splitk    EXPERIMENT (not used by the library): fixed-chunk split-K. Every path accumulates each CHUNK of
+            K from zero and adds the chunk sums in order from 0.0; split-K runs one program per (tile,
+            chunk) writing fp32 chunk sums, then a reduction adds them in chunk order. Checks split ==
+            unsplit bitwise (any M, zero-extended K), times split-K at the mid-M cells and the unsplit
+            chunked kernel (two accumulators) at large M against cuBLAS and the library's kernel
 Writes DIR/landscape.json (all numbers) and prints a summary table last. `--smoke` runs every section on
 tiny shapes in Triton's CPU interpreter (numbers meaningless; only checks that the script runs).
 """
@@ -137,11 +142,133 @@ def run_cfg(x, w, cfg, bias=None):
     return out
 
 
+# --------------------------------------------------------------- split-K experiment kernels (section splitk)
+import triton.language as tl  # noqa: E402
+
+_tile_coords = mm._tile_coords
+_store_tile = mm._store_tile
+
+
+@triton.jit(do_not_specialize=["M"])
+def _xk_partials(a_desc, w_desc, ws_ptr, M, N, K, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program (tile, chunk): ws[chunk] = A[:, chunk] @ W[:, chunk]^T for one tile, from zero, in fp32."""
+    chunks = tl.cdiv(K, CHUNK)
+    pid = tl.program_id(0)
+    c = pid % chunks
+    pid_m, pid_n = _tile_coords(pid // chunks, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k0 = c * CHUNK
+    for kb in range(0, CHUNK // BLOCK_K):
+        a = a_desc.load([pid_m * BLOCK_M, k0 + kb * BLOCK_K])
+        w = w_desc.load([pid_n * BLOCK_N, k0 + kb * BLOCK_K])
+        acc = tl.dot(a, w.T, acc)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ptrs = ws_ptr + c.to(tl.int64) * M * N + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    tl.store(ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _xk_reduce(ws_ptr, c_ptr, M, N, K, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """out = ((0 + ws[0]) + ws[1]) + ... in chunk order, then rounded to the output dtype."""
+    chunks = tl.cdiv(K, CHUNK)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c in range(0, chunks):
+        total += tl.load(ws_ptr + c * M * N + offs, mask=mask, other=0.0)  # < 2**31 in this experiment
+    tl.store(c_ptr + offs, total.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M", "num_programs"])
+def _xk_chunked(a_desc, w_desc, c_ptr, M, N, K, stride_cm, num_programs, CHUNK: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """The unsplit kernel with the same arithmetic: per tile, chunk sums from zero added in order to a
+    second fp32 accumulator (one flat K loop; the chunk boundary resets the inner accumulator)."""
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    steps = CHUNK // BLOCK_K
+    k_steps = tl.cdiv(K, CHUNK) * steps
+    for tile in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=FLATTEN,
+                         warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, k_steps):
+            a = a_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
+            w = w_desc.load([pid_n * BLOCK_N, kb * BLOCK_K])
+            acc = tl.dot(a, w.T, acc)
+            if (kb + 1) % steps == 0:
+                total += acc
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        _store_tile(total, c_ptr, c_ptr, pid_m, pid_n, M, N, stride_cm, 1, False, BLOCK_M, BLOCK_N)
+
+
+def xk_split(x, w, cfg, chunk, ws=None, out=None):
+    """Split-K: tiles x chunks programs of fp32 chunk sums, then the in-order reduction."""
+    from triton.tools.tensor_descriptor import TensorDescriptor as TD
+
+    m, k = x.shape
+    n = w.shape[0]
+    chunks = -(-k // chunk)
+    ws = torch.empty(chunks * m * n, device=x.device, dtype=torch.float32) if ws is None else ws
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype) if out is None else out
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    tiles = -(-m // bm) * -(-n // bn)
+    a_desc, w_desc = TD(x, [m, k], [x.stride(0), 1], [bm, bk]), TD(w, [n, k], [w.stride(0), 1], [bn, bk])
+    _xk_partials[(tiles * chunks,)](a_desc, w_desc, ws, m, n, k, CHUNK=chunk, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                    GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    block = 1024
+    _xk_reduce[(-(-(m * n) // block),)](ws, out, m, n, k, CHUNK=chunk, BLOCK=block, num_warps=4)
+    return out
+
+
+def xk_chunked(x, w, cfg, chunk, out=None):
+    from triton.tools.tensor_descriptor import TensorDescriptor as TD
+
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype) if out is None else out
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    tiles = -(-m // bm) * -(-n // bn)
+    progs = min(tiles, mm._num_sms(x.device)) if cfg.persistent else tiles
+    _xk_chunked[(progs,)](TD(x, [m, k], [x.stride(0), 1], [bm, bk]), TD(w, [n, k], [w.stride(0), 1], [bn, bk]),
+                          out, m, n, k, out.stride(0), progs, CHUNK=chunk, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                          GROUP_M=cfg.group_m, FLATTEN=cfg.persistent, WARP_SPECIALIZE=cfg.warp_specialize,
+                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+XK_SPLIT = [(C(128, 256, 64, 8, 3), 1024), (C(128, 256, 64, 8, 3), 2048), (C(128, 128, 64, 8, 4), 1024),
+            (C(128, 128, 64, 8, 4), 2048), (C(64, 128, 64, 4, 4), 1024)]
+XK_CHUNKED = [(C(128, 128, 64, 8, 4, **TW), 1024), (C(128, 128, 64, 8, 4, **P), 1024),
+              (C(128, 256, 64, 8, 3, **P), 1024), (C(128, 256, 64, 8, 3, **TW), 1024)]
+XK_CELLS = [("o", 256), ("qkv", 256), ("down", 256), ("gate_up", 256), ("qkv", 128), ("o", 512)]
+XK_LARGE = [("qkv", 4096), ("o", 4096), ("gate_up", 1024), ("down", 1024)]
+if SMOKE:
+    XK_SPLIT = [(C(1, 32, 32, 4, 1), 64), (C(2, 32, 32, 4, 1), 96)]
+    XK_CHUNKED = [(C(1, 32, 32, 4, 1, **P), 64), (C(2, 32, 32, 4, 1, **P), 96)]
+    XK_CELLS, XK_LARGE = [("qkv", 20)], [("lm_head", 20)]
+
+
+def _xk_warm(spec):
+    """Compile one experiment kernel variant (prewarm pool)."""
+    kind, cfg, chunk = spec[1], cfg_from_t(spec[2]), spec[3]
+    x = torch.randn(2, 4096, device=DEV).bfloat16()
+    w = torch.randn(64, 4096, device=DEV).bfloat16()
+    (xk_split if kind == "split" else xk_chunked)(x, w, cfg, chunk)
+
+
 # ------------------------------------------------------------------ parallel compile into the disk cache
 def _warm_one(job):
     """Compile one (config, dtype, K/N divisibility class, bias) variant into Triton's disk cache."""
-    cfg, dname, k, n, has_bias = job
     try:
+        if job[0] == "xk":
+            _xk_warm(job)
+            torch.cuda.synchronize()
+            return job, "ok"
+        cfg, dname, k, n, has_bias = job
         dt = DT[dname]
         x = torch.randn(2, k, device=DEV).to(dt)
         w = torch.randn(n, k, device=DEV).to(dt)
@@ -426,6 +553,23 @@ def host(budget):
             return
         out[label] = _host_case(m, k, n, old)
         log(f"host us per call (no sync, with sync) {label}:", out[label])
+    # where the host time of one linear() goes (TMA path): cProfile of 300 calls, top entries by own time
+    import cProfile
+    import io
+    import pstats
+
+    m, k, n = (2, 32, 64) if SMOKE else cases["large cfg (TMA kernel)"]
+    x = torch.randn(m, k, device=DEV).to(torch.float16 if SMOKE else torch.bfloat16)
+    w = torch.randn(n, k, device=DEV).to(x.dtype)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(3 if SMOKE else 300):
+        mm.linear(x, w)
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(18)
+    out["profile linear (TMA path), 300 calls"] = buf.getvalue()
+    log("host profile (linear, TMA path, 300 calls):\n" + buf.getvalue()[-3500:])
 
 
 def cells(budget, broken):
@@ -490,6 +634,81 @@ def cellbits(budget, broken):
         log(f"cellbits {shape}: {len(cands) - len(bad)}/{len(cands)} identical", bad or "")
 
 
+def splitk(budget):
+    """Fixed-chunk split-K experiment: bits (split == unsplit chunked, any rows, zero-extended K), then times."""
+    bo = None if SMOKE else _timers()
+    gms = (lambda fn: bench(fn, 5, 10, "median")) if SMOKE else (lambda fn: bo.graph_ms(fn, rep_ms=8, replays=5))
+    out = RESULTS.setdefault("splitk", {})
+    dt = torch.float16 if SMOKE else torch.bfloat16
+    # bits: every split variant and every chunked variant of one CHUNK against one reference, per shape
+    for shape in ("o", "down") if not SMOKE else ("qkv",):
+        k, n = SHAPES[shape]
+        g = torch.Generator(device=DEV).manual_seed(k + n + 2)
+        x = torch.randn(300, k, device=DEV, generator=g).to(dt)
+        w = (torch.randn(n, k, device=DEV, generator=g) / k**0.5).to(dt)
+        for chunk in sorted({c for _, c in XK_SPLIT + XK_CHUNKED}):
+            try:
+                ref = xk_chunked(x, w, next(c for c, ch in XK_CHUNKED if ch == chunk) if any(
+                    ch == chunk for _, ch in XK_CHUNKED) else C(128, 128, 64, 8, 4, **P), chunk)
+                res = {}
+                pad = 48
+                xp = torch.cat([x, torch.zeros(300, pad, device=DEV, dtype=dt)], 1)
+                wp = torch.cat([w, torch.zeros(n, pad, device=DEV, dtype=dt)], 1)
+                for cfg, ch in [v for v in XK_SPLIT + XK_CHUNKED if v[1] == chunk]:
+                    f = xk_split if (cfg, ch) in XK_SPLIT else xk_chunked
+                    fails = [m for m in (1, 7, 256, 300) if not torch.equal(f(x[:m], w, cfg, ch), ref[:m])]
+                    if not torch.equal(f(x[100:133].contiguous(), w, cfg, ch), ref[100:133]):
+                        fails.append("rows100:133")
+                    if not torch.equal(f(xp, wp, cfg, ch), ref):
+                        fails.append("K+48 zeros")
+                    res[f"{'split' if f is xk_split else 'chunked'} {cfg_t(cfg)}"] = fails or True
+                y64 = (x.double() @ w.double().t())
+                rel = ((ref.double() - y64).norm() / y64.norm()).item()
+                out[f"bits/{shape}/chunk{chunk}"] = {"rel_err_vs_fp64": rel, **{k_: v for k_, v in res.items()}}
+                log(f"splitk bits {shape} chunk {chunk}: rel err {rel:.2e}", res)
+            except Exception as e:  # an experiment: a failed compile is a result
+                out[f"bits/{shape}/chunk{chunk}"] = f"{type(e).__name__}: {str(e)[:300]}"
+                log(f"splitk bits {shape} chunk {chunk} FAILED: {type(e).__name__}: {str(e)[:300]}")
+    # times: split-K at mid M, chunked unsplit at large M; cuBLAS and the library kernel alongside
+    for cells_, variants, f in ((XK_CELLS, XK_SPLIT, xk_split), (XK_LARGE, XK_CHUNKED, xk_chunked)):
+        for shape, m in cells_:
+            if left(budget) < 8:
+                log("splitk: budget spent at", shape, m)
+                return
+            kind = "split" if f is xk_split else "chunked"
+            cell = _xk_cell(shape, m, variants, f, gms, dt, bo)
+            out[f"{kind}/{shape}/M{m}"] = cell
+            cub = cell["cublas_us"]
+            log(f"splitk {kind:7s} {shape:8s} M={m:5d} cuBLAS {cub:8.1f} library {cell['library_us']:8.1f} "
+                f"({cub / cell['library_us']:.3f}) | " + " ".join(
+                    f"{key}: {v:.1f} ({cub / v:.3f})" if isinstance(v, float) else f"{key}: {v[:80]}"
+                    for key, v in cell.items() if "chunk" in key))
+
+
+def _xk_cell(shape, m, variants, f, gms, dt, bo):
+    k, n = SHAPES[shape]
+    nw = 1 if SMOKE else bo.copies_for(n * k * 2)
+    sets = [((torch.randn(m, k, device=DEV) * 0.5).to(dt), (torch.randn(n, k, device=DEV) / k**0.5).to(dt))
+            for _ in range(nw)]
+    o = torch.empty(m, n, device=DEV, dtype=dt)
+    ws = torch.empty(max(-(-k // ch) for _, ch in variants) * m * n, device=DEV, dtype=torch.float32)
+
+    def rot(fn):
+        return (lambda: fn(*sets[0])) if SMOKE else bo.rotated(fn, sets)
+
+    cell = {"cublas_us": gms(rot(F.linear)) * 1e3, "library_us": gms(rot(mm.linear)) * 1e3}
+    for cfg, ch in variants:
+        key = f"{cfg_t(cfg)} chunk {ch}"
+        try:
+            if f is xk_split:
+                cell[key] = gms(rot(lambda x, w, cfg=cfg, ch=ch: xk_split(x, w, cfg, ch, ws, o))) * 1e3
+            else:
+                cell[key] = gms(rot(lambda x, w, cfg=cfg, ch=ch: xk_chunked(x, w, cfg, ch, o))) * 1e3
+        except Exception as e:  # an experiment: a failed compile is a result
+            cell[key] = f"{type(e).__name__}: {str(e)[:200]}"
+    return cell
+
+
 # ------------------------------------------------------------- negative control: where does cuBLAS vary?
 def negctl(budget):
     out = RESULTS.setdefault("negctl", {})
@@ -529,11 +748,17 @@ def main():
         jobs += [job(c, "bf16") for c in MID]
     if "cells" in secs or "cellbits" in secs:
         jobs += [job(c, "bf16") for cl in CELL_CANDS.values() for c in cl]
+    if "splitk" in secs:
+        jobs += [("xk", "split", cfg_t(c), ch) for c, ch in XK_SPLIT]
+        jobs += [("xk", "chunked", cfg_t(c), ch) for c, ch in XK_CHUNKED]
     if "tests" in secs:  # the variants the GPU tests will launch: every selectable config
         for dn in ("bf16", "fp16", "fp32"):
             for c in gpu_configs(DT[dn]):
                 jobs += [job(c, dn), job(c, dn, even_k=False), job(c, dn, has_bias=True)]
-                jobs += [(cfg_t(c), dn, 1001, 77, False)] if dn == "bf16" else []  # hypothesis: odd K, N
+                # zero-extended K with bias: K % 16 != 0 (4101) and K % 16 == 8 (5096: TMA-aligned rows)
+                jobs += [(cfg_t(c), dn, 1001, 64, True), (cfg_t(c), dn, 1032, 64, True)]
+                if dn == "bf16":  # hypothesis: K and N each divisible by 16 or not
+                    jobs += [(cfg_t(c), dn, k_, n_, False) for k_, n_ in ((1001, 77), (1024, 77), (1001, 64))]
     broken = prewarm(list(dict.fromkeys(jobs)))
     RESULTS["compile_failed"] = sorted(map(str, broken))
     log(f"prewarmed {len(jobs)} kernels, {len(broken)} failed")
@@ -544,6 +769,8 @@ def main():
             cells(args.budget_s * 0.8, broken)
         if "cellbits" in secs:
             cellbits(args.budget_s, broken)
+        if "splitk" in secs:
+            splitk(args.budget_s)
         if "ceilings" in secs and not SMOKE:
             ceilings()
         if "negctl" in secs:
