@@ -147,14 +147,15 @@ class _Stepper:
             toks = tokens_of[key][start:start + n]
             seq = self.seqs.setdefault(key, Sequence(len(self.seqs), str(key), list(tokens_of[key]),
                                                      self._params, None))
-            items.append(ScheduledSequence(seq, tuple(toks), start, num_logits, False, 0,
-                                           self._table(key, start + n), self.bs))
+            items.append(ScheduledSequence(seq=seq, token_ids=tuple(toks), start_pos=start, num_logits=num_logits,
+                                           sample=False, output_position=0,
+                                           block_table=self._table(key, start + n), block_size=self.bs))
             if key == target:
                 rows, lrows = slice(off, off + n), slice(lrow, lrow + num_logits)
             self.done[key] = start + n
             off, lrow = off + n, lrow + num_logits
         recorder.begin(rows, off)
-        logits = self.runner.execute(ScheduledBatch(tuple(items), off))
+        logits = self.runner.execute(ScheduledBatch(scheduled=tuple(items), num_batched_tokens=off))
         return None if lrows is None else logits[lrows].detach().clone()
 
 
