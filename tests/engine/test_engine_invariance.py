@@ -113,7 +113,7 @@ def assert_all_match_alone(results, requests, alone):
         assert results[rid] == alone(p, params), f"request {rid} differs from its run alone"
 
 
-@pytest.mark.parametrize("budget", [16, 64, 512])
+@pytest.mark.parametrize("budget", [16, 64, 512, 2048])
 def test_mixed_batch_equals_alone_per_budget(model_dir, alone, budget):
     rng = random.Random(budget)
     requests = [
