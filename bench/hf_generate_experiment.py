@@ -70,8 +70,8 @@ def generate_target(model, tok, prompts: list[str], pos: int, new_tokens: int) -
     mask = torch.zeros_like(ids)
     for i, s in enumerate(seqs):
         ids[i, width - len(s):], mask[i, width - len(s):] = torch.tensor(s), 1
-    out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=new_tokens,
-                         do_sample=False, pad_token_id=pad, eos_token_id=None)
+    out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                         max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad, eos_token_id=None)
     return out[pos, width:].tolist()
 
 
@@ -92,6 +92,9 @@ def run_mode(model, tok, batches, new_tokens: int, invariant: bool) -> dict:
             comps.append(generate_target(model, tok, prompts, pos, new_tokens))
             _sync()
             times.append(time.perf_counter() - t0)
+            if len(comps) % 10 == 0:  # partial progress survives a time limit
+                print(f"  [{'invariant' if invariant else 'stock'}] {len(comps)} runs, "
+                      f"{len({tuple(c) for c in comps})} unique, {times[-1]:.2f} s last run", flush=True)
     counts = Counter(tuple(c) for c in comps)
     divs = [first_divergence(c, alone) for c in comps]
     differing = [d for d in divs if d is not None]
