@@ -237,3 +237,27 @@ def test_generate_cli(stories, capsys):
     assert "token ids: [432, 383, 286" in out.out and "finish_reason=length" in out.err
     assert generate_main(["--model", stories, "--prompt", "", "--mode", "fast"]) == 2
     assert "prompt is empty" in capsys.readouterr().err
+
+
+def test_failed_forward_aborts_its_batch_and_engine_recovers(model_dir):
+    """A forward pass that raises (e.g. out of memory) must not leak blocks or hang its requests: the batch's
+    requests end with finish_reason "abort", the error reaches the caller, later requests still run."""
+    engine = LLMEngine(model_dir, CONFIG, device="cpu")
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.add_request("x", [11, 12, 13], params)
+    engine.add_request("y", [14, 15], params)
+    real = engine.runner.execute
+
+    def boom(batch):
+        raise RuntimeError("simulated device failure")
+
+    engine.runner.execute = boom
+    with pytest.raises(RuntimeError, match="simulated device failure"):
+        engine.step()
+    engine.runner.execute = real
+    engine.scheduler.check_invariants()
+    final = drain(engine)
+    assert {k: o.outputs[0].finish_reason for k, o in final.items()} == {"x": "abort", "y": "abort"}
+    assert engine.stats().kv_blocks_used == 0
+    engine.add_request("z", [11, 12, 13], params)
+    assert drain(engine)["z"].outputs[0].finish_reason == "length"

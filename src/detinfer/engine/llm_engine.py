@@ -210,8 +210,17 @@ class LLMEngine:
         c = self._counters
         c["num_preemptions"] += len(batch.preempted)
         if not batch.is_empty:
-            logits = self.runner.execute(batch)
-            tokens = self._sample(batch, logits)
+            try:
+                logits = self.runner.execute(batch)
+                tokens = self._sample(batch, logits)
+            except BaseException:
+                # The forward pass failed (e.g. out of memory). The scheduler already committed this batch,
+                # so its requests cannot simply be retried: abort them (their blocks are freed and they end
+                # with finish_reason "abort" at the next step) and let the caller see the error. Requests
+                # not in the batch are untouched, so the engine stays usable.
+                for rid in dict.fromkeys(item.seq.request_id for item in batch.scheduled):
+                    self.abort_request(rid)
+                raise
             finished = self.scheduler.postprocess(batch, tokens)
             for seq in finished:
                 detok = self._seq_detok.get(seq.seq_id)
