@@ -16,14 +16,6 @@ STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "st
 CONFIG = EngineConfig(max_num_batched_tokens=32, max_num_seqs=4, block_size=4, num_kv_blocks=48)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: a thread pool only adds hand-off cost (results are unaffected)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("engine_api") / "llama", "LlamaForCausalLM", seed=8,

@@ -19,14 +19,6 @@ PROMPT = [5, 77, 140, 9, 260, 31, 18, 200, 45, 99, 13, 250, 7, 64, 121, 33, 280,
 NEW_TOKENS = 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: a thread pool only adds hand-off cost (results are unaffected)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine_parity")
