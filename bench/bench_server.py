@@ -153,6 +153,23 @@ def run_offline(model_dir: str, cfg: EngineConfig, device: str | None, prompts: 
                         for i in range(len(prompts))]}
 
 
+def write_random_checkpoint(model_dir: str, preset: str, device: str | None) -> None:
+    """An HF-format directory with a preset's shapes (repro's random models), bf16 random weights drawn on
+    the GPU when there is one, 4 shards, and the tests' tiny tokenizer (prompts are token ids anyway)."""
+    import torch
+
+    from detinfer.models.testing import tiny_config_dict, write_tiny_checkpoint
+    from detinfer.repro.random_model import PRESETS
+
+    if preset not in PRESETS:
+        raise SystemExit(f"--write-random: unknown preset {preset!r}; known: {', '.join(PRESETS)}")
+    shape = {k: v for k, v in PRESETS[preset].items() if k in tiny_config_dict.__kwdefaults__}
+    t0 = time.perf_counter()
+    write_tiny_checkpoint(model_dir, PRESETS[preset]["architectures"][0], num_shards=4, dtype="bfloat16",
+                          weights_device=device or ("cuda" if torch.cuda.is_available() else "cpu"), **shape)
+    print(f"wrote a random {preset} checkpoint to {model_dir} in {time.perf_counter() - t0:.1f} s", flush=True)
+
+
 def _pct(sorted_values: list[float], p: float) -> float:
     k = min(len(sorted_values) - 1, max(0, round(p / 100 * (len(sorted_values) - 1))))
     return sorted_values[k]
@@ -173,11 +190,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--no-offline", action="store_true", help="skip the offline-engine comparison")
     parser.add_argument("--json", help="write the summary (no per-request results) to this file")
+    parser.add_argument("--write-random", metavar="PRESET", help="first write a checkpoint of this shape with "
+                        "random weights (qwen3-8b, qwen3-0.6b, llama-3.1-8b, tiny) and a tiny byte tokenizer into "
+                        "MODEL_DIR, unless MODEL_DIR already holds a config.json")
     add_dataclass_args(parser, EngineConfig)
     args = parser.parse_args(argv)
     if bool(args.url) == bool(args.start_server):
         parser.error("give exactly one of --url and --start-server")
     cfg = from_args(EngineConfig, args)
+    if args.write_random and not (Path(args.model_dir) / "config.json").exists():
+        write_random_checkpoint(args.model_dir, args.write_random, args.device)
 
     from detinfer.models.loader import load_tokenizer
 

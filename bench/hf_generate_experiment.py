@@ -15,6 +15,9 @@ import contextlib
 import json
 import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -80,33 +83,63 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def run_mode(model, tok, batches, new_tokens: int, invariant: bool) -> dict:
+def run_mode(model, tok, batches, new_tokens: int, invariant: bool, indices: list[int]) -> dict:
+    """Generate the target alone, then inside batches[i] for i in `indices`: the raw per-run records."""
     ctx = detinfer.batch_invariant() if invariant else contextlib.nullcontext()
+    label = "invariant" if invariant else "stock"
+    runs = []
     with torch.no_grad(), ctx:
         generate_target(model, tok, [TARGET], 0, 4)  # warm-up (compile / autotune)
         alone = generate_target(model, tok, [TARGET], 0, new_tokens)
-        comps, times = [], []
-        for prompts, pos in batches:
+        for i in indices:
+            prompts, pos = batches[i]
             _sync()
             t0 = time.perf_counter()
-            comps.append(generate_target(model, tok, prompts, pos, new_tokens))
+            comp = generate_target(model, tok, prompts, pos, new_tokens)
             _sync()
-            times.append(time.perf_counter() - t0)
-            if len(comps) % 10 == 0:  # partial progress survives a time limit
-                print(f"  [{'invariant' if invariant else 'stock'}] {len(comps)} runs, "
-                      f"{len({tuple(c) for c in comps})} unique, {times[-1]:.2f} s last run", flush=True)
+            runs.append({"run": i, "batch": len(prompts), "tokens": comp, "s": time.perf_counter() - t0})
+            if len(runs) % 10 == 0:  # partial progress survives a time limit
+                print(f"  [{label}] {len(runs)} runs, {len({tuple(r['tokens']) for r in runs})} unique, "
+                      f"{runs[-1]['s']:.2f} s last run", flush=True)
+    return {"alone": alone, "runs": runs}
+
+
+def summarize(tok, alone: list[int], runs: list[dict], wall_s: float) -> dict:
+    comps = [r["tokens"] for r in sorted(runs, key=lambda r: r["run"])]
+    times = [r["s"] for r in runs]
     counts = Counter(tuple(c) for c in comps)
-    divs = [first_divergence(c, alone) for c in comps]
-    differing = [d for d in divs if d is not None]
+    differing = [d for d in (first_divergence(c, alone) for c in comps) if d is not None]
     return {
         "unique": len(counts), "most_common": counts.most_common(1)[0][1], "runs": len(comps),
         "differ_from_alone": len(differing),
         "first_divergence_min": min(differing) if differing else None,
         "first_divergence_max": max(differing) if differing else None,
-        "median_s_per_run": statistics.median(times), "total_s": sum(times),
+        "median_s_per_run": statistics.median(times), "sum_s": sum(times), "wall_s": wall_s,
         "alone_text": tok.decode(alone),
         "variants": [tok.decode(list(c)) for c, _ in counts.most_common(4)],
     }
+
+
+def run_workers(args, mode: str, tmp: Path) -> tuple[list[int], list[dict], float]:
+    """Run one mode's runs in `args.workers` processes sharing the GPU (HF generate on a 135M model is
+    bound by the host's per-op dispatch, so processes scale with CPU cores). Worker w takes runs
+    w, w + W, ...; every worker also generates the target alone, and those must agree."""
+    t0 = time.perf_counter()
+    procs = []
+    for w in range(args.workers):
+        cmd = [sys.executable, __file__, "--gguf", str(args.gguf), "--runs", str(args.runs),
+               "--max-batch", str(args.max_batch), "--new-tokens", str(args.new_tokens), "--seed", str(args.seed),
+               "--dtype", args.dtype, "--device", args.device, "--modes", mode, "--workers", str(args.workers),
+               "--shard", str(w), "--json", str(tmp / f"{mode}_{w}.json")]
+        procs.append(subprocess.Popen(cmd))
+    if any(p.wait() for p in procs):
+        raise SystemExit(f"a {mode} worker failed (exit codes {[p.returncode for p in procs]})")
+    wall = time.perf_counter() - t0
+    parts = [json.loads((tmp / f"{mode}_{w}.json").read_text())[mode] for w in range(args.workers)]
+    alones = {tuple(p["alone"]) for p in parts}
+    if len(alones) != 1:
+        print(f"[{mode}] WARNING: the target alone differs between worker processes ({len(alones)} versions)")
+    return parts[0]["alone"], [r for p in parts for r in p["runs"]], wall
 
 
 def main() -> None:
@@ -120,27 +153,52 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes per mode sharing the device (runs split round-robin)")
+    p.add_argument("--shard", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.workers < 1 or (args.shard is not None and not 0 <= args.shard < args.workers):
+        p.error("--workers must be >= 1 (and --shard in [0, workers))")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.gguf.parent, gguf_file=args.gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(args.gguf.parent, gguf_file=args.gguf.name,
-                                                 dtype=getattr(torch, args.dtype)).to(args.device).eval()
+    model = None
+    if args.workers == 1 or args.shard is not None:  # a parent of workers only merges and decodes
+        model = AutoModelForCausalLM.from_pretrained(args.gguf.parent, gguf_file=args.gguf.name,
+                                                     dtype=getattr(torch, args.dtype)).to(args.device).eval()
     batches = build_batches(args.runs, args.max_batch, args.seed)
+    modes = args.modes.split(",")
+    if args.shard is not None:  # one worker of run_workers: raw records only
+        idx = list(range(args.shard, args.runs, args.workers))
+        raw = {m: run_mode(model, tok, batches, args.new_tokens, m == "invariant", idx) for m in modes}
+        args.json.write_text(json.dumps(raw))
+        return
     results = {}
-    for mode in args.modes.split(","):
-        results[mode] = run_mode(model, tok, batches, args.new_tokens, invariant=mode == "invariant")
-        r = results[mode]
+    for mode in modes:
+        if args.workers > 1:
+            with tempfile.TemporaryDirectory() as tmp:
+                alone, runs, wall = run_workers(args, mode, Path(tmp))
+        else:
+            t0 = time.perf_counter()
+            raw = run_mode(model, tok, batches, args.new_tokens, mode == "invariant", list(range(args.runs)))
+            alone, runs, wall = raw["alone"], raw["runs"], time.perf_counter() - t0
+        results[mode] = r = summarize(tok, alone, runs, wall)
         print(f"[{mode}] unique={r['unique']}/{r['runs']} most_common={r['most_common']} "
               f"differ_from_alone={r['differ_from_alone']} first_div=[{r['first_divergence_min']},"
-              f"{r['first_divergence_max']}] median_s/run={r['median_s_per_run']:.3f}", flush=True)
+              f"{r['first_divergence_max']}] median_s/run={r['median_s_per_run']:.3f} wall_s={wall:.1f} "
+              f"(workers={args.workers})", flush=True)
+        for k, v in enumerate(r["variants"]):
+            print(f"  variant {k}: {v[:160]!r}")
     if "stock" in results and "invariant" in results:
         ratio = results["invariant"]["median_s_per_run"] / results["stock"]["median_s_per_run"]
-        print(f"slowdown invariant/stock (median s per run): {ratio:.2f}x")
-    print("alone:", results[next(iter(results))]["alone_text"][:300].replace("\n", " "))
+        wall = results["invariant"]["wall_s"] / results["stock"]["wall_s"]
+        print(f"slowdown invariant/stock: median s per run {ratio:.2f}x, wall {wall:.2f}x")
+    if "stock" in results and "invariant" in results:
+        same = results["stock"]["alone_text"] == results["invariant"]["alone_text"]
+        print(f"target alone: stock and invariant {'agree' if same else 'differ'}")
+    print("alone:", results[modes[0]]["alone_text"][:300].replace("\n", " "))
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **results}, indent=1))
-
 
 if __name__ == "__main__":
     main()

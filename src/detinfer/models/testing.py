@@ -105,27 +105,32 @@ def tiny_config_dict(architecture: str = "LlamaForCausalLM", *, vocab_size: int 
     return cfg
 
 
-def random_hf_weights(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
-    """Seeded random tensors for every name `hf_weight_shapes(config)` lists."""
-    gen = torch.Generator().manual_seed(seed)
+def random_hf_weights(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+                      device: str | torch.device = "cpu") -> dict:
+    """Seeded random tensors for every name `hf_weight_shapes(config)` lists, returned on the CPU.
+    `device` is where they are drawn (a GPU makes an 8B-parameter checkpoint in seconds; its random stream
+    differs from the CPU's, so the same seed gives other weights there)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     out = {}
     for name, shape in hf_weight_shapes(config).items():
+        r = torch.randn(shape, generator=gen, device=device)
         if name.endswith("norm.weight"):
-            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+            t = 1.0 + 0.1 * r
         elif name.endswith(".bias"):
-            t = 0.1 * torch.randn(shape, generator=gen)
+            t = 0.1 * r
         else:  # [out, in] (embeddings: [vocab, hidden], scaled like a linear with in = hidden)
-            t = torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
-        out[name] = t.to(dtype).contiguous()
+            t = r / math.sqrt(shape[-1])
+        out[name] = t.to(dtype).contiguous().cpu()
     return out
 
 
 def write_tiny_checkpoint(out_dir: str | Path, architecture: str = "LlamaForCausalLM", *, seed: int = 0,
                           num_shards: int = 1, add_bos: bool = False,
-                          chat_template: str | None = CHATML_TEMPLATE,
+                          chat_template: str | None = CHATML_TEMPLATE, weights_device: str | torch.device = "cpu",
                           **config_kwargs: Any) -> Path:
     """Write a complete HF-format model directory; returns its path. `config_kwargs` go to
-    `tiny_config_dict`. num_shards > 1 writes model-0000i-of-0000n.safetensors + index."""
+    `tiny_config_dict`. num_shards > 1 writes model-0000i-of-0000n.safetensors + index. `weights_device`:
+    where the random weights are drawn (see `random_hf_weights`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = tiny_config_dict(architecture, **config_kwargs)
@@ -134,7 +139,7 @@ def write_tiny_checkpoint(out_dir: str | Path, architecture: str = "LlamaForCaus
         raise ValueError(f"vocab_size {cfg['vocab_size']} is smaller than the tiny tokenizer's "
                          f"{tok.get_vocab_size()} tokens")
     config = ModelConfig.from_dict(cfg)
-    weights = random_hf_weights(config, seed=seed, dtype=config.dtype or torch.float32)
+    weights = random_hf_weights(config, seed=seed, dtype=config.dtype or torch.float32, device=weights_device)
     _write_json(out / "config.json", cfg)
     _write_json(out / "generation_config.json", {"bos_token_id": 0, "eos_token_id": [2, 0]})
     _save_weights(out, weights, num_shards)
