@@ -136,15 +136,26 @@ def run_offline(model_dir: str, cfg: EngineConfig, device: str | None, prompts: 
     from detinfer.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(model_dir, cfg, device=device)
-    for i, p in enumerate(prompts):  # the same requests, all queued at once (the engine batches them)
-        engine.add_request(str(i), p, SamplingParams(max_tokens=args.output_len, ignore_eos=True,
-                                                     temperature=args.temperature, seed=i, logprobs=0))
+
+    def add(i: int) -> None:
+        engine.add_request(str(i), prompts[i], SamplingParams(max_tokens=args.output_len, ignore_eos=True,
+                                                              temperature=args.temperature, seed=i, logprobs=0))
+
+    # Closed loop like the HTTP client: at most `concurrency` requests in the engine, the next one added as
+    # soon as one finishes (0: all queued at once, the engine's own best case).
+    limit = args.offline_concurrency if args.offline_concurrency > 0 else len(prompts)
     final = {}
     t0 = time.perf_counter()
+    nxt = min(limit, len(prompts))
+    for i in range(nxt):
+        add(i)
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 final[int(out.request_id)] = out.outputs[0]
+                if nxt < len(prompts):
+                    add(nxt)
+                    nxt += 1
     wall = time.perf_counter() - t0
     out_tokens = sum(len(o.token_ids) for o in final.values())
     return {"wall_s": wall, "requests_per_s": len(prompts) / wall, "output_tokens_per_s": out_tokens / wall,
@@ -188,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument("--offline-concurrency", type=int, default=None,
+                        help="offline run: most requests in the engine at once (default: --concurrency, like the "
+                        "HTTP client; 0: all queued at once)")
     parser.add_argument("--no-offline", action="store_true", help="skip the offline-engine comparison")
     parser.add_argument("--json", help="write the summary (no per-request results) to this file")
     parser.add_argument("--write-random", metavar="PRESET", help="first write a checkpoint of this shape with "
@@ -198,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     if bool(args.url) == bool(args.start_server):
         parser.error("give exactly one of --url and --start-server")
     cfg = from_args(EngineConfig, args)
+    if args.offline_concurrency is None:
+        args.offline_concurrency = args.concurrency
     if args.write_random and not (Path(args.model_dir) / "config.json").exists():
         write_random_checkpoint(args.model_dir, args.write_random, args.device)
 
@@ -233,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                    for h, o in zip(http["results"], off["results"]))
         summary["offline"] = {k: v for k, v in off.items() if k != "results"}
         summary["identical_outputs"] = same
-        print(f"offline : {off['wall_s']:.2f} s  {off['requests_per_s']:.2f} req/s  "
+        print(f"offline : concurrency {args.offline_concurrency or 'all'}: {off['wall_s']:.2f} s  "
+              f"{off['requests_per_s']:.2f} req/s  "
               f"{off['output_tokens_per_s']:.1f} out tok/s")
         print(f"HTTP / offline throughput: {http['output_tokens_per_s'] / off['output_tokens_per_s']:.2f}; "
               f"bit-identical text+logprobs: {same}/{len(prompts)}")

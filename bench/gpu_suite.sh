@@ -8,7 +8,8 @@
 #           drop-in-mode and engine GPU tests; collects the report if it finished.
 #   hf      waits for / collects the repro report; second SmolLM2 half -> GGUF; HF generate experiment
 #           (issue 8), 100 runs, 12 worker processes per mode.
-#   server  random Qwen3-8B-shaped checkpoint; server vs offline throughput (issue 6).
+#   server  random Qwen3-8B-shaped checkpoint; server vs offline throughput (issue 6); stages the first
+#           SmolLM2 half like repro does.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -72,6 +73,7 @@ if [ "$phase" = hf ]; then
 fi
 
 if [ "$phase" = server ]; then
+  cp .carry/smolA/* "$P/" 2>/dev/null  # for an hf phase right after this one
   timeout 560 python3 bench/bench_server.py /tmp/qwen3-8b-random --write-random qwen3-8b --start-server \
     --num-requests 256 --concurrency 64 --input-len 256 --output-len 128 --max-model-len 1024 \
     --json "$OUT/bench_server.json" 2>&1 | grep -v "it/s\]" | tee "$OUT/bench_server.log"

@@ -65,7 +65,8 @@ def chat_ids(tok, text: str) -> list[int]:
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
-def generate_target(model, tok, prompts: list[str], pos: int, new_tokens: int) -> list[int]:
+def generate_target(model, tok, prompts: list[str], pos: int, new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """The target row's generated ids and its raw logits at every step ([new_tokens, vocab], on the CPU)."""
     seqs = [chat_ids(tok, p) for p in prompts]
     width = max(map(len, seqs))
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -74,8 +75,20 @@ def generate_target(model, tok, prompts: list[str], pos: int, new_tokens: int) -
     for i, s in enumerate(seqs):
         ids[i, width - len(s):], mask[i, width - len(s):] = torch.tensor(s), 1
     out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                         max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad, eos_token_id=None)
-    return out[pos, width:].tolist()
+                         max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad, eos_token_id=None,
+                         return_dict_in_generate=True, output_logits=True)
+    logits = torch.stack([step[pos] for step in out.logits]).cpu()
+    return out.sequences[pos, width:].tolist(), logits
+
+
+def logits_divergence(logits: torch.Tensor, alone: torch.Tensor) -> dict:
+    """Bitwise comparison of a run's per-step logits with the target's alone (the steps both have): a
+    stronger negative control than the tokens, which agree while the logits already differ."""
+    n = min(len(logits), len(alone))
+    same = [torch.equal(logits[i], alone[i]) for i in range(n)]
+    first = next((i for i, eq in enumerate(same) if not eq), None)
+    return {"logits_equal": first is None, "logits_first_diff_step": first,
+            "logits_max_abs_diff": float((logits[:n].float() - alone[:n].float()).abs().max()) if n else 0.0}
 
 
 def _sync() -> None:
@@ -90,14 +103,15 @@ def run_mode(model, tok, batches, new_tokens: int, invariant: bool, indices: lis
     runs = []
     with torch.no_grad(), ctx:
         generate_target(model, tok, [TARGET], 0, 4)  # warm-up (compile / autotune)
-        alone = generate_target(model, tok, [TARGET], 0, new_tokens)
+        alone, alone_logits = generate_target(model, tok, [TARGET], 0, new_tokens)
         for i in indices:
             prompts, pos = batches[i]
             _sync()
             t0 = time.perf_counter()
-            comp = generate_target(model, tok, prompts, pos, new_tokens)
+            comp, logits = generate_target(model, tok, prompts, pos, new_tokens)
             _sync()
-            runs.append({"run": i, "batch": len(prompts), "tokens": comp, "s": time.perf_counter() - t0})
+            runs.append({"run": i, "batch": len(prompts), "tokens": comp, "s": time.perf_counter() - t0,
+                         **logits_divergence(logits, alone_logits)})
             if len(runs) % 10 == 0:  # partial progress survives a time limit
                 print(f"  [{label}] {len(runs)} runs, {len({tuple(r['tokens']) for r in runs})} unique, "
                       f"{runs[-1]['s']:.2f} s last run", flush=True)
@@ -114,6 +128,10 @@ def summarize(tok, alone: list[int], runs: list[dict], wall_s: float) -> dict:
         "differ_from_alone": len(differing),
         "first_divergence_min": min(differing) if differing else None,
         "first_divergence_max": max(differing) if differing else None,
+        "logits_differ_from_alone": sum(not r["logits_equal"] for r in runs),
+        "logits_first_diff_step_min": min((r["logits_first_diff_step"] for r in runs if not r["logits_equal"]),
+                                          default=None),
+        "logits_max_abs_diff": max(r["logits_max_abs_diff"] for r in runs),
         "median_s_per_run": statistics.median(times), "sum_s": sum(times), "wall_s": wall_s,
         "alone_text": tok.decode(alone),
         "variants": [tok.decode(list(c)) for c, _ in counts.most_common(4)],
@@ -185,7 +203,8 @@ def main() -> None:
         results[mode] = r = summarize(tok, alone, runs, wall)
         print(f"[{mode}] unique={r['unique']}/{r['runs']} most_common={r['most_common']} "
               f"differ_from_alone={r['differ_from_alone']} first_div=[{r['first_divergence_min']},"
-              f"{r['first_divergence_max']}] median_s/run={r['median_s_per_run']:.3f} wall_s={wall:.1f} "
+              f"{r['first_divergence_max']}] logits_differ_from_alone={r['logits_differ_from_alone']} "
+              f"(max |diff| {r['logits_max_abs_diff']:.3g}) median_s/run={r['median_s_per_run']:.3f} wall_s={wall:.1f} "
               f"(workers={args.workers})", flush=True)
         for k, v in enumerate(r["variants"]):
             print(f"  variant {k}: {v[:160]!r}")
