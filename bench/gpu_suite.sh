@@ -78,3 +78,13 @@ if [ "$phase" = server ]; then
     --num-requests 256 --concurrency 64 --input-len 256 --output-len 128 --max-model-len 1024 \
     --json "$OUT/bench_server.json" 2>&1 | grep -v "it/s\]" | tee "$OUT/bench_server.log"
 fi
+
+if [ "$phase" = mm ]; then  # fixed-chunk split-K experiment (issue 3), then the server bench if time is left
+  start=$SECONDS
+  timeout 330 python3 bench/matmul_chunked_experiment.py --out "$OUT" --budget-s 150 2>&1 | grep -v "^  compiled" \
+    | tail -150
+  left=$((570 - (SECONDS - start)))
+  [ "$left" -gt 150 ] && timeout "$left" python3 bench/bench_server.py /tmp/qwen3-8b-random --write-random qwen3-8b \
+    --start-server --num-requests 256 --concurrency 64 --input-len 256 --output-len 128 --max-model-len 1024 \
+    --json "$OUT/bench_server.json" 2>&1 | grep -v "it/s\]" | tee "$OUT/bench_server.log"
+fi
