@@ -156,8 +156,13 @@ def run_offline(model_dir: str, cfg: EngineConfig, device: str | None, prompts: 
     nxt = min(limit, len(prompts))
     for i in range(nxt):
         add(i)
+    steps, step_s = 0, 0.0
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        ts = time.perf_counter()
+        outs = engine.step()
+        step_s += time.perf_counter() - ts
+        steps += 1
+        for out in outs:
             if out.finished:
                 final[int(out.request_id)] = out.outputs[0]
                 if nxt < len(prompts):
@@ -166,9 +171,23 @@ def run_offline(model_dir: str, cfg: EngineConfig, device: str | None, prompts: 
     wall = time.perf_counter() - t0
     out_tokens = sum(len(o.token_ids) for o in final.values())
     return {"wall_s": wall, "requests_per_s": len(prompts) / wall, "output_tokens_per_s": out_tokens / wall,
-            "output_tokens": out_tokens,
+            "output_tokens": out_tokens, "engine_steps": steps, "mean_step_s": step_s / max(steps, 1),
             "results": [{"text": final[i].text, "logprobs": [e.logprob for e in final[i].logprobs]}
                         for i in range(len(prompts))]}
+
+
+def start_profiler(pid: int, out: str) -> subprocess.Popen | None:
+    """py-spy sampling the server while the last HTTP run goes: which thread holds the GIL (--gil), raw
+    collapsed stacks per thread. None (with a note) when py-spy is not installed."""
+    import shutil
+
+    found = [c for c in (Path(d) / "bin" / "py-spy" for d in sys.path if d) if c.exists()]  # pip --target
+    exe = shutil.which("py-spy") or (str(found[0]) if found else None)
+    if exe is None:
+        print("--profile-server: py-spy not found", file=sys.stderr)
+        return None
+    return subprocess.Popen([exe, "record", "-p", str(pid), "--gil", "-t", "-f", "raw", "-r", "200", "-o", out],
+                            stdout=subprocess.DEVNULL)
 
 
 def write_random_checkpoint(model_dir: str, preset: str, device: str | None) -> None:
@@ -211,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
                         "HTTP client; 0: all queued at once)")
     parser.add_argument("--warmup-requests", type=int, default=None,
                         help="unmeasured requests (8 output tokens) sent first (default: 2 x --concurrency)")
+    parser.add_argument("--http-repeat", type=int, default=1, help="HTTP runs against the one server (the last "
+                        "is reported; earlier ones print one line)")
+    parser.add_argument("--profile-server", metavar="FILE", help="py-spy the started server during the last HTTP "
+                        "run (GIL holder, raw stacks) into FILE")
     parser.add_argument("--no-offline", action="store_true", help="skip the offline-engine comparison")
     parser.add_argument("--json", help="write the summary (no per-request results) to this file")
     parser.add_argument("--write-random", metavar="PRESET", help="first write a checkpoint of this shape with "
@@ -240,7 +263,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.start_server:
         proc, url = start_server(args.model_dir, args.served_model_name, cfg, args.device)
     try:
-        http = asyncio.run(run_http(url, args.served_model_name, prompts, args))
+        for rep in range(args.http_repeat):
+            prof = None
+            if args.profile_server and proc is not None and rep == args.http_repeat - 1:
+                prof = start_profiler(proc.pid, args.profile_server)
+            http = asyncio.run(run_http(url, args.served_model_name, prompts, args))
+            if prof is not None:
+                prof.send_signal(signal.SIGINT)
+                prof.wait(60)
+            if rep < args.http_repeat - 1:
+                print(f"HTTP run {rep + 1}: {http['wall_s']:.2f} s, {http['output_tokens_per_s']:.1f} out tok/s, "
+                      f"{http['engine_steps']:.0f} steps, mean {1e3 * http['mean_step_s']:.2f} ms", flush=True)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
@@ -262,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         summary["identical_outputs"] = same
         print(f"offline : concurrency {args.offline_concurrency or 'all'}: {off['wall_s']:.2f} s  "
               f"{off['requests_per_s']:.2f} req/s  "
-              f"{off['output_tokens_per_s']:.1f} out tok/s")
+              f"{off['output_tokens_per_s']:.1f} out tok/s  engine: {off['engine_steps']} steps, mean "
+              f"{1e3 * off['mean_step_s']:.2f} ms")
         print(f"HTTP / offline throughput: {http['output_tokens_per_s'] / off['output_tokens_per_s']:.2f}; "
               f"bit-identical text+logprobs: {same}/{len(prompts)}")
     if args.json:

@@ -75,8 +75,9 @@ fi
 if [ "$phase" = server ]; then
   cp .carry/smolA/* "$P/" 2>/dev/null  # for an hf phase right after this one
   timeout 560 python3 bench/bench_server.py /tmp/qwen3-8b-random --write-random qwen3-8b --start-server \
-    --num-requests 256 --concurrency 64 --input-len 256 --output-len 128 --max-model-len 1024 \
-    --json "$OUT/bench_server.json" 2>&1 | grep -v "it/s\]" | tee "$OUT/bench_server.log"
+    --num-requests 256 --concurrency 64 --input-len 256 --output-len 128 --max-model-len 1024 --http-repeat 2 \
+    --profile-server "$OUT/server_prof.txt" --json "$OUT/bench_server.json" 2>&1 | grep -v "it/s\]" \
+    | tee "$OUT/bench_server.log"
 fi
 
 if [ "$phase" = mm ]; then  # fixed-chunk split-K experiment (issue 3), then the server bench if time is left
