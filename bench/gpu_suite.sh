@@ -89,3 +89,12 @@ if [ "$phase" = mm ]; then  # fixed-chunk split-K experiment (issue 3), then the
     --start-server --num-requests 256 --concurrency 64 --input-len 256 --output-len 128 --max-model-len 1024 \
     --json "$OUT/bench_server.json" 2>&1 | grep -v "it/s\]" | tee "$OUT/bench_server.log"
 fi
+
+if [ "$phase" = final ]; then  # every gpu-marked test at the final state, matmul file included
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/env.log"
+  timeout 420 python3 -m pytest -q -m gpu -n 6 -p no:cacheprovider --deselect tests/kernels/test_matmul.py \
+    tests/kernels/test_rmsnorm.py tests/kernels/test_softmax.py tests/kernels/test_reduce.py \
+    tests/kernels/test_attention_gpu.py tests/ops tests/engine tests/cache 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_matmul.py 2>&1 \
+    | tee "$OUT/gpu_tests_matmul.log" | tail -8
+fi
