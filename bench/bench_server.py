@@ -55,7 +55,8 @@ def engine_flags(cfg: EngineConfig) -> list[str]:
     return out
 
 
-def start_server(model_dir: str, name: str, cfg: EngineConfig, device: str | None) -> tuple[subprocess.Popen, str]:
+def start_server(model_dir: str, name: str, cfg: EngineConfig, device: str | None,
+                 extra: list[str]) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -63,6 +64,7 @@ def start_server(model_dir: str, name: str, cfg: EngineConfig, device: str | Non
            name, "--uvicorn-log-level", "warning", "--max-pending-requests", "100000", *engine_flags(cfg)]
     if device:
         cmd += ["--device", device]
+    cmd += extra
     proc = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
     import httpx
@@ -234,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
                         "is reported; earlier ones print one line)")
     parser.add_argument("--profile-server", metavar="FILE", help="py-spy the started server during the last HTTP "
                         "run (GIL holder, raw stacks) into FILE")
+    parser.add_argument("--server-arg", action="append", default=[], help="extra argument for `detinfer serve` "
+                        "(repeat; e.g. --server-arg=--gil-switch-interval-ms --server-arg=20)")
     parser.add_argument("--no-offline", action="store_true", help="skip the offline-engine comparison")
     parser.add_argument("--json", help="write the summary (no per-request results) to this file")
     parser.add_argument("--write-random", metavar="PRESET", help="first write a checkpoint of this shape with "
@@ -261,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     proc = None
     url = args.url
     if args.start_server:
-        proc, url = start_server(args.model_dir, args.served_model_name, cfg, args.device)
+        proc, url = start_server(args.model_dir, args.served_model_name, cfg, args.device, args.server_arg)
     try:
         for rep in range(args.http_repeat):
             prof = None

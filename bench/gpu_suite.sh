@@ -98,3 +98,13 @@ if [ "$phase" = final ]; then  # every gpu-marked test at the final state, matmu
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_matmul.py 2>&1 \
     | tee "$OUT/gpu_tests_matmul.log" | tail -8
 fi
+
+if [ "$phase" = gil ]; then  # server throughput vs Python's thread switch interval (GIL sharing, issue 6)
+  for ms in ${GIL_MS:-5 20 50}; do
+    echo "== --gil-switch-interval-ms $ms"
+    timeout 200 python3 bench/bench_server.py /tmp/qwen3-8b-random --write-random qwen3-8b --start-server \
+      --num-requests 256 --concurrency 64 --input-len 256 --output-len 128 --max-model-len 1024 --http-repeat 2 \
+      --no-offline --server-arg=--gil-switch-interval-ms --server-arg="$ms" --json "$OUT/bench_server_gil$ms.json" \
+      2>&1 | grep -v "it/s\]" | grep -v "^INFO" | tail -5
+  done
+fi

@@ -50,6 +50,10 @@ class ServerConfig:
                                                              "choices": LOG_LEVELS})
     device: str | None = field(default=None, metadata={
         "help": "Torch device for the engine (cuda, cuda:1, cpu); default: cuda if available, else cpu."})
+    gil_switch_interval_ms: float = field(default=5.0, metadata={
+        "help": "Python's thread switch interval in ms (sys.setswitchinterval). The engine thread and the HTTP "
+                "event loop share the GIL: a longer interval lets one engine step issue its kernels without being "
+                "preempted by per-token streaming work (5: Python's default)."})
 
     def __post_init__(self):
         if not isinstance(self.host, str) or not self.host:
@@ -64,6 +68,7 @@ class ServerConfig:
         check_int("max_logprobs", self.max_logprobs, minimum=0)
         check_int("max_request_bytes", self.max_request_bytes, minimum=1024)
         check_float("timeout_graceful_shutdown", self.timeout_graceful_shutdown, minimum=0.0)
+        check_float("gil_switch_interval_ms", self.gil_switch_interval_ms, minimum=0.0, min_exclusive=True)
         if self.uvicorn_log_level not in LOG_LEVELS:
             raise ValueError(f"uvicorn_log_level must be one of {LOG_LEVELS}, got {self.uvicorn_log_level!r}")
 
@@ -144,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     from detinfer.server.app import create_app
     from detinfer.server.async_engine import AsyncEngine
 
+    sys.setswitchinterval(server_config.gil_switch_interval_ms / 1000.0)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     engine = LLMEngine(model_dir, engine_config, device=server_config.device)
     resolved = engine.config  # max_model_len resolved from the model
