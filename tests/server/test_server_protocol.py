@@ -160,7 +160,8 @@ def test_server_config_validation():
     ServerConfig()
     for bad in [dict(port=70000), dict(port="80"), dict(max_pending_requests=0), dict(max_n=0),
                 dict(host=""), dict(api_key=""), dict(uvicorn_log_level="loud"),
-                dict(timeout_graceful_shutdown=-1.0), dict(max_request_bytes=10)]:
+                dict(timeout_graceful_shutdown=-1.0), dict(max_request_bytes=10), dict(gil_switch_interval_ms=0.0),
+                dict(gil_switch_interval_ms=-5.0)]:
         with pytest.raises((ValueError, TypeError)):
             ServerConfig(**bad)
 

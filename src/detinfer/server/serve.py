@@ -50,10 +50,11 @@ class ServerConfig:
                                                              "choices": LOG_LEVELS})
     device: str | None = field(default=None, metadata={
         "help": "Torch device for the engine (cuda, cuda:1, cpu); default: cuda if available, else cpu."})
-    gil_switch_interval_ms: float = field(default=5.0, metadata={
+    gil_switch_interval_ms: float = field(default=20.0, metadata={
         "help": "Python's thread switch interval in ms (sys.setswitchinterval). The engine thread and the HTTP "
                 "event loop share the GIL: a longer interval lets one engine step issue its kernels without being "
-                "preempted by per-token streaming work (5: Python's default)."})
+                "preempted by per-token streaming work. Measured on an H100 (8B model, 64 streams): 5 ms (Python's "
+                "default) 2120 output tok/s, 20 ms 2235, 50 ms 2252."})
 
     def __post_init__(self):
         if not isinstance(self.host, str) or not self.host:
