@@ -91,8 +91,8 @@ async def run_http(url: str, name: str, prompts: list[list[int]], args) -> dict:
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
 
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as http:
-        async def one(i: int) -> None:
-            body = {"model": name, "prompt": prompts[i], "max_tokens": args.output_len, "ignore_eos": True,
+        async def one(i: int, output_len: int) -> None:
+            body = {"model": name, "prompt": prompts[i], "max_tokens": output_len, "ignore_eos": True,
                     "temperature": args.temperature, "seed": i, "logprobs": 0, "stream": True,
                     "stream_options": {"include_usage": True}}
             async with sem:
@@ -118,14 +118,10 @@ async def run_http(url: str, name: str, prompts: list[list[int]], args) -> dict:
 
         # Warm-up (not measured): the same prompts at full concurrency with a few output tokens, so the
         # measured run does not pay Triton's JIT compilation and CUDA-graph capture.
-        if args.warmup_requests:
-            saved = args.output_len
-            args.output_len = 8
-            await asyncio.gather(*(one(i % len(prompts)) for i in range(args.warmup_requests)))
-            args.output_len = saved
+        await asyncio.gather(*(one(i % len(prompts), 8) for i in range(args.warmup_requests)))
         before = parse_metrics((await http.get("/metrics")).text)
         t0 = time.perf_counter()
-        await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        await asyncio.gather(*(one(i, args.output_len) for i in range(len(prompts))))
         wall = time.perf_counter() - t0
         after = parse_metrics((await http.get("/metrics")).text)
     steps = after["detinfer_engine_step_seconds_count"] - before["detinfer_engine_step_seconds_count"]

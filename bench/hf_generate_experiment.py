@@ -212,12 +212,12 @@ def main() -> None:
         ratio = results["invariant"]["median_s_per_run"] / results["stock"]["median_s_per_run"]
         wall = results["invariant"]["wall_s"] / results["stock"]["wall_s"]
         print(f"slowdown invariant/stock: median s per run {ratio:.2f}x, wall {wall:.2f}x")
-    if "stock" in results and "invariant" in results:
         same = results["stock"]["alone_text"] == results["invariant"]["alone_text"]
         print(f"target alone: stock and invariant {'agree' if same else 'differ'}")
     print("alone:", results[modes[0]]["alone_text"][:300].replace("\n", " "))
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **results}, indent=1))
+
 
 if __name__ == "__main__":
     main()
