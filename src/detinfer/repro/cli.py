@@ -79,26 +79,27 @@ def _read_prompt(ns: argparse.Namespace) -> str:
 
 
 def describe(section) -> str:
-    """A few lines summarising one section for the terminal."""
+    """A few lines summarising one section for the terminal (same verdict as the HTML and --check)."""
+    from detinfer.repro.report import at_unit, verdict
+
     s = section.summary
-    lines = [f"{section.label}: {s.num_unique} unique completion(s) of {s.n} runs "
-             f"(most common: {s.most_common_count})"
-             + (f"; {s.num_unique_logprobs} distinct logprob sequence(s)" if s.num_unique_logprobs else "")]
+    lines = [f"{section.label}: {verdict(s)} (most common completion: {s.most_common_count} runs)"]
     if s.agreed_prefix is not None:
         lines.append(f"  all runs agree for {s.agreed_prefix} {s.unit}s")
     if s.logprob_divergence:
         lines.append(f"  {len(s.logprob_divergence)} run(s) differ from run {s.reference_run} in logprob bits, "
-                     f"the earliest at {s.unit} {min(s.logprob_divergence)}")
+                     f"the earliest {at_unit(s.unit, min(s.logprob_divergence))}")
     if s.pairs:
         p = s.pairs[0]
-        lines.append(f"  #{p.a} vs #{p.b} diverge at {s.unit} {p.index}: ...{p.prefix[-40:]!r} -> "
+        lines.append(f"  #{p.a} vs #{p.b} diverge {at_unit(s.unit, p.index)}: ...{p.prefix[-40:]!r} -> "
                      f"{p.a_text[:30]!r} ({p.a_count} runs) vs {p.b_text[:30]!r} ({p.b_count} runs)")
     return "\n".join(lines)
 
 
 def reproduces(section) -> bool:
-    s = section.summary
-    return s.num_unique == 1 and (s.num_unique_logprobs in (None, 1))
+    from detinfer.repro.report import reproduces as summary_reproduces
+
+    return summary_reproduces(section.summary)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError, RuntimeError, ImportError) as e:
         print(f"detinfer repro: error: {e}", file=sys.stderr)
         return 2
+    from detinfer.repro.report import headline
+
+    print(headline(sections))
     for s in sections:
         print(describe(s))
     print(f"report: {paths['html']}  (raw completions: {paths['json']})")
