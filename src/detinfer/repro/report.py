@@ -268,7 +268,8 @@ def _section_html(s: Section, pngs: tuple[bytes, bytes]) -> str:
              "<h3>Distinct completions</h3><table><tr><th>#</th><th>runs</th><th>diverges from #0</th>"
              "<th>logprob variants</th><th>text</th></tr>"]
     for g, d in list(zip(sm.groups, sm.divergence_from_mode))[:MAX_BARS]:
-        parts.append(f"<tr><td>{g.rank}</td><td>{g.count}</td><td>{'—' if d is None else _e(at_unit(sm.unit, d))}</td><td>{_variants(g)}"
+        at = "—" if d is None else _e(at_unit(sm.unit, d))
+        parts.append(f"<tr><td>{g.rank}</td><td>{g.count}</td><td>{at}</td><td>{_variants(g)}"
                      f"</td><td><pre>{_e(g.completion.text)}</pre></td></tr>")
     parts.append("</table>")
     if len(sm.groups) > MAX_BARS:
