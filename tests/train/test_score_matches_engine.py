@@ -1,0 +1,112 @@
+"""The trainer's logprobs equal the sampler's, bit for bit (deterministic mode, CPU).
+
+The engine samples sequences inside mixed batches (greedy and seeded rows, chunked prefill, a shared
+prefix served from the prefix cache, two engine configurations); then `TrainableModel.score` recomputes
+every prompt and output logprob of those sequences in several training packings (all packed, reversed
+with a filler sequence, one by one, a padded [B, T] batch). Every value must be `torch.equal` to what the
+engine returned. Also: two backward passes give bitwise identical gradients.
+"""
+
+import pytest
+import torch
+
+from detinfer.engine import LLM, SamplingParams
+from detinfer.train import TrainableModel
+
+MODELS = ["stories260k", "llama-bias-tied", "qwen3-mqa"]
+ENGINES = {  # two engine configurations: different token budgets (chunking), block sizes, batch widths
+    "budget16": dict(max_num_batched_tokens=16, max_num_seqs=3, block_size=8),
+    "budget64": dict(max_num_batched_tokens=64, max_num_seqs=8, block_size=16),
+}
+
+
+def _prompts(vocab: int):
+    shared = [1, 17, 29, 41, 53, 65, 77, 89, 101, 113]  # a shared prefix (prefix cache hits)
+    prompts = [shared + [7, 8], shared + [9], [1, 44, 55], [1] + [(13 * i + 5) % vocab for i in range(19)],
+               [1, 8], shared + [3, 4, 5, 6]]
+    params = [SamplingParams(max_tokens=8, temperature=0, logprobs=1, prompt_logprobs=1),
+              SamplingParams(max_tokens=7, temperature=0.9, seed=5, logprobs=0, prompt_logprobs=0),
+              SamplingParams(max_tokens=6, temperature=1.0, top_k=20, seed=11, logprobs=2, prompt_logprobs=0)]
+    return prompts, [params[i % 3] for i in range(len(prompts))]
+
+
+def _sample(model_dir, engine_kwargs):
+    llm = LLM(str(model_dir), device="cpu", mode="deterministic", max_model_len=128, **engine_kwargs)
+    prompts, params = _prompts(llm.engine.model_config.vocab_size)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seqs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+    # the engine's logprob of token i+1 given tokens 0..i, for every i of the sequence but the last
+    expected = [torch.tensor([e.logprob for e in o.prompt_logprobs[1:]] +
+                             [e.logprob for e in o.outputs[0].logprobs], dtype=torch.float32) for o in outs]
+    return llm, seqs, expected
+
+
+def _packed(seqs):
+    ids = torch.tensor([t for s in seqs for t in s])
+    cu = [0]
+    for s in seqs:
+        cu.append(cu[-1] + len(s))
+    return ids, cu
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def sampled(request, model_dirs):
+    if request.param not in model_dirs:
+        pytest.skip("stories260k checkpoint not found next to the repository")
+    runs = {name: _sample(model_dirs[request.param], kw) for name, kw in ENGINES.items()}
+    return request.param, runs
+
+
+def _check(lp_rows, expected):
+    for i, (got, want) in enumerate(zip(lp_rows, expected, strict=True)):
+        assert got.shape == want.shape, (i, got.shape, want.shape)
+        assert torch.equal(got, want), (i, (got - want).abs().max().item())
+
+
+def test_score_equals_engine_logprobs_in_every_packing(sampled):
+    name, runs = sampled
+    llm, seqs, expected = runs["budget16"]
+    trainer = TrainableModel(llm)
+    ids, cu = _packed(seqs)
+    with torch.no_grad():
+        lp = trainer.score(ids, cu)
+    _check([lp[a:b - 1] for a, b in zip(cu[:-1], cu[1:])], expected)
+    assert torch.equal(lp[[b - 1 for b in cu[1:]]], torch.zeros(len(seqs)))  # no next token: 0
+    # reversed order, with a filler sequence in front
+    filler = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+    ids2, cu2 = _packed([filler] + seqs[::-1])
+    lp2 = trainer.score(ids2, torch.tensor(cu2, dtype=torch.int32)).detach()  # with autograd this time
+    rows2 = [lp2[a:b - 1] for a, b in zip(cu2[:-1], cu2[1:])][1:][::-1]
+    _check(rows2, expected)
+    # one sequence per call
+    _check([trainer.score(torch.tensor(s)).detach()[:-1] for s in seqs[:3]], expected[:3])
+    # a padded [B, T] batch
+    width = max(map(len, seqs)) + 3
+    padded = torch.zeros((len(seqs), width), dtype=torch.int64)
+    for i, s in enumerate(seqs):
+        padded[i, :len(s)] = torch.tensor(s)
+    lp3 = trainer.score(padded, lengths=[len(s) for s in seqs]).detach()
+    _check([lp3[i, :len(s) - 1] for i, s in enumerate(seqs)], expected)
+    # the same sequences sampled under another engine configuration
+    llm_b, seqs_b, expected_b = runs["budget64"]
+    ids_b, cu_b = _packed(seqs_b)
+    lp_b = TrainableModel(llm_b).score(ids_b, cu_b).detach()
+    _check([lp_b[a:b - 1] for a, b in zip(cu_b[:-1], cu_b[1:])], expected_b)
+
+
+def test_two_backward_passes_are_bitwise_equal(sampled):
+    name, runs = sampled
+    llm, seqs, _ = runs["budget64"]
+    trainer = TrainableModel(llm)
+    ids, cu = _packed(seqs)
+    weights = torch.linspace(-1, 1, ids.shape[0])
+    grads = []
+    for _ in range(2):
+        trainer.zero_grad()
+        (trainer.score(ids, cu) * weights).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in trainer.named_parameters()})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 5
+    for n in grads[0]:
+        assert torch.equal(grads[0][n], grads[1][n]), n
+        assert torch.isfinite(grads[0][n]).all(), n
+    assert any(g.abs().sum() > 0 for g in grads[0].values())
