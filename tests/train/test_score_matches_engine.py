@@ -53,7 +53,10 @@ def _packed(seqs):
 def sampled(request, model_dirs):
     if request.param not in model_dirs:
         pytest.skip("stories260k checkpoint not found next to the repository")
-    runs = {name: _sample(model_dirs[request.param], kw) for name, kw in ENGINES.items()}
+    # The second engine configuration only for stories260k (pure-torch attention, fast on CPU): the
+    # Triton-interpreter models would double the test time for a property the engine's tests cover.
+    names = list(ENGINES) if request.param == "stories260k" else ["budget16"]
+    runs = {name: _sample(model_dirs[request.param], ENGINES[name]) for name in names}
     return request.param, runs
 
 
@@ -79,7 +82,7 @@ def test_score_equals_engine_logprobs_in_every_packing(sampled):
     rows2 = [lp2[a:b - 1] for a, b in zip(cu2[:-1], cu2[1:])][1:][::-1]
     _check(rows2, expected)
     # one sequence per call
-    _check([trainer.score(torch.tensor(s)).detach()[:-1] for s in seqs[:3]], expected[:3])
+    _check([trainer.score(torch.tensor(s)).detach()[:-1] for s in seqs[:2]], expected[:2])
     # a padded [B, T] batch
     width = max(map(len, seqs)) + 3
     padded = torch.zeros((len(seqs), width), dtype=torch.int64)
@@ -87,6 +90,8 @@ def test_score_equals_engine_logprobs_in_every_packing(sampled):
         padded[i, :len(s)] = torch.tensor(s)
     lp3 = trainer.score(padded, lengths=[len(s) for s in seqs]).detach()
     _check([lp3[i, :len(s) - 1] for i, s in enumerate(seqs)], expected)
+    if "budget64" not in runs:
+        return
     # the same sequences sampled under another engine configuration
     llm_b, seqs_b, expected_b = runs["budget64"]
     ids_b, cu_b = _packed(seqs_b)
@@ -96,7 +101,8 @@ def test_score_equals_engine_logprobs_in_every_packing(sampled):
 
 def test_two_backward_passes_are_bitwise_equal(sampled):
     name, runs = sampled
-    llm, seqs, _ = runs["budget64"]
+    llm, seqs, _ = runs["budget16"]
+    seqs = seqs[:3]
     trainer = TrainableModel(llm)
     ids, cu = _packed(seqs)
     weights = torch.linspace(-1, 1, ids.shape[0])

@@ -14,7 +14,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from detinfer.kernels.attention_backward import attention_backward_ref
+from detinfer.kernels._launch import interpreting
+from detinfer.kernels.attention_backward import attention_backward, attention_backward_ref, kernel_supports
 from detinfer.kernels.embedding_backward import embedding_backward_ref
 from detinfer.kernels.linear_backward import linear_backward
 from detinfer.kernels.log_softmax_backward import log_softmax_gather_backward_ref
@@ -116,6 +117,14 @@ class LogprobFn(torch.autograd.Function):
         return log_softmax_gather_backward_ref(grad, logprobs, targets).to(logprobs.dtype), None, None
 
 
+def _attention_backward_for(q: torch.Tensor):
+    """The Triton backward on CUDA (and on CPU in fp32 under Triton's interpreter, as the engine's
+    attention kernel), for head_dims it takes; the pure-torch reference otherwise."""
+    kernel_ok = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16, torch.float32) or \
+        (interpreting() and q.dtype == torch.float32)
+    return attention_backward if kernel_ok and kernel_supports(q.shape[-1]) else attention_backward_ref
+
+
 class AttentionFn(torch.autograd.Function):
     """Causal varlen GQA attention: forward = the engine's paged attention (via `fwd(q, k, v)`), backward =
     the fixed-order recompute backward over the same packed layout."""
@@ -130,5 +139,5 @@ class AttentionFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out = ctx.saved_tensors
-        dq, dk, dv = attention_backward_ref(dout, q, k, v, out, ctx.cu_seqlens, ctx.scale)
+        dq, dk, dv = _attention_backward_for(q)(dout.contiguous(), q, k, v, out, ctx.cu_seqlens, ctx.scale)
         return dq, dk, dv, None, None, None
