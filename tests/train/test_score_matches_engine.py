@@ -24,9 +24,9 @@ def _prompts(vocab: int):
     shared = [1, 17, 29, 41, 53, 65, 77, 89, 101, 113]  # a shared prefix (prefix cache hits)
     prompts = [shared + [7, 8], shared + [9], [1, 44, 55], [1] + [(13 * i + 5) % vocab for i in range(19)],
                [1, 8], shared + [3, 4, 5, 6]]
-    params = [SamplingParams(max_tokens=8, temperature=0, logprobs=1, prompt_logprobs=1),
-              SamplingParams(max_tokens=7, temperature=0.9, seed=5, logprobs=0, prompt_logprobs=0),
-              SamplingParams(max_tokens=6, temperature=1.0, top_k=20, seed=11, logprobs=2, prompt_logprobs=0)]
+    params = [SamplingParams(max_tokens=6, temperature=0, logprobs=1, prompt_logprobs=1),
+              SamplingParams(max_tokens=5, temperature=0.9, seed=5, logprobs=0, prompt_logprobs=0),
+              SamplingParams(max_tokens=4, temperature=1.0, top_k=20, seed=11, logprobs=2, prompt_logprobs=0)]
     return prompts, [params[i % 3] for i in range(len(prompts))]
 
 
