@@ -175,6 +175,27 @@ class TrainableModel:
         cu = _cu_list([0, n] if cu_seqlens is None else cu_seqlens, n)
         return self._score_packed(token_ids, cu, targets)
 
+    @torch.no_grad()
+    def distributions(self, token_ids: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
+        """[N, V] fp32 log-probabilities of the next token at every position of packed token_ids (no
+        autograd): the full distributions behind `score`, e.g. to measure KL between two modes."""
+        n = token_ids.shape[0]
+        cu = _cu_list([0, n] if cu_seqlens is None else cu_seqlens, n)
+        ids = token_ids.to(device=self.model.embed_tokens.device, dtype=torch.int64)
+        _, logits = self._forward(ids, cu)
+        log_softmax = self.ops.log_softmax if self.mode == "deterministic" else torch.log_softmax
+        return log_softmax(logits, dim=-1)
+
+    def _forward(self, ids: torch.Tensor, cu: list[int]):
+        dev = ids.device
+        positions = torch.cat([torch.arange(b - a, dtype=torch.int64) for a, b in zip(cu[:-1], cu[1:])]) \
+            .to(dev) if ids.numel() else ids.new_zeros(0)
+        if self.mode == "deterministic":
+            attn = PackedPagedAttention(self.attend, self.write, cu, self.scale, self.block_size, dev)
+        else:
+            attn = SDPAAttention(cu, self.scale)
+        return self.forward_runner.run(ids, positions, attn)
+
     def _score_packed(self, token_ids: torch.Tensor, cu: list[int], targets) -> torch.Tensor:
         dev = self.model.embed_tokens.device
         vocab = self.model.config.vocab_size
@@ -194,13 +215,7 @@ class TrainableModel:
             tg = targets.to(device=dev, dtype=torch.int64).reshape(-1)
             if tg.shape[0] != n or (n and (int(tg.min()) < 0 or int(tg.max()) >= vocab)):
                 raise ValueError(f"targets must hold {n} token ids in [0, {vocab})")
-        positions = torch.cat([torch.arange(b - a, dtype=torch.int64) for a, b in zip(cu[:-1], cu[1:])]) \
-            .to(dev) if n else ids.new_zeros(0)
-        if self.mode == "deterministic":
-            attn = PackedPagedAttention(self.attend, self.write, cu, self.scale, self.block_size, dev)
-        else:
-            attn = SDPAAttention(cu, self.scale)
-        _, logits = self.forward_runner.run(ids, positions, attn)
+        _, logits = self._forward(ids, cu)
         if self.mode == "deterministic":
             lp = LogprobFn.apply(logits, tg, self.ops.log_softmax) if logits.requires_grad else \
                 self.ops.log_softmax(logits, dim=-1).gather(1, tg[:, None])[:, 0]
