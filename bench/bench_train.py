@@ -53,11 +53,11 @@ def training_step(args) -> dict:
     for mode in ("deterministic", "fast"):
         trainer = TrainableModel(model, mode=mode)
 
-        def step():
+        def step(trainer=trainer):
             trainer.zero_grad()
             (trainer.score(ids, cu) * w).sum().backward()
 
-        def fwd():
+        def fwd(trainer=trainer):
             with torch.no_grad():
                 trainer.score(ids, cu)
         out[mode] = {"step_ms": bench(step, rep=10), "forward_ms": bench(fwd, rep=10)}
@@ -94,91 +94,110 @@ def _grad_time(f, inputs, gout) -> float:
     return bench(lambda: torch.autograd.grad(out, inputs, gout, retain_graph=True))
 
 
-def kernels(args) -> list[dict]:
-    from detinfer.kernels.attention import paged_attention  # noqa: F401  (import check: engine kernels present)
-    from detinfer.kernels.attention_backward import attention_backward
-    from detinfer.kernels.embedding_backward import embedding_backward_ref
+def _rn(*shape):
+    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+
+
+def _linear_rows(t: int) -> list[dict]:
     from detinfer.kernels.linear_backward import matmul_det, weight_grad
-    from detinfer.kernels.log_softmax_backward import log_softmax_gather_backward_ref
+
+    rows = []
+    for name, (k, n) in {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576),
+                         "down": (12288, 4096)}.items():
+        dy, x, wt = _rn(t, n), _rn(t, k), _rn(n, k)
+        fl = 2.0 * t * n * k
+        rows.append(_row(f"dW {name} [{n}x{k}] T={t}", bench(lambda dy=dy, x=x: weight_grad(dy, x)),
+                         bench(lambda dy=dy, x=x: dy.t() @ x), flops=fl))
+        rows.append(_row(f"dX {name} [{t}x{k}]", bench(lambda dy=dy, wt=wt: matmul_det(dy, wt)),
+                         bench(lambda dy=dy, wt=wt: dy @ wt), flops=fl))
+    return rows
+
+
+def _attention_row(seqs: int, seq_len: int) -> dict:
+    from detinfer.kernels.attention_backward import attention_backward
+
+    t, hq, hkv, d = seqs * seq_len, 32, 8, 128
+    q, do, k, v = _rn(t, hq, d), _rn(t, hq, d), _rn(t, hkv, d), _rn(t, hkv, d)
+    cu = [i * seq_len for i in range(seqs + 1)]
+    scale = d ** -0.5
+
+    def heads_first(x, expand):
+        x = x.view(seqs, seq_len, x.shape[1], d).transpose(1, 2)
+        return (x.repeat_interleave(hq // hkv, 1) if expand else x).detach().requires_grad_()
+    qb, kb, vb = heads_first(q, False), heads_first(k, True), heads_first(v, True)
+    ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
+    out = ob.detach().transpose(1, 2).reshape(t, hq, d).contiguous()
+    gb = do.view(seqs, seq_len, hq, d).transpose(1, 2)
+    stock = bench(lambda: torch.autograd.grad(ob, (qb, kb, vb), gb, retain_graph=True))
+    fwd_flops = 2 * 2 * seqs * seq_len ** 2 / 2 * d * hq  # causal: half of QK^T and of PV
+    return _row(f"attention bwd {seqs}x{seq_len} Hq{hq}/Hkv{hkv} D{d}",
+                bench(lambda: attention_backward(do, q, k, v, out, cu, scale)), stock, flops=2.5 * fwd_flops)
+
+
+def _norm_act_rope_rows(t: int, seq_len: int) -> list[dict]:
     from detinfer.kernels.rmsnorm_backward import rms_norm_backward_ref
     from detinfer.kernels.rope_backward import rope_angles, rope_backward_ref
     from detinfer.kernels.silu_mul_backward import silu_mul_backward_ref
 
-    dev, bf = "cuda", torch.bfloat16
-    t = args.seqs * args.seq_len
-    rows = []
-    rn = lambda *s: torch.randn(*s, device=dev, dtype=bf)  # noqa: E731
-    for name, (k, n) in {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576),
-                         "down": (12288, 4096)}.items():
-        dy, x, wt = rn(t, n), rn(t, k), rn(n, k)
-        fl = 2.0 * t * n * k
-        rows.append(_row(f"dW {name} [{n}x{k}] T={t}", bench(lambda: weight_grad(dy, x)),
-                         bench(lambda: dy.t() @ x), flops=fl))
-        rows.append(_row(f"dX {name} [{t}x{k}]", bench(lambda: matmul_det(dy, wt)), bench(lambda: dy @ wt), flops=fl))
-        del dy, x, wt
-    hq, hkv, d = 32, 8, 128
-    q, do = rn(t, hq, d), rn(t, hq, d)
-    k_, v_ = rn(t, hkv, d), rn(t, hkv, d)
-    cu = [i * args.seq_len for i in range(args.seqs + 1)]
-    scale = d ** -0.5
-    qb = q.view(args.seqs, args.seq_len, hq, d).transpose(1, 2).detach().requires_grad_()
-    kb = k_.view(args.seqs, args.seq_len, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1).detach() \
-        .requires_grad_()
-    vb = v_.view(args.seqs, args.seq_len, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1).detach() \
-        .requires_grad_()
-    ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
-    out = ob.detach().transpose(1, 2).reshape(t, hq, d).contiguous()
-    gb = do.view(args.seqs, args.seq_len, hq, d).transpose(1, 2)
-    sdpa_bwd = bench(lambda: torch.autograd.grad(ob, (qb, kb, vb), gb, retain_graph=True))
-    fwd_flops = 2 * 2 * args.seqs * args.seq_len ** 2 / 2 * d * hq  # causal: half of QK^T and PV
-    rows.append(_row(f"attention bwd {args.seqs}x{args.seq_len} Hq{hq}/Hkv{hkv} D{d}",
-                     bench(lambda: attention_backward(do, q, k_, v_, out, cu, scale)), sdpa_bwd,
-                     flops=2.5 * fwd_flops))
-    del qb, kb, vb, ob, gb
-    h = 4096
-    x, r, dy, dh = rn(t, h), rn(t, h), rn(t, h), rn(t, h)
-    wn = (1 + 0.1 * torch.randn(h, device=dev)).to(bf)
+    bf, h, inter, hq, d = torch.bfloat16, 4096, 12288, 32, 128
+    x, r, dy, dh = _rn(t, h), _rn(t, h), _rn(t, h), _rn(t, h)
+    wn = (1 + 0.1 * torch.randn(h, device="cuda")).to(bf)
     xs, rs, ws = (z.detach().requires_grad_() for z in (x, r, wn))
-
-    def rms_stock(x, r, w):
-        hh = x + r
-        hf = hh.float()
-        return w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(bf), hh
-    ys = rms_stock(xs, rs, ws)
-    rows.append(_row(f"rmsnorm+residual bwd [{t}x{h}]",
-                     bench(lambda: rms_norm_backward_ref(dy, dh, x, r, wn, 1e-6)),
-                     bench(lambda: torch.autograd.grad(ys, (xs, rs, ws), (dy, dh), retain_graph=True)),
-                     nbytes=2 * t * h * 5))
-    inter = 12288
-    gt, up, dout = rn(t, inter), rn(t, inter), rn(t, inter)
+    hh = xs + rs
+    hf = hh.float()
+    ys = (ws * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(bf), hh)
+    rows = [_row(f"rmsnorm+residual bwd [{t}x{h}]", bench(lambda: rms_norm_backward_ref(dy, dh, x, r, wn, 1e-6)),
+                 bench(lambda: torch.autograd.grad(ys, (xs, rs, ws), (dy, dh), retain_graph=True)),
+                 nbytes=2 * t * h * 5)]
+    gt, up, dout = _rn(t, inter), _rn(t, inter), _rn(t, inter)
     gs, us = gt.detach().requires_grad_(), up.detach().requires_grad_()
     rows.append(_row(f"silu*mul bwd [{t}x{inter}]", bench(lambda: silu_mul_backward_ref(dout, gt, up)),
                      _grad_time(lambda a, b: F.silu(a) * b, (gs, us), dout), nbytes=2 * t * inter * 5))
-    pos = torch.arange(t, device=dev) % args.seq_len
-    inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=dev).float() / d))
+    pos = torch.arange(t, device="cuda") % seq_len
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda").float() / d))
     cos, sin = rope_angles(pos, inv_freq)
-    qs = q.detach().requires_grad_()
+    dq = _rn(t, hq, d)
+    qs = _rn(t, hq, d).requires_grad_()
 
-    def rope_stock(x):
-        x1, x2 = x.float().chunk(2, -1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).to(bf)
-    rows.append(_row(f"rope bwd [{t}x{hq}x{d}]", bench(lambda: rope_backward_ref(do, cos, sin, bf)),
-                     _grad_time(rope_stock, (qs,), do), nbytes=2 * t * hq * d * 2))
-    vocab = 151936
-    logits = torch.randn(t, vocab, device=dev, dtype=torch.float32)
-    tg = torch.randint(0, vocab, (t,), device=dev)
+    def rope_stock(z):
+        z1, z2 = z.float().chunk(2, -1)
+        return torch.cat((z1 * cos - z2 * sin, z2 * cos + z1 * sin), -1).to(bf)
+    rows.append(_row(f"rope bwd [{t}x{hq}x{d}]", bench(lambda: rope_backward_ref(dq, cos, sin, bf)),
+                     _grad_time(rope_stock, (qs,), dq), nbytes=2 * t * hq * d * 2))
+    return rows
+
+
+def _vocab_rows(t: int) -> list[dict]:
+    from detinfer.kernels.embedding_backward import embedding_backward_ref
+    from detinfer.kernels.log_softmax_backward import log_softmax_gather_backward_ref
+
+    vocab, h = 151936, 4096
+    logits = torch.randn(t, vocab, device="cuda", dtype=torch.float32)
+    tg = torch.randint(0, vocab, (t,), device="cuda")
     lp_full = torch.log_softmax(logits, -1)
-    gl = torch.randn(t, device=dev)
-    ls = logits.detach().requires_grad_()
-    rows.append(_row(f"log_softmax+gather bwd [{t}x{vocab}]",
-                     bench(lambda: log_softmax_gather_backward_ref(gl, lp_full, tg)),
-                     _grad_time(lambda z: torch.log_softmax(z, -1).gather(1, tg[:, None])[:, 0], (ls,), gl),
-                     nbytes=t * vocab * 4 * 2))
-    del logits, lp_full, ls
-    emb = rn(vocab, h).requires_grad_()
-    ids = torch.randint(0, vocab, (t,), device=dev)
+    gl = torch.randn(t, device="cuda")
+    ls = logits.requires_grad_()
+    rows = [_row(f"log_softmax+gather bwd [{t}x{vocab}]",
+                 bench(lambda: log_softmax_gather_backward_ref(gl, lp_full, tg)),
+                 _grad_time(lambda z: torch.log_softmax(z, -1).gather(1, tg[:, None])[:, 0], (ls,), gl),
+                 nbytes=t * vocab * 4 * 2)]
+    emb = _rn(vocab, h).requires_grad_()
+    ids = torch.randint(0, vocab, (t,), device="cuda")
+    dy = _rn(t, h)
     rows.append(_row(f"embedding bwd [{t} ids, {vocab}x{h}]", bench(lambda: embedding_backward_ref(dy, ids, vocab)),
                      _grad_time(lambda e: F.embedding(ids, e), (emb,), dy), nbytes=t * h * 2 + vocab * h * 4))
+    return rows
+
+
+def kernels(args) -> list[dict]:
+    t = args.seqs * args.seq_len
+    rows = _linear_rows(t)
+    torch.cuda.empty_cache()
+    rows.append(_attention_row(args.seqs, args.seq_len))
+    torch.cuda.empty_cache()
+    rows += _norm_act_rope_rows(t, args.seq_len)
+    torch.cuda.empty_cache()
+    rows += _vocab_rows(t)
     return rows
 
 
