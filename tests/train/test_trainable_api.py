@@ -107,3 +107,13 @@ def test_explicit_targets_score_those_tokens(stories_model):
     keep = torch.ones(len(ids), dtype=torch.bool)
     keep[ends] = False
     assert torch.equal(nxt[keep], explicit[keep])
+
+
+def test_a_second_trainer_takes_over_the_gradients(stories_model):
+    model, _ = load_model(stories_model, torch.bfloat16, "cpu", Ops("deterministic"))
+    first = TrainableModel(model)
+    second = TrainableModel(model, mode="fast")
+    ids, cu = _batch()
+    second.score(ids, cu).sum().backward()
+    assert all(m.grad is not None for m in second.parameters())
+    assert all(m.grad is None for m in first.parameters())

@@ -17,9 +17,11 @@ Fast mode runs stock PyTorch autograd (F.linear, SDPA) on the same module, to me
 Parameters and gradients. fp32 models: `parameters()` are the engine's tensors, with fp32 grads. 16-bit
 models (bf16 on GPU): by default (`master_weights=True`) `parameters()` are fp32 master copies whose
 `.grad` receives the fp32 weight gradients (the engine's bf16 tensors carry `grad_dtype=float32`, so no
-gradient is rounded to bf16); any torch optimizer steps the masters, and `push_weights()` rounds them
+gradient is rounded to bf16; on torch versions without `Tensor.grad_dtype` they are rounded to bf16
+before reaching the fp32 masters); any torch optimizer steps the masters, and `push_weights()` rounds them
 into the engine's bf16 tensors (round-to-nearest-even, deterministic). With master_weights=False the
-engine's 16-bit tensors are the parameters and their grads are 16-bit.
+engine's 16-bit tensors are the parameters and their grads are 16-bit. One TrainableModel at a time
+owns a model's gradients: creating another calls `close()` on the previous one.
 """
 
 from __future__ import annotations
@@ -97,22 +99,39 @@ class TrainableModel:
         else:
             self.ops = Ops("fast")
         self.forward_runner = TrainingForward(self.model, self.ops)
+        # One TrainableModel at a time routes the model's gradients: a new one releases the previous one's
+        # master-weight hooks (two sets would race for each .grad).
+        previous = getattr(self.model, "_detinfer_trainer", None)
+        if previous is not None:
+            previous.close()
+        self.model._detinfer_trainer = self
         engine_params = list(self.model.parameters())
         dtype = engine_params[0].dtype
         self.master_weights = dtype != torch.float32 if master_weights is None else bool(master_weights)
         self._pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
+        self._hooks = []
         for p in engine_params:
             p.requires_grad_(True)
             if self.master_weights:
-                if hasattr(p, "grad_dtype"):
+                if hasattr(p, "grad_dtype"):  # torch versions with per-tensor gradient dtypes
                     p.grad_dtype = torch.float32
                 master = torch.nn.Parameter(p.detach().to(torch.float32).clone())
-                p.register_post_accumulate_grad_hook(self._move_grad_hook(master))
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._move_grad_hook(master)))
                 self._pairs.append((p, master))
+
+    def close(self) -> None:
+        """Stop routing gradients to this object's master weights (a new TrainableModel does this)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if getattr(self.model, "_detinfer_trainer", None) is self:
+            del self.model._detinfer_trainer
 
     @staticmethod
     def _move_grad_hook(master: torch.nn.Parameter):
         def hook(p: torch.Tensor) -> None:
+            if p.grad is None:
+                return
             g = p.grad.to(torch.float32)
             if master.grad is None:
                 master.grad = g
