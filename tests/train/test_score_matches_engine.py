@@ -16,7 +16,8 @@ from detinfer.train import TrainableModel
 MODELS = ["stories260k", "llama-bias-tied", "qwen3-mqa"]
 ENGINES = {  # two engine configurations: different token budgets (chunking), block sizes, batch widths
     "budget16": dict(max_num_batched_tokens=16, max_num_seqs=3, block_size=8),
-    "budget64": dict(max_num_batched_tokens=64, max_num_seqs=8, block_size=16),
+    # a KV pool of 32 blocks of 2 tokens (one max_model_len sequence) for 6 sequences: preemption
+    "budget64": dict(max_num_batched_tokens=64, max_num_seqs=8, block_size=2, num_kv_blocks=32, max_model_len=64),
 }
 
 
@@ -31,9 +32,11 @@ def _prompts(vocab: int):
 
 
 def _sample(model_dir, engine_kwargs):
-    llm = LLM(str(model_dir), device="cpu", mode="deterministic", max_model_len=128, **engine_kwargs)
+    llm = LLM(str(model_dir), device="cpu", mode="deterministic", **{"max_model_len": 128, **engine_kwargs})
     prompts, params = _prompts(llm.engine.model_config.vocab_size)
     outs = llm.generate(prompts, params, use_tqdm=False)
+    if engine_kwargs.get("num_kv_blocks"):
+        assert llm.engine.stats().num_preemptions > 0
     seqs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
     # the engine's logprob of token i+1 given tokens 0..i, for every i of the sequence but the last
     expected = [torch.tensor([e.logprob for e in o.prompt_logprobs[1:]] +
