@@ -54,13 +54,14 @@ def _weight_grad_kernel(dy_ptr, x_ptr, dw_ptr, T, N, K, stride_dyt, stride_dyn, 
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for t0 in range(0, T, BLOCK_T):
         t = t0 + offs_t
-        dyt = tl.load(dy_ptr + t[None, :] * stride_dyt + offs_n[:, None] * stride_dyn,
-                      mask=(t[None, :] < T) & (offs_n[:, None] < N), other=0.0)  # [BN, BT]
-        xt = tl.load(x_ptr + t[:, None] * stride_xt + offs_k[None, :] * stride_xk,
+        # [BT, BN] tile read along rows (coalesced), transposed in registers / shared memory
+        dy = tl.load(dy_ptr + t[:, None].to(tl.int64) * stride_dyt + offs_n[None, :] * stride_dyn,
+                     mask=(t[:, None] < T) & (offs_n[None, :] < N), other=0.0)
+        xt = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_xt + offs_k[None, :] * stride_xk,
                      mask=(t[:, None] < T) & (offs_k[None, :] < K), other=0.0)  # [BT, BK]
-        acc = tl.dot(dyt, xt, acc, input_precision=PRECISION)
+        acc = tl.dot(tl.trans(dy), xt, acc, input_precision=PRECISION)
     mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
-    tl.store(dw_ptr + offs_n[:, None] * stride_dwn + offs_k[None, :] * stride_dwk, acc, mask=mask)
+    tl.store(dw_ptr + offs_n[:, None].to(tl.int64) * stride_dwn + offs_k[None, :] * stride_dwk, acc, mask=mask)
 
 
 def weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
