@@ -117,3 +117,24 @@ def test_a_second_trainer_takes_over_the_gradients(stories_model):
     second.score(ids, cu).sum().backward()
     assert all(m.grad is not None for m in second.parameters())
     assert all(m.grad is None for m in first.parameters())
+
+
+@pytest.mark.parametrize("name", ["stories260k", "qwen3-mqa", "llama-bias-tied"])
+def test_whole_model_gradients_match_fp64_autograd(model_dirs, name):
+    """Every parameter's gradient from the deterministic fp32 backward against stock fp64 autograd of the
+    same module (fast mode in float64)."""
+    if name not in model_dirs:
+        pytest.skip("stories260k checkpoint not found next to the repository")
+    m32, _ = load_model(model_dirs[name], torch.float32, "cpu", Ops("deterministic"))
+    m64, _ = load_model(model_dirs[name], torch.float64, "cpu", Ops("deterministic"))
+    ids, cu = _batch()
+    w = torch.linspace(-1, 1, ids.shape[0])
+    t32, t64 = TrainableModel(m32), TrainableModel(m64, mode="fast")
+    (t32.score(ids, cu) * w).sum().backward()
+    (t64.score(ids, cu) * w).sum().backward()
+    pairs = list(zip(t32.named_parameters(), t64.named_parameters(), strict=True))
+    assert len(pairs) > 5
+    for (n, a), (_, b) in pairs:
+        scale = b.grad.abs().max().item()
+        assert scale > 0, n
+        assert (a.grad.double() - b.grad).abs().max().item() <= 1e-4 * scale, n

@@ -40,4 +40,5 @@ def rms_norm_backward_ref(dy: torch.Tensor, dh_out: torch.Tensor | None, x: torc
     if dh_out is not None:
         dh = dh + dh_out.to(acc).reshape(-1, d)
     dx = dh.to(x.dtype).reshape(x.shape)
-    return dx, (dx if residual is not None else None), dw
+    # a separate tensor for the residual input: autograd may accumulate into one of them in place
+    return dx, (dx.clone() if residual is not None else None), dw
