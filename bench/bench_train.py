@@ -70,6 +70,7 @@ def training_step(args) -> dict:
         out[mode] = {"step_ms": bench(step, rep=10), "forward_ms": bench(fwd, rep=10)}
         print(f"step {mode:13s}: fwd+bwd {out[mode]['step_ms']:8.2f} ms   fwd only {out[mode]['forward_ms']:8.2f} "
               f"ms   ({args.layers} layers, {t} tokens)", flush=True)
+        trainer.close()
         del trainer
         for p in model.parameters():
             p.grad = None

@@ -3,6 +3,8 @@ input validation."""
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from detinfer.models.loader import load_model
 from detinfer.ops import Ops
@@ -138,3 +140,25 @@ def test_whole_model_gradients_match_fp64_autograd(model_dirs, name):
         scale = b.grad.abs().max().item()
         assert scale > 0, n
         assert (a.grad.double() - b.grad).abs().max().item() <= 1e-4 * scale, n
+
+
+@pytest.fixture(scope="module")
+def stories_trainer(stories_model):
+    model, _ = load_model(stories_model, torch.float32, "cpu", Ops("deterministic"))
+    return TrainableModel(model)
+
+
+@given(st.lists(st.lists(st.integers(0, 511), min_size=1, max_size=24), min_size=1, max_size=5),
+       st.randoms(use_true_random=False))
+def test_packing_never_changes_a_sequences_logprobs(stories_trainer, seqs, rng):
+    """score(packed)[sequence s] == score(s alone), bitwise, for random sequences and packing orders."""
+    order = list(range(len(seqs)))
+    rng.shuffle(order)
+    ids = torch.tensor([t for i in order for t in seqs[i]])
+    cu = [0]
+    for i in order:
+        cu.append(cu[-1] + len(seqs[i]))
+    with torch.no_grad():
+        packed = stories_trainer.score(ids, cu)
+        for j, i in enumerate(order):
+            assert torch.equal(packed[cu[j]:cu[j + 1]], stories_trainer.score(torch.tensor(seqs[i])))
