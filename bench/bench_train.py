@@ -36,11 +36,20 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
+DEV, DT = "cuda", torch.bfloat16
+# Qwen3-8B: hidden, intermediate, q heads, kv heads, head_dim, vocab (--smoke: a tiny CPU stand-in)
+SHAPE = dict(h=4096, inter=12288, hq=32, hkv=8, d=128, vocab=151936)
 PEAK_BW = 3.0e12  # bytes/s, H100 SXM measured copy rate
 PEAK_FLOPS = 770e12  # dense bf16 tensor-core FLOP/s reachable on the H100 (cuBLAS-class large GEMMs)
 
 
 def bench(fn, warmup=3, rep=20) -> float:
+    if DEV != "cuda":  # --smoke on CPU: one call, wall clock (checks the code runs, not the speed)
+        import time
+
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
@@ -50,12 +59,12 @@ def training_step(args) -> dict:
     from detinfer.train import TrainableModel
     from detinfer.train.testing import random_model
 
-    model, cfg = random_model("qwen3-8b", layers=args.layers, device="cuda", dtype=torch.bfloat16, seed=0)
-    g = torch.Generator(device="cuda").manual_seed(0)
+    model, cfg = random_model(args.shape, layers=args.layers, device=DEV, dtype=DT, seed=0)
+    g = torch.Generator(device=DEV).manual_seed(0)
     t = args.seqs * args.seq_len
-    ids = torch.randint(0, cfg.vocab_size, (t,), device="cuda", generator=g)
+    ids = torch.randint(0, cfg.vocab_size, (t,), device=DEV, generator=g)
     cu = [i * args.seq_len for i in range(args.seqs + 1)]
-    w = torch.randn(t, device="cuda", generator=g)
+    w = torch.randn(t, device=DEV, generator=g)
     out = {}
     for mode in ("deterministic", "fast"):
         trainer = TrainableModel(model, mode=mode)
@@ -103,15 +112,15 @@ def _grad_time(f, inputs, gout) -> float:
 
 
 def _rn(*shape):
-    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+    return torch.randn(*shape, device=DEV, dtype=DT)
 
 
 def _linear_rows(t: int) -> list[dict]:
     from detinfer.kernels.linear_backward import matmul_det, weight_grad
 
     rows = []
-    for name, (k, n) in {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576),
-                         "down": (12288, 4096)}.items():
+    h, i, q, kv = SHAPE["h"], SHAPE["inter"], SHAPE["hq"] * SHAPE["d"], SHAPE["hkv"] * SHAPE["d"]
+    for name, (k, n) in {"qkv": (h, q + 2 * kv), "o": (q, h), "gate_up": (h, 2 * i), "down": (i, h)}.items():
         dy, x, wt = _rn(t, n), _rn(t, k), _rn(n, k)
         fl = 2.0 * t * n * k
         rows.append(_row(f"dW {name} [{n}x{k}] T={t}", bench(lambda dy=dy, x=x: weight_grad(dy, x)),
@@ -124,7 +133,7 @@ def _linear_rows(t: int) -> list[dict]:
 def _attention_row(seqs: int, seq_len: int) -> dict:
     from detinfer.kernels.attention_backward import attention_backward
 
-    t, hq, hkv, d = seqs * seq_len, 32, 8, 128
+    t, hq, hkv, d = seqs * seq_len, SHAPE["hq"], SHAPE["hkv"], SHAPE["d"]
     q, do, k, v = _rn(t, hq, d), _rn(t, hq, d), _rn(t, hkv, d), _rn(t, hkv, d)
     cu = [i * seq_len for i in range(seqs + 1)]
     scale = d ** -0.5
@@ -147,9 +156,9 @@ def _norm_act_rope_rows(t: int, seq_len: int) -> list[dict]:
     from detinfer.kernels.rope_backward import rope_angles, rope_backward_ref
     from detinfer.kernels.silu_mul_backward import silu_mul_backward_ref
 
-    bf, h, inter, hq, d = torch.bfloat16, 4096, 12288, 32, 128
+    bf, h, inter, hq, d = DT, SHAPE["h"], SHAPE["inter"], SHAPE["hq"], SHAPE["d"]
     x, r, dy, dh = _rn(t, h), _rn(t, h), _rn(t, h), _rn(t, h)
-    wn = (1 + 0.1 * torch.randn(h, device="cuda")).to(bf)
+    wn = (1 + 0.1 * torch.randn(h, device=DEV)).to(bf)
     xs, rs, ws = (z.detach().requires_grad_() for z in (x, r, wn))
     hh = xs + rs
     hf = hh.float()
@@ -161,8 +170,8 @@ def _norm_act_rope_rows(t: int, seq_len: int) -> list[dict]:
     gs, us = gt.detach().requires_grad_(), up.detach().requires_grad_()
     rows.append(_row(f"silu*mul bwd [{t}x{inter}]", bench(lambda: silu_mul_backward_ref(dout, gt, up)),
                      _grad_time(lambda a, b: F.silu(a) * b, (gs, us), dout), nbytes=2 * t * inter * 5))
-    pos = torch.arange(t, device="cuda") % seq_len
-    inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    pos = torch.arange(t, device=DEV) % seq_len
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=DEV).float() / d))
     cos, sin = rope_angles(pos, inv_freq)
     dq = _rn(t, hq, d)
     qs = _rn(t, hq, d).requires_grad_()
@@ -179,18 +188,18 @@ def _vocab_rows(t: int) -> list[dict]:
     from detinfer.kernels.embedding_backward import embedding_backward_ref
     from detinfer.kernels.log_softmax_backward import log_softmax_gather_backward_ref
 
-    vocab, h = 151936, 4096
-    logits = torch.randn(t, vocab, device="cuda", dtype=torch.float32)
-    tg = torch.randint(0, vocab, (t,), device="cuda")
+    vocab, h = SHAPE["vocab"], SHAPE["h"]
+    logits = torch.randn(t, vocab, device=DEV, dtype=torch.float32)
+    tg = torch.randint(0, vocab, (t,), device=DEV)
     lp_full = torch.log_softmax(logits, -1)
-    gl = torch.randn(t, device="cuda")
+    gl = torch.randn(t, device=DEV)
     ls = logits.requires_grad_()
     rows = [_row(f"log_softmax+gather bwd [{t}x{vocab}]",
                  bench(lambda: log_softmax_gather_backward_ref(gl, lp_full, tg)),
                  _grad_time(lambda z: torch.log_softmax(z, -1).gather(1, tg[:, None])[:, 0], (ls,), gl),
                  nbytes=t * vocab * 4 * 2)]
     emb = _rn(vocab, h).requires_grad_()
-    ids = torch.randint(0, vocab, (t,), device="cuda")
+    ids = torch.randint(0, vocab, (t,), device=DEV)
     dy = _rn(t, h)
     rows.append(_row(f"embedding bwd [{t} ids, {vocab}x{h}]", bench(lambda: embedding_backward_ref(dy, ids, vocab)),
                      _grad_time(lambda e: F.embedding(ids, e), (emb,), dy), nbytes=t * h * 2 + vocab * h * 4))
@@ -216,10 +225,23 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--sections", default="step,kernels")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes on the CPU in fp32 (TRITON_INTERPRET=1): checks the script runs; no timings")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_train.py needs a CUDA GPU")
-    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    args.shape = "qwen3-8b"
+    if args.smoke:
+        global DEV, DT
+        DEV, DT = "cpu", torch.float32
+        SHAPE.update(h=64, inter=96, hq=4, hkv=2, d=16, vocab=320)
+        args.shape, args.layers, args.seqs, args.seq_len = "tiny", 1, 2, 24
+        from detinfer.train.testing import SHAPES
+
+        SHAPES["tiny"] = dict(SHAPES["qwen3-8b"], vocab_size=320, hidden_size=64, intermediate_size=96,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=2)
+    elif not torch.cuda.is_available():
+        sys.exit("bench_train.py needs a CUDA GPU (or --smoke)")
+    else:
+        print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     result = {"args": vars(args)}
     sections = args.sections.split(",")
     if "step" in sections:
