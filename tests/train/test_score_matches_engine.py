@@ -25,10 +25,27 @@ def _prompts(vocab: int):
     shared = [1, 17, 29, 41, 53, 65, 77, 89, 101, 113]  # a shared prefix (prefix cache hits)
     prompts = [shared + [7, 8], shared + [9], [1, 44, 55], [1] + [(13 * i + 5) % vocab for i in range(19)],
                [1, 8], shared + [3, 4, 5, 6]]
+    # Requests asking for prompt logprobs skip the prefix cache; the seeded ones without them hit it.
     params = [SamplingParams(max_tokens=6, temperature=0, logprobs=1, prompt_logprobs=1),
-              SamplingParams(max_tokens=5, temperature=0.9, seed=5, logprobs=0, prompt_logprobs=0),
+              SamplingParams(max_tokens=5, temperature=0.9, seed=5, logprobs=0),
               SamplingParams(max_tokens=4, temperature=1.0, top_k=20, seed=11, logprobs=2, prompt_logprobs=0)]
     return prompts, [params[i % 3] for i in range(len(prompts))]
+
+
+def _expected(outs):
+    """Per sequence: (tokens, the engine's logprob of token i+1 given tokens 0..i for the positions it
+    reported, the first such position): prompt logprobs when asked for, then the output logprobs."""
+    result = []
+    for o in outs:
+        seq = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+        prompt = [e.logprob for e in o.prompt_logprobs[1:]] if o.prompt_logprobs is not None else []
+        skip = 0 if o.prompt_logprobs is not None else len(o.prompt_token_ids) - 1
+        result.append((seq, torch.tensor(prompt + [e.logprob for e in o.outputs[0].logprobs]), skip))
+    return result
+
+
+def _rows(lp, cu, skips):
+    return [lp[a + k:b - 1].detach() for a, b, k in zip(cu[:-1], cu[1:], skips)]
 
 
 def _sample(model_dir, engine_kwargs):
@@ -37,11 +54,8 @@ def _sample(model_dir, engine_kwargs):
     outs = llm.generate(prompts, params, use_tqdm=False)
     if engine_kwargs.get("num_kv_blocks"):
         assert llm.engine.stats().num_preemptions > 0
-    seqs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
-    # the engine's logprob of token i+1 given tokens 0..i, for every i of the sequence but the last
-    expected = [torch.tensor([e.logprob for e in o.prompt_logprobs[1:]] +
-                             [e.logprob for e in o.outputs[0].logprobs], dtype=torch.float32) for o in outs]
-    return llm, seqs, expected
+    seqs, expected, skips = zip(*_expected(outs))
+    return llm, list(seqs), (list(expected), list(skips))
 
 
 def _packed(seqs):
@@ -71,35 +85,33 @@ def _check(lp_rows, expected):
 
 def test_score_equals_engine_logprobs_in_every_packing(sampled):
     name, runs = sampled
-    llm, seqs, expected = runs["budget16"]
+    llm, seqs, (expected, skips) = runs["budget16"]
     trainer = TrainableModel(llm)
     ids, cu = _packed(seqs)
     with torch.no_grad():
         lp = trainer.score(ids, cu)
-    _check([lp[a:b - 1] for a, b in zip(cu[:-1], cu[1:])], expected)
+    _check(_rows(lp, cu, skips), expected)
     assert torch.equal(lp[[b - 1 for b in cu[1:]]], torch.zeros(len(seqs)))  # no next token: 0
     # reversed order, with a filler sequence in front
     filler = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
     ids2, cu2 = _packed([filler] + seqs[::-1])
-    lp2 = trainer.score(ids2, torch.tensor(cu2, dtype=torch.int32)).detach()  # with autograd this time
-    rows2 = [lp2[a:b - 1] for a, b in zip(cu2[:-1], cu2[1:])][1:][::-1]
-    _check(rows2, expected)
+    lp2 = trainer.score(ids2, torch.tensor(cu2, dtype=torch.int32))  # with autograd this time
+    _check(_rows(lp2, cu2, [0] + skips[::-1])[1:][::-1], expected)
     # one sequence per call
-    _check([trainer.score(torch.tensor(s)).detach()[:-1] for s in seqs[:2]], expected[:2])
+    _check([trainer.score(torch.tensor(s)).detach()[k:-1] for s, k in zip(seqs[:2], skips)], expected[:2])
     # a padded [B, T] batch
     width = max(map(len, seqs)) + 3
     padded = torch.zeros((len(seqs), width), dtype=torch.int64)
     for i, s in enumerate(seqs):
         padded[i, :len(s)] = torch.tensor(s)
     lp3 = trainer.score(padded, lengths=[len(s) for s in seqs]).detach()
-    _check([lp3[i, :len(s) - 1] for i, s in enumerate(seqs)], expected)
+    _check([lp3[i, k:len(s) - 1] for i, (s, k) in enumerate(zip(seqs, skips))], expected)
     if "budget64" not in runs:
         return
-    # the same sequences sampled under another engine configuration
-    llm_b, seqs_b, expected_b = runs["budget64"]
+    # the same prompts sampled under another engine configuration (with preemption)
+    llm_b, seqs_b, (expected_b, skips_b) = runs["budget64"]
     ids_b, cu_b = _packed(seqs_b)
-    lp_b = TrainableModel(llm_b).score(ids_b, cu_b).detach()
-    _check([lp_b[a:b - 1] for a, b in zip(cu_b[:-1], cu_b[1:])], expected_b)
+    _check(_rows(TrainableModel(llm_b).score(ids_b, cu_b), cu_b, skips_b), expected_b)
 
 
 def test_two_backward_passes_are_bitwise_equal(sampled):
@@ -119,3 +131,37 @@ def test_two_backward_passes_are_bitwise_equal(sampled):
         assert torch.equal(grads[0][n], grads[1][n]), n
         assert torch.isfinite(grads[0][n]).all(), n
     assert any(g.abs().sum() > 0 for g in grads[0].values())
+
+
+def test_rl_loop_trainer_still_matches_sampler_after_updates(model_dirs):
+    """sample -> score -> step -> push_weights -> sample again: the new samples' logprobs equal the
+    trainer's under the new weights. push_weights drops the engine's prefix cache (KV of the old weights);
+    without that, requests hitting the cache report stale logprobs (checked last)."""
+    if "stories260k" not in model_dirs:
+        pytest.skip("stories260k checkpoint not found next to the repository")
+    llm = LLM(str(model_dirs["stories260k"]), device="cpu", mode="deterministic", max_model_len=128,
+              **ENGINES["budget16"])
+    trainer = TrainableModel(llm)
+    opt = torch.optim.SGD(trainer.parameters(), lr=0.05)
+    prompts, params = _prompts(512)
+    llm.generate(prompts, params, use_tqdm=False)  # warm the prefix cache
+
+    def sample_and_score():
+        hits = llm.engine.stats().prefix_cache_hit_tokens
+        seqs, expected, skips = zip(*_expected(llm.generate(prompts, params, use_tqdm=False)))
+        ids, cu = _packed(seqs)
+        lp = trainer.score(ids, cu)
+        return lp, _rows(lp, cu, skips), list(expected), llm.engine.stats().prefix_cache_hit_tokens - hits
+    for step in range(2):
+        lp, rows, expected, hits = sample_and_score()
+        _check(rows, expected)
+        assert hits > 0 if step == 0 else hits >= 0
+        opt.zero_grad()
+        (-lp.sum()).backward()
+        opt.step()  # fp32: updates the engine's tensors in place
+        if step == 0:
+            trainer.push_weights()
+    # negative control: weights changed (step 1) but the prefix cache was not dropped
+    _, rows, expected, hits = sample_and_score()
+    assert hits > 0
+    assert any(not torch.equal(r, e) for r, e in zip(rows, expected))

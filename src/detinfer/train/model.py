@@ -6,7 +6,8 @@
     trainer = TrainableModel(llm)                          # same module, same weight tensors
     opt = torch.optim.AdamW(trainer.parameters(), lr=1e-5)
     lp = trainer.score(token_ids, cu_seqlens)              # [N] fp32 logprob of each next token
-    loss = -(lp * advantages).sum(); loss.backward(); opt.step(); trainer.push_weights()
+    loss = -(lp * advantages).sum(); loss.backward(); opt.step()
+    trainer.push_weights()      # masters -> engine weights; drops the engine's now-stale prefix cache
 
 In deterministic mode the logprobs are `torch.equal` to the ones the engine reported while sampling the
 same tokens (output `logprobs` and `prompt_logprobs`), whatever the engine's batches and the training
@@ -46,14 +47,26 @@ MODES = ("deterministic", "fast")
 
 
 def _resolve(source):
-    """LLM | LLMEngine | Transformer -> (model, runner or None)."""
+    """LLM | LLMEngine | Transformer -> (model, runner or None, engine or None)."""
     engine = getattr(source, "engine", source)
     runner = getattr(engine, "runner", None)
     model = runner.model if runner is not None else source
     if not (hasattr(model, "layers") and hasattr(model, "compute_logits") and hasattr(model, "embed_tokens")):
         raise TypeError("TrainableModel takes a detinfer LLM, LLMEngine or models.Transformer, got "
                         f"{type(source).__name__}")
-    return model, runner
+    return model, runner, (engine if runner is not None else None)
+
+
+def _drop_prefix_cache(block_manager) -> None:
+    """Forget every cached prefix block of an idle engine (their KV belongs to the old weights): free
+    cached blocks become plain free blocks. Works on the BlockManager's internals; a public reset method
+    on the BlockManager should replace this."""
+    for block_id in list(block_manager._free_cached):
+        block = block_manager._blocks[block_id]
+        block.block_hash, block.token_ids = None, ()
+        block_manager._free_uncached.append(block_id)
+    block_manager._free_cached.clear()
+    block_manager._hash_to_block.clear()
 
 
 def _cu_list(cu_seqlens, n: int) -> list[int]:
@@ -86,7 +99,7 @@ class TrainableModel:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        self.model, self.runner = _resolve(source)
+        self.model, self.runner, self._engine = _resolve(source)
         self.mode, self.block_size = mode, block_size
         cfg = self.model.config
         self.scale = cfg.softmax_scale
@@ -159,9 +172,22 @@ class TrainableModel:
 
     @torch.no_grad()
     def push_weights(self) -> None:
-        """Copy the fp32 master weights into the engine's tensors (after optimizer.step())."""
+        """Call after every optimizer.step(): copies the fp32 master weights (if any) into the engine's
+        tensors, and, when built from an engine, drops the engine's prefix cache, whose KV blocks were
+        computed with the old weights (a later request reusing them would get stale logprobs)."""
+        if self.runner is not None:
+            engine_unfinished = self._engine_unfinished()
+            if engine_unfinished:
+                raise RuntimeError(f"push_weights: the engine has {engine_unfinished} unfinished requests "
+                                   "whose KV cache holds the old weights' keys and values; finish or abort "
+                                   "them before updating the weights")
         for p, master in self._pairs:
             p.copy_(master)
+        if self.runner is not None:
+            _drop_prefix_cache(self._engine.scheduler.block_manager)
+
+    def _engine_unfinished(self) -> int:
+        return self._engine.get_num_unfinished_requests() if self._engine is not None else 0
 
     # -- scoring -------------------------------------------------------------------------------------
     def score(self, token_ids: torch.Tensor, cu_seqlens=None, targets: torch.Tensor | None = None, *,
