@@ -198,7 +198,7 @@ def test_embedding_backward_matches_fp64_and_is_order_fixed(ids, seed):
         assert torch.equal(dw[v], torch.zeros(5))
 
 
-@pytest.mark.parametrize("t,n,k", [(1, 5, 3), (70, 33, 65), (130, 64, 17)])
+@pytest.mark.parametrize("t,n,k", [(1, 5, 3), (70, 33, 65), (130, 64, 17), (40, 700, 200)])
 def test_weight_grad_triton_matches_reference(t, n, k):
     """The Triton dW kernel (interpreter on CPU, fp32) against the fold-based reference and fp64."""
     dy, x = (_rand(t, n, dtype=torch.float32, seed=t, requires_grad=False),

@@ -44,10 +44,20 @@ def matmul_det(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _weight_grad_kernel(dy_ptr, x_ptr, dw_ptr, T, N, K, stride_dyt, stride_dyn, stride_xt, stride_xk,
                         stride_dwn, stride_dwk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCK_T: tl.constexpr, PRECISION: tl.constexpr):
-    """One program per BLOCK_N x BLOCK_K tile of dW; tokens in ascending BLOCK_T steps, one accumulator."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
+                        BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr, PRECISION: tl.constexpr):
+    """One program per BLOCK_N x BLOCK_K tile of dW; tokens in ascending BLOCK_T steps, one accumulator.
+
+    Launch order (speed only): GROUP_N consecutive n-tiles share each k-tile, so the dY column strips and
+    X column strips that programs running at the same time read are shared through L2 (without it, a
+    151936-row lm_head dW re-reads all of dY from HBM once per k-tile)."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_k = tl.cdiv(K, BLOCK_K)
+    per_group = GROUP_N * num_k
+    first_n = (pid // per_group) * GROUP_N
+    group_size = tl.minimum(num_n - first_n, GROUP_N)
+    pid_n = first_n + (pid % per_group) % group_size
+    pid_k = (pid % per_group) // group_size
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_t = tl.arange(0, BLOCK_T)
@@ -77,9 +87,9 @@ def weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return dw
     # Tile shape: a function of the weight shape only (speed); it never changes the per-element order.
     bn, bk = (64, 64) if dy.dtype == torch.float32 else (128, 128)
-    grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
+    grid = (triton.cdiv(n, bn) * triton.cdiv(k, bk),)
     _weight_grad_kernel[grid](dy, x, dw, t, n, k, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
-                              dw.stride(0), dw.stride(1), BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=BLOCK_T,
+                              dw.stride(0), dw.stride(1), BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=BLOCK_T, GROUP_N=8,
                               PRECISION="ieee" if dy.dtype == torch.float32 else "tf32",
                               num_warps=8 if bn * bk >= 128 * 128 else 4, num_stages=3)
     return dw
