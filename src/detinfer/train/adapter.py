@@ -164,10 +164,11 @@ class SDPAAttention:
         outs = []
         group = q.shape[1] // k.shape[1]
         for a, b in zip(self.cu[:-1], self.cu[1:]):
-            qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))  # [H, L, D]
+            # [1, H, L, D]: the fused (flash / memory-efficient) backends take 4-D inputs only
+            qs, ks, vs = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
             if group > 1:
-                ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
-            outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale)
+                ks, vs = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale)[0]
                         .transpose(0, 1))
         return torch.cat(outs, 0)
 
