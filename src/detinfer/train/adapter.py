@@ -1,8 +1,13 @@
 """The one interface between training and the model: how a training forward runs the engine's module.
 
-`Transformer` calls `self.ops.<op>(...)` in its submodules, the model-level `rotary(positions, q, k)`,
-`F.embedding(ids, embed_tokens)`, and the `attn(layer_idx, q, k, v)` callback passed to forward. The
-adapter changes none of the model code: for the duration of one forward (`TrainingForward.run`) it
+Contract with the model (all that training relies on; `TrainingForward` is the adapter class):
+  * submodules read their numerics from an `ops` attribute: `ops.linear(x, w, b)`,
+    `ops.rms_norm(x, w, eps, residual=)`, `ops.silu_mul(gate, up)`, `ops.log_softmax(x, dim=)`;
+  * `model(input_ids [T], positions [T], attn) -> hidden [T, H]` with `attn(layer_idx, q, k, v)`,
+    and `model.compute_logits(hidden) -> fp32 logits` (through `ops.linear`);
+  * `model.rotary(positions, q, k)` and `F.embedding(ids, model.embed_tokens)` (or `ops.embedding`);
+  * the engine runner's `backend` ("kernel" | "ref") says which attention functions it calls.
+For the duration of one forward (`TrainingForward.run`) the adapter
   * sets `ops` on every submodule to `DifferentiableOps` (forward = the engine's op, backward = ours),
   * replaces the model's `rotary` with `_DifferentiableRotary` (forward = the original module),
   * routes `F.embedding` on the model's embedding weight through `EmbeddingFn` (a TorchFunctionMode),
@@ -69,6 +74,13 @@ class DifferentiableOps:
         if not _needs_grad(gate, up):
             return self.base.silu_mul(gate, up)
         return SiLUMulFn.apply(gate, up, self.base.silu_mul)
+
+    def embedding(self, ids, weight):
+        """For a backend that routes the embedding gather through ops (today the model calls F.embedding)."""
+        fwd = getattr(self.base, "embedding", None)
+        if not _needs_grad(weight):
+            return fwd(ids, weight) if fwd is not None else F.embedding(ids, weight)
+        return EmbeddingFn.apply(ids, weight)
 
     def log_softmax(self, x, dim=-1, dtype=torch.float32):
         return self.base.log_softmax(x, dim=dim, dtype=dtype)
