@@ -262,12 +262,14 @@ def build_runner(model_dir, random_model, mode: str, engine_config: EngineConfig
 
 
 def main(argv: list[str] | None = None) -> int:
+    from detinfer.models.families import preset_names
+
     p = argparse.ArgumentParser(prog="detinfer audit", conflict_handler="resolve",
                                 description="Check that a model's logits for random prompts are bit-identical "
                                             "alone, in random batches and in random chunkings; name the first "
                                             "module whose output differs.")
     p.add_argument("model_dir", nargs="?", help="HF-format model directory")
-    p.add_argument("--random-model", help="a random-weight preset instead (qwen3-8b, qwen3-0.6b, llama-3.1-8b, tiny)")
+    p.add_argument("--random-model", help=f"a random-weight preset instead ({', '.join(preset_names())})")
     p.add_argument("--random-seed", type=int, default=0, help="seed of --random-model's weights")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available)")
     add_dataclass_args(p, AuditConfig)
