@@ -1,8 +1,13 @@
 """The model-family registry: one module per architecture (llama.py, qwen2.py, qwen3.py, ...).
 
 Every module in this package that defines `FAMILY` (a `ModelFamily`) is registered at import, in module-name
-order, so adding an architecture is one new module here plus its tests. Lookups by HF architecture string,
-GGUF architecture or preset name raise a ValueError naming what is supported.
+order. Lookups by HF architecture string, GGUF architecture or preset name raise a ValueError naming what is
+supported.
+
+Adding an architecture whose checkpoints have the dense decoder's tensors (biases / q-k norm as flags) is one
+new module here plus its tests (tests/models/families/test_<name>.py); ModelConfig, the loader, the GGUF
+converter, the tiny-checkpoint writer and `--random-model` find it through this registry. One whose tensors
+differ (a mixture of experts) also brings its own weight layout module, and the model code its new layer.
 """
 
 from __future__ import annotations
