@@ -122,6 +122,24 @@ def test_unresolvable_models_are_refused_with_a_reason(offline_hub, tmp_path):
         resolve_model_path(42)
 
 
+def test_without_huggingface_hub_a_hub_id_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # makes `import huggingface_hub` fail
+    with pytest.raises(FileNotFoundError, match=r"needs the huggingface_hub package: pip install 'detinfer\[hub\]'"):
+        resolve_model_path(REPO_ID)
+
+
+def test_the_generate_cli_takes_a_hub_id(offline_hub, model_dir, capsys):
+    from detinfer.engine.generate_cli import main as generate_main
+
+    args = ["--prompt", "Hello", "--max-tokens", "4", "--device", "cpu", "--num-kv-blocks", "32", "--show-ids"]
+    assert generate_main(["--model", REPO_ID, *args]) == 0
+    by_id = capsys.readouterr().out
+    assert generate_main(["--model", str(model_dir), *args]) == 0
+    assert capsys.readouterr().out == by_id and "token ids: [" in by_id
+    assert generate_main(["--model", "TinyOrg/not-cached", *args]) == 2
+    assert "could not be resolved" in capsys.readouterr().err
+
+
 def test_a_cached_snapshot_without_config_is_refused(offline_hub):
     repo = offline_hub / "models--TinyOrg--no-config"
     (repo / "snapshots" / COMMIT).mkdir(parents=True)

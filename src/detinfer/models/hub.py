@@ -33,8 +33,8 @@ def resolve_model_path(model: str | os.PathLike, revision: str | None = None) ->
     """A local model directory for `model`: an existing directory, or a hub id resolved through the
     huggingface_hub cache (downloading if allowed). `revision`: a hub branch, tag or commit (hub ids only).
 
-    Raises FileNotFoundError when `model` is neither an existing directory nor a hub id that resolves, and
-    ImportError when it would need huggingface_hub and that is not installed."""
+    Raises FileNotFoundError, saying why, when `model` is neither an existing directory nor a hub id that
+    resolves (not cached and offline, unknown or gated repository, huggingface_hub not installed)."""
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a directory path or a Hugging Face hub id, got {type(model).__name__}")
     path = Path(model).expanduser()
@@ -55,8 +55,9 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
     try:
         import huggingface_hub
     except ImportError as e:
-        raise ImportError(f"{repo_id!r} is not a local directory; loading it as a Hugging Face hub id needs "
-                          "the huggingface_hub package: pip install 'detinfer[hub]'") from e
+        # A FileNotFoundError (the model is not found as given), so callers report it like a missing directory.
+        raise FileNotFoundError(f"model directory {repo_id} does not exist; loading {repo_id!r} as a Hugging "
+                                "Face hub id needs the huggingface_hub package: pip install 'detinfer[hub]'") from e
     try:
         local = huggingface_hub.snapshot_download(repo_id, revision=revision,
                                                   allow_patterns=list(HUB_FILE_PATTERNS))

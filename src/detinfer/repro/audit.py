@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                                 description="Check that a model's logits for random prompts are bit-identical "
                                             "alone, in random batches and in random chunkings; name the first "
                                             "module whose output differs.")
-    p.add_argument("model_dir", nargs="?", help="HF-format model directory")
+    p.add_argument("model_dir", nargs="?", help="HF-format model directory or Hugging Face hub id")
     p.add_argument("--random-model", help=f"a random-weight preset instead ({', '.join(preset_names())})")
     p.add_argument("--random-seed", type=int, default=0, help="seed of --random-model's weights")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available)")
