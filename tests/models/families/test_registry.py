@@ -3,6 +3,7 @@ that a new family is one registered module (a toy family goes through config par
 writer, the loader and a forward without any other file knowing its name)."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -46,6 +47,13 @@ def test_each_family_is_found_by_every_name_it_owns(family):
         assert family_for_gguf_arch(family.gguf_arch) is family
     for name in family.presets:
         assert preset_hf_config(name)["architectures"] == [family.architectures[0]]
+
+
+def test_every_family_has_an_hf_parity_variant(tiny_checkpoints):
+    """test_transformer_parity compares logits with transformers on tests/models/conftest.py's VARIANTS; a
+    registered family missing there would go unchecked."""
+    covered = {json.loads((d / "config.json").read_text())["architectures"][0] for d in tiny_checkpoints.values()}
+    assert set(supported_architectures()) <= covered
 
 
 def test_unknown_names_are_refused_naming_the_supported_ones():
