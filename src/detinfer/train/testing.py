@@ -9,12 +9,12 @@ from collections.abc import Sequence
 import torch
 
 from detinfer.models.config import ModelConfig
+from detinfer.models.families import preset_hf_config
 from detinfer.models.transformer import Transformer
 from detinfer.ops import Ops
-from detinfer.repro.random_model import PRESETS
 
 SHAPES: dict[str, dict] = {
-    "qwen3-8b": PRESETS["qwen3-8b"],
+    "qwen3-8b": preset_hf_config("qwen3-8b"),
     "smollm2-135m": dict(architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576,
                          intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
