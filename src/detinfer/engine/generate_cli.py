@@ -22,7 +22,7 @@ from detinfer.engine.config import EngineConfig, add_dataclass_args, from_args
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="detinfer generate", description=__doc__.split("\n\n")[0],
                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_argument(parser)
+    add_model_argument(parser, "HF-format model directory or Hugging Face hub id")
     parser.add_argument("--prompt", required=True, help="prompt text (the user message with --chat)")
     parser.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default: 0)")
