@@ -132,7 +132,7 @@ def _draw_histogram(ax, s: Section) -> None:
     from matplotlib.ticker import MaxNLocator
 
     groups = s.summary.groups[:MAX_BARS]
-    color, light = ("#4c72b0", "#9db4d8") if len(s.summary.groups) == 1 else ("#dd8452", "#f0bfa0")
+    color, light = ("#4c72b0", "#9db4d8") if reproduces(s.summary) else ("#dd8452", "#f0bfa0")
     for x, g in enumerate(groups):
         segments = g.variant_counts if len(g.variant_counts) > 1 else (g.count,)
         bottom = 0
