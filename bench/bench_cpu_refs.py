@@ -1,6 +1,7 @@
 """CPU benchmark: the deterministic reference ops (`linear_ref`, `paged_attention_ref`) against stock torch.
 
     PYTHONUNBUFFERED=1 python bench/bench_cpu_refs.py [--sections linear,attention] [--threads N] [--repeat R]
+                                                      [--before]
 
 linear     SmolLM2-135M shapes (hidden 576, intermediate 1536, 9 x 64 query heads, 3 kv heads, vocab 49152),
            M in {1, 128}: `detinfer.kernels.matmul.linear_ref` vs `F.linear` (MKL / oneDNN).
@@ -40,10 +41,11 @@ def median_s(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def bench_linear(repeat: int) -> None:
-    from detinfer.kernels.matmul import linear_ref
+def bench_linear(repeat: int, before: bool = False) -> None:
+    from detinfer.kernels.matmul import _ref_bnk, linear_ref
 
-    print(f"{'shape':<10}{'M':>5}{'stock us':>11}{'ours us':>11}{'ratio':>8}{'first call ms':>15}")
+    print(f"{'shape':<10}{'M':>5}{'stock us':>11}{'ours us':>11}{'ratio':>8}{'first call ms':>15}"
+          + (f"{'fold path us':>14}{'ratio':>8}" if before else ""))
     totals: dict[int, list[float]] = {}
     for name, (k, n) in LINEAR_SHAPES.items():
         w = torch.randn(n, k) * 0.05
@@ -59,8 +61,13 @@ def bench_linear(repeat: int) -> None:
                 mult = 2 if "/" in name else 1  # q and o, k and v, gate and up
                 totals[m][0] += mult * stock
                 totals[m][1] += mult * ours
-            print(f"{name:<10}{m:>5}{stock * 1e6:>11.0f}{ours * 1e6:>11.0f}{stock / ours:>8.2f}"
-                  f"{first * 1e3 if m == 1 else float('nan'):>15.1f}")
+            line = (f"{name:<10}{m:>5}{stock * 1e6:>11.0f}{ours * 1e6:>11.0f}{stock / ours:>8.2f}"
+                    f"{first * 1e3 if m == 1 else float('nan'):>15.1f}")
+            if before and not (name == "lm_head" and m > 1):
+                # the previous CPU path (elementwise products + pairwise folds), still the float64 path
+                fold = median_s(lambda x=x, w=w: _ref_bnk(x[None], w[None], None), max(1, repeat // 5))
+                line += f"{fold * 1e6:>14.0f}{stock / fold:>8.3f}"
+            print(line)
     for m, (stock, ours) in totals.items():
         print(f"one layer's 7 linears, M={m}: stock {stock * 1e3:.2f} ms, ours {ours * 1e3:.2f} ms, "
               f"ratio {stock / ours:.2f}")
@@ -116,6 +123,7 @@ def main() -> None:
     ap.add_argument("--sections", default="linear,attention")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--before", action="store_true", help="also time the previous fold-based linear path")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -124,7 +132,10 @@ def main() -> None:
           f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     for section in args.sections.split(","):
         print(f"\n== {section}")
-        {"linear": bench_linear, "attention": bench_attention}[section](args.repeat)
+        if section == "linear":
+            bench_linear(args.repeat, args.before)
+        else:
+            bench_attention(args.repeat)
 
 
 if __name__ == "__main__":
