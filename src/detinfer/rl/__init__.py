@@ -21,7 +21,8 @@ _EXPORTS = {
     "load_checkpoint": "detinfer.rl.checkpoint",
     "write_report": "detinfer.rl.report",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = ["ARMS", "TASKS", "Example", "GRPOTrainer", "RLConfig", "Task", "load_checkpoint", "run", "run_arm",
+           "save_checkpoint", "write_report"]
 
 if TYPE_CHECKING:
     from detinfer.rl.api import run, run_arm

@@ -108,8 +108,9 @@ def load_checkpoint(trainer, directory: str | Path) -> dict:
     named = trainer.named_parameters()
     names = [n for n, _ in named]
     if sorted(weights) != sorted(names):
+        missing, extra = sorted(set(names) - set(weights))[:5], sorted(set(weights) - set(names))[:5]
         raise ValueError(f"{directory}: the checkpoint's weights do not match this model's parameters "
-                         f"(missing {sorted(set(names) - set(weights))[:5]}, extra {sorted(set(weights) - set(names))[:5]})")
+                         f"(missing {missing}, extra {extra})")
     for name, p in named:
         if weights[name].shape != p.shape or weights[name].dtype != p.dtype:
             raise ValueError(f"{directory}: weight {name} is {tuple(weights[name].shape)} {weights[name].dtype}, "
@@ -127,7 +128,8 @@ def load_checkpoint(trainer, directory: str | Path) -> dict:
     group = dict(groups[0])
     if "betas" in group:
         group["betas"] = tuple(group["betas"])
-    trainer.optimizer.load_state_dict({"state": per_param, "param_groups": [{**group, "params": list(range(len(names)))}]})
+    group["params"] = list(range(len(names)))
+    trainer.optimizer.load_state_dict({"state": per_param, "param_groups": [group]})
     trainer.trainer.push_weights()  # engine tensors <- restored weights; stale prefix cache dropped
     trainer.step_index = int(state["step"])
     trainer.history = list(state["history"])
