@@ -12,7 +12,7 @@ from detinfer.engine.sequence import Sequence
 from detinfer.rl.config import ARMS, RLConfig
 from detinfer.rl.grpo import request_seed
 from detinfer.rl.metrics import group_advantages, mismatch_stats, weights_fingerprint
-from detinfer.rl.tasks import TASKS, Example, examples_for_step, first_int, get_task
+from detinfer.rl.tasks import TASKS, Example, examples_for_step, last_int, get_task
 
 
 def test_group_advantages_are_relative_to_the_group():
@@ -70,6 +70,7 @@ def test_builtin_rewards():
     add = Example("What is 12 + 30?", 42)
     assert TASKS["addition"].reward(add, "42", ()) == 1.0
     assert TASKS["addition"].reward(add, "The answer is 42.", ()) == 1.0
+    assert TASKS["addition"].reward(add, "12 + 30 = 42", ()) == 1.0
     assert TASKS["addition"].reward(add, "41", ()) == 0.0
     assert TASKS["addition-partial"].reward(add, "41", ()) == 0.2
     assert TASKS["addition-partial"].reward(add, "I think 41", ()) == 0.0
@@ -83,7 +84,7 @@ def test_builtin_rewards():
     assert TASKS["emit-token"].reward(emit, " the the the", (5, 5, 5)) == 1.0
     assert TASKS["emit-token"].reward(emit, " then there", (5, 6)) == 0.0
     assert TASKS["emit-token"].reward(emit, "", ()) == 0.0
-    assert first_int("sum: 1,234") == 1234 and first_int("none") is None
+    assert last_int("7 + 1,227 = 1,234") == 1234 and last_int("none") is None
     with pytest.raises(ValueError, match="unknown task 'nope'"):
         get_task("nope")
 

@@ -13,9 +13,10 @@ and `reward(example, text, token_ids) -> float` scores one completion. Bring you
 for it, else encoded as is) or a list of token ids (sent as is). Every built-in task needs no download.
 
 Built-in tasks (`TASKS`):
-  addition          "What is 47 + 8?"; reward 1 when the first integer in the reply is the sum
-  addition-partial  same prompts; 1 for the right sum, 0.2 for replying with some integer first
-                    (a denser signal for small models)
+  addition          "What is 47 + 18?"; reward 1 when the last integer in the reply is the sum
+                    ("65", "47 + 18 = 65", "The answer is 65." all count)
+  addition-partial  same prompts; 1 for the right sum, 0.2 for a wrong reply that is only an integer
+                    (format credit: a denser signal for small models)
   reverse           reverse a list of 3-5 letters; reward = fraction of positions right
   sort              sort 3-5 numbers ascending; reward = fraction of positions right
   emit-token        for tiny test models: raw-text prompt, reward = fraction of completion tokens
@@ -57,27 +58,26 @@ class Task:
 _INT = re.compile(r"-?\d+")
 
 
-def first_int(text: str) -> int | None:
-    m = _INT.search(text.replace(",", ""))
-    return int(m.group()) if m else None
+def last_int(text: str) -> int | None:
+    found = _INT.findall(text.replace(",", ""))
+    return int(found[-1]) if found else None
 
 
 def _make_addition(rng: random.Random) -> Example:
     # One two-digit and one one-or-two-digit operand: hard enough that a 135M model is often wrong, easy
     # enough that it is sometimes right (GRPO needs groups with mixed rewards to learn anything).
-    a, b = rng.randint(10, 99), rng.randint(1, 99)
+    a, b = rng.randint(10, 99), rng.randint(1, 99)  # sums up to 198
     return Example(f"What is {a} + {b}? Reply with only the number.", a + b)
 
 
 def _addition_reward(ex: Example, text: str, ids: Sequence[int]) -> float:
-    return float(first_int(text) == ex.answer)
+    return float(last_int(text) == ex.answer)
 
 
 def _addition_partial_reward(ex: Example, text: str, ids: Sequence[int]) -> float:
-    value = first_int(text)
-    if value == ex.answer:
+    if last_int(text) == ex.answer:
         return 1.0
-    return 0.2 if value is not None and text.strip()[:1].isdigit() else 0.0
+    return 0.2 if re.fullmatch(r"\s*-?\d+\.?\s*", text) else 0.0
 
 
 def _list_items(text: str, n: int) -> list[str]:
