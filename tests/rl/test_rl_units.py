@@ -12,7 +12,7 @@ from detinfer.engine.sequence import Sequence
 from detinfer.rl.config import ARMS, RLConfig
 from detinfer.rl.grpo import request_seed
 from detinfer.rl.metrics import group_advantages, mismatch_stats, weights_fingerprint
-from detinfer.rl.tasks import TASKS, Example, examples_for_step, last_int, get_task
+from detinfer.rl.tasks import TASKS, Example, examples_for_step, get_task, last_int
 
 
 def test_group_advantages_are_relative_to_the_group():
