@@ -118,7 +118,7 @@ def run(model, config: RLConfig, arms: Sequence[str] = ARMS, out: str | Path = "
                                  progress=progress, max_model_len=max_model_len, log=log)
     from detinfer.rl.report import write_report
 
-    info = {"model": str(getattr(model, "name", model)), "task": (task.name if task else config.task),
-            **config.to_dict(), **(experiment or {})}
+    info = {**config.to_dict(), "model": str(model) if isinstance(model, (str, Path)) else type(model).__name__,
+            "task": task.name if task else config.task, **(experiment or {})}
     paths = write_report(out, histories, info)
     return {"histories": histories, "paths": paths}

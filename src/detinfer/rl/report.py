@@ -18,6 +18,7 @@ from detinfer.rl.checkpoint import jsonable
 REPORT_FORMAT = "detinfer-rl/1"
 COLORS = {"deterministic": "#4c72b0", "fast": "#dd8452", "fast-tis": "#55a868"}
 SMOOTH = 5  # moving-average window of the reward curve (rewards of one step are noisy)
+SMOOTH_FROM = 20  # shorter runs are drawn raw: a trailing average would hide most of the curve
 # (metric key, panel title, y scale); symlog keeps exact zeros visible at the bottom of a log-like axis
 PANELS = (("reward_mean", "mean reward", "linear"), ("response_len_mean", "mean response length (tokens)", "linear"),
           ("step_s", "step time (s)", "linear"),
@@ -66,7 +67,7 @@ def summary_png(histories: Mapping[str, Sequence[Mapping[str, Any]]]) -> bytes:
             steps = [h["step"] for h in hist]
             ys = [h[key] for h in hist]
             color = COLORS.get(arm, None)
-            if key == "reward_mean" and len(ys) > SMOOTH:
+            if key == "reward_mean" and len(ys) >= SMOOTH_FROM:
                 ax.plot(steps, ys, color=color, alpha=0.25, linewidth=0.8)
                 ax.plot(steps, _moving_average(ys, SMOOTH), color=color, label=f"{arm} ({SMOOTH}-step mean)")
             else:
