@@ -5,6 +5,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from detinfer.engine.block_manager import BlockManager
 from detinfer.engine.sampling_params import SamplingParams
@@ -24,6 +26,21 @@ def test_group_advantages_are_relative_to_the_group():
     assert group_advantages([1.0, 0.0], 2, scale=False) == [0.5, -0.5]
     with pytest.raises(ValueError, match="groups of 3"):
         group_advantages([1.0, 0.0], 3)
+
+
+@given(st.integers(2, 6).flatmap(lambda n: st.tuples(
+    st.just(n), st.lists(st.floats(-10, 10, allow_nan=False), min_size=n, max_size=3 * n).map(
+        lambda xs: xs[:len(xs) // n * n]), st.randoms(use_true_random=False))))
+def test_group_advantages_properties(case):
+    n, rewards, rng = case
+    adv = group_advantages(rewards, n)
+    assert len(adv) == len(rewards)
+    for g in range(0, len(rewards), n):
+        assert abs(sum(adv[g:g + n])) < 1e-6 * n
+        order = list(range(n))
+        rng.shuffle(order)
+        shuffled = group_advantages([rewards[g + i] for i in order], n)
+        assert shuffled == [adv[g + i] for i in order]  # bitwise: sample order within a group is irrelevant
 
 
 def test_mismatch_stats_zero_only_for_identical_bits():

@@ -38,7 +38,8 @@ class RLConfig:
     the model's and the trainer can score it."""
 
     task: str = field(default="addition", metadata=_help(
-        "Built-in task (see `detinfer.rl.tasks.TASKS`); a Python caller may pass its own Task instead."))
+        "Built-in task: addition, addition-partial, reverse, sort, emit-token (tiny test models); from "
+        "Python, any name with your own Task."))
     steps: int = field(default=100, metadata=_help("Optimizer steps (one rollout batch each)."))
     prompts_per_step: int = field(default=16, metadata=_help("Prompts per step (GRPO groups)."))
     n_samples: int = field(default=8, metadata=_help(
