@@ -65,7 +65,7 @@ def test_garbage_header_names_the_file(ckpt):
 
 def test_wrong_shape_names_file_and_tensor(ckpt):
     _edit(ckpt, "model.layers.0.self_attn.q_proj.weight", lambda t: t[:-1])
-    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj.weight has shape .*\(in model.safetensors\)"):
+    with pytest.raises(ValueError, match=r"q_proj.weight has shape .*\(in model.safetensors\)"):
         load_model(ckpt)
 
 

@@ -9,7 +9,6 @@ import pytest
 
 from detinfer.engine.config import EngineConfig
 from detinfer.server import protocol as P
-from detinfer.server.metrics import ServerMetrics, parse_metrics
 from detinfer.server.config import ServerConfig
 from detinfer.server.fingerprint import (
     DeviceInfo,
@@ -19,6 +18,7 @@ from detinfer.server.fingerprint import (
     system_fingerprint,
 )
 from detinfer.server.logprobs import LOGPROB_FLOOR, TokenFormatter, clamp_logprob
+from detinfer.server.metrics import ServerMetrics, parse_metrics
 from detinfer.server.serve import CLIError, build_parser
 
 
