@@ -231,3 +231,27 @@ def test_text_offsets_follow_the_detokenized_text(tiny_model_dir):
             assert got[k] in (got[k - 1], got[k - 1] + 1)
     with_start = TextOffsets(tok, start=10, context_ids=ids[:2])
     assert with_start.next(ids[2]) == 10
+
+
+# -- uvicorn ----------------------------------------------------------------------------------------------
+def test_uvicorn_uses_the_fast_parser_with_timeouts_and_a_connection_limit():
+    from detinfer.server.serve import uvicorn_config
+
+    async def app(scope, receive, send):  # pragma: no cover - never called
+        pass
+
+    cfg = uvicorn_config(app, ServerConfig(timeout_keep_alive=3.0, limit_concurrency=77))
+    cfg.load()
+    assert cfg.http_protocol_class.__name__ == "HttpToolsProtocol"
+    assert cfg.timeout_keep_alive == 3.0 and cfg.limit_concurrency == 77
+
+
+def test_extras_bring_uvicorn_standard():
+    from pathlib import Path
+
+    import tomllib
+
+    extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    for extra in ("server", "test"):
+        assert any(d.startswith("uvicorn[standard]") for d in extras[extra]), extra

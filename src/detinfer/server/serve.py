@@ -125,10 +125,21 @@ def _load_engine(model_dir: Path, engine_config: EngineConfig, device: str | Non
         raise CLIError(f"cannot load the model in {model_dir}: {e}") from None
 
 
-def _serve(model_dir: Path, server_config: ServerConfig, engine_config: EngineConfig, sock: socket.socket,
-           url: str) -> int:
+def uvicorn_config(app, server_config: ServerConfig):
+    """uvicorn's settings: its fast parser and loop when installed (the `server` extra brings httptools and
+    uvloop), keep-alive timeout, connection limit, and a shutdown timeout longer than our drain."""
     import uvicorn
 
+    # uvicorn cancels whatever still runs after its own timeout; ours (the drain) must fire first so that
+    # aborted streams still get their final "abort" chunk and [DONE] out before the sockets close.
+    return uvicorn.Config(app, log_level=server_config.uvicorn_log_level, http="auto", loop="auto",
+                          timeout_graceful_shutdown=server_config.timeout_graceful_shutdown + SHUTDOWN_MARGIN_S,
+                          timeout_keep_alive=server_config.timeout_keep_alive,
+                          limit_concurrency=server_config.limit_concurrency)
+
+
+def _serve(model_dir: Path, server_config: ServerConfig, engine_config: EngineConfig, sock: socket.socket,
+           url: str) -> int:
     from detinfer.server.app import create_app
     from detinfer.server.async_engine import AsyncEngine
     from detinfer.server.context import ServedModel
@@ -145,12 +156,7 @@ def _serve(model_dir: Path, server_config: ServerConfig, engine_config: EngineCo
     async_engine = AsyncEngine(engine, max_pending_requests=server_config.max_pending_requests)
     app = create_app(async_engine, server_config, ServedModel.from_engine(engine, name, fingerprint))
     grace = server_config.timeout_graceful_shutdown
-    # uvicorn cancels whatever still runs after its own timeout; ours (the drain) must fire first so that
-    # aborted streams still get their final "abort" chunk and [DONE] out before the sockets close.
-    uv_config = uvicorn.Config(app, log_level=server_config.uvicorn_log_level,
-                               timeout_graceful_shutdown=grace + SHUTDOWN_MARGIN_S,
-                               timeout_keep_alive=server_config.timeout_keep_alive,
-                               limit_concurrency=server_config.limit_concurrency)
+    uv_config = uvicorn_config(app, server_config)
 
     def ready() -> None:
         print(f"detinfer serve: model {name!r} ({resolved.mode}, {dtype}, {device}, max_model_len "
