@@ -32,6 +32,7 @@ from detinfer.engine.sampling_params import SamplingParams
 from detinfer.engine.scheduler import ScheduledBatch, Scheduler
 from detinfer.engine.sequence import Sequence
 from detinfer.models.config import ModelConfig
+from detinfer.models.hub import resolve_model_path
 from detinfer.models.loader import load_model, load_tokenizer
 from detinfer.models.transformer import Transformer
 from detinfer.ops import Ops
@@ -89,6 +90,7 @@ class LLMEngine:
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         device = resolve_device(device)
+        model_dir = resolve_model_path(model_dir)  # a directory, or a hub id -> its cached snapshot
         dtype = resolve_dtype(config.dtype, ModelConfig.from_dir(model_dir), device)
         try:
             model, model_config = load_model(model_dir, dtype, device, Ops(config.mode))
