@@ -214,10 +214,12 @@ def test_model_argument_spellings(tmp_path, monkeypatch):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text("{}")
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert resolve_model_dir("~/m", None) == tmp_path / "m"
-    assert resolve_model_dir(None, "~/m") == tmp_path / "m"
-    assert resolve_model_dir("~/m", str(tmp_path / "m")) == tmp_path / "m"
+    assert resolve_model_dir("~/m", None) == (tmp_path / "m", "m")
+    assert resolve_model_dir(None, "~/m") == (tmp_path / "m", "m")
+    assert resolve_model_dir("~/m", str(tmp_path / "m")) == (tmp_path / "m", "m")
     with pytest.raises(CLIError, match="two different"):
         resolve_model_dir("~/m", "/elsewhere")
     with pytest.raises(CLIError, match="required"):
         resolve_model_dir(None, None)
+    with pytest.raises(CLIError, match="does not exist"):
+        resolve_model_dir("~/missing/dir", None)

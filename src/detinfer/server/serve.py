@@ -1,5 +1,5 @@
-"""`detinfer serve MODEL_DIR` (or `--model MODEL_DIR`): the OpenAI-compatible server (FastAPI under uvicorn)
-over an LLMEngine.
+"""`detinfer serve MODEL` (or `--model MODEL`; a directory or a Hugging Face hub id): the OpenAI-compatible
+server (FastAPI under uvicorn) over an LLMEngine.
 
 Flags come from two frozen dataclasses, `ServerConfig` and the engine's `EngineConfig` (`--mode`, `--dtype`,
 `--max-num-seqs`, ...), so the CLI, the defaults and the validation cannot drift apart.
@@ -52,17 +52,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_model_dir(positional: str | None, flag: str | None) -> Path:
-    """The model directory from either spelling (`~` expanded); both must agree if both are given."""
+def resolve_model_dir(positional: str | None, flag: str | None) -> tuple[Path, str]:
+    """(local model directory, default served name) from either spelling: a directory (`~` expanded) or a
+    Hugging Face hub id (see detinfer.models.hub); both spellings must agree if both are given."""
+    from detinfer.models.hub import resolve_model_path
+
     if positional is None and flag is None:
         raise CLIError("a model directory is required: detinfer serve MODEL_DIR (or --model MODEL_DIR)", 2)
-    paths = {Path(os.path.expanduser(p)) for p in (positional, flag) if p is not None}
-    if len(paths) > 1:
-        raise CLIError(f"two different model directories given: {positional!r} and --model {flag!r}", 2)
-    model_dir = paths.pop()
+    given = {os.path.expanduser(p) for p in (positional, flag) if p is not None}
+    if len(given) > 1:
+        raise CLIError(f"two different models given: {positional!r} and --model {flag!r}", 2)
+    model = given.pop()
+    try:
+        model_dir = resolve_model_path(model)
+    except (FileNotFoundError, ValueError, TypeError) as e:
+        raise CLIError(str(e), 2) from None
     if not (model_dir / "config.json").is_file():
         raise CLIError(f"{model_dir} is not a model directory (no config.json)", 2)
-    return model_dir
+    name = model_dir.resolve().name if Path(model).is_dir() else model  # a hub id names itself
+    return model_dir, name
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -106,11 +114,12 @@ def _main(argv: list[str] | None) -> int:
         engine_config = from_args(EngineConfig, ns)
     except (ValueError, TypeError) as e:
         raise CLIError(str(e), 2) from None
-    model_dir = resolve_model_dir(ns.model_dir, ns.model_flag)
+    model_dir, default_name = resolve_model_dir(ns.model_dir, ns.model_flag)
     sock = bind_socket(server_config.host, server_config.port)
     port = sock.getsockname()[1]
+    name = server_config.served_model_name or default_name
     try:
-        return _serve(model_dir, server_config, engine_config, sock, _url(server_config.host, port))
+        return _serve(model_dir, name, server_config, engine_config, sock, _url(server_config.host, port))
     finally:
         sock.close()
 
@@ -138,8 +147,8 @@ def uvicorn_config(app, server_config: ServerConfig):
                           limit_concurrency=server_config.limit_concurrency)
 
 
-def _serve(model_dir: Path, server_config: ServerConfig, engine_config: EngineConfig, sock: socket.socket,
-           url: str) -> int:
+def _serve(model_dir: Path, name: str, server_config: ServerConfig, engine_config: EngineConfig,
+           sock: socket.socket, url: str) -> int:
     from detinfer.server.app import create_app
     from detinfer.server.async_engine import AsyncEngine
     from detinfer.server.context import ServedModel
@@ -152,7 +161,6 @@ def _serve(model_dir: Path, server_config: ServerConfig, engine_config: EngineCo
     device, dtype = str(engine.device), str(engine.dtype).removeprefix("torch.")
     fingerprint = system_fingerprint(weights_digest=model_files_digest(model_dir), dtype=dtype,
                                      mode=resolved.mode, block_size=resolved.block_size, device=device)
-    name = server_config.served_model_name or model_dir.resolve().name
     async_engine = AsyncEngine(engine, max_pending_requests=server_config.max_pending_requests)
     app = create_app(async_engine, server_config, ServedModel.from_engine(engine, name, fingerprint))
     grace = server_config.timeout_graceful_shutdown
