@@ -139,3 +139,21 @@ def test_tiny_temperature_is_greedy(temperature):
         drawn = sample(logits, params, [1] * 6, list(range(6)))
         assert torch.equal(drawn, torch.argmax(logits, dim=-1))
     assert not SamplingParams(temperature=1e-5, seed=1).is_greedy  # the threshold itself samples
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["sampling", "forward"])
+def test_failure_isolation_on_gpu_is_bit_exact(tmp_path, monkeypatch, where):
+    """The same on CUDA in bf16 (Triton kernels): the survivors' bits equal a run without the bad request."""
+    model_dir = write_tiny_checkpoint(tmp_path / "qwen3", "Qwen3ForCausalLM", seed=6, max_position_embeddings=96)
+    engine = LLMEngine(model_dir, EngineConfig(max_num_batched_tokens=64, max_num_seqs=8, block_size=16,
+                                               num_kv_blocks=64, dtype="bfloat16"), device="cuda")
+    clean = _run(engine, GOOD)
+    if where == "sampling":
+        _fail_sampling_of_bad(monkeypatch, 2)
+    else:
+        _fail_forward_of_bad(monkeypatch, engine, 1)
+    mixed = _run(engine, {**GOOD, "bad": BAD})
+    assert "injected" in mixed["bad"].error
+    for rid in GOOD:
+        assert _bits(mixed[rid]) == _bits(clean[rid]), rid

@@ -192,7 +192,7 @@ def test_hand_picked_hostile_requests(fuzz_env, path, body, content_type):
     _send(http, path, json.dumps(body).encode(), content_type)
 
 
-@settings(max_examples=100, deadline=None, derandomize=True, database=None,
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                  HealthCheck.data_too_large])
 @given(request=REQUESTS, content_type=CONTENT_TYPES,
