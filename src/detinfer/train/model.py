@@ -57,18 +57,6 @@ def _resolve(source):
     return model, runner, (engine if runner is not None else None)
 
 
-def _drop_prefix_cache(block_manager) -> None:
-    """Forget every cached prefix block of an idle engine (their KV belongs to the old weights): free
-    cached blocks become plain free blocks. Works on the BlockManager's internals; a public reset method
-    on the BlockManager should replace this."""
-    for block_id in list(block_manager._free_cached):
-        block = block_manager._blocks[block_id]
-        block.block_hash, block.token_ids = None, ()
-        block_manager._free_uncached.append(block_id)
-    block_manager._free_cached.clear()
-    block_manager._hash_to_block.clear()
-
-
 def _cu_list(cu_seqlens, n: int) -> list[int]:
     cu = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
     if len(cu) < 2 or cu[0] != 0 or cu[-1] != n or any(b < a for a, b in zip(cu[:-1], cu[1:])):
@@ -184,7 +172,7 @@ class TrainableModel:
         for p, master in self._pairs:
             p.copy_(master)
         if self.runner is not None:
-            _drop_prefix_cache(self._engine.scheduler.block_manager)
+            self._engine.reset_prefix_cache()
 
     def _engine_unfinished(self) -> int:
         return self._engine.get_num_unfinished_requests() if self._engine is not None else 0
