@@ -382,3 +382,18 @@ class SchedulerMachine(RuleBasedStateMachine):
 SchedulerMachine.TestCase.settings = settings(max_examples=4 * settings.default.max_examples,
                                               stateful_step_count=40)
 test_random_scheduler_mixes = SchedulerMachine.TestCase
+
+
+def test_prompt_ids_are_checked_once_here():
+    from detinfer.engine.scheduler import check_prompt_ids
+
+    assert check_prompt_ids("r", (3, 4)) == [3, 4]
+    with pytest.raises(ValueError, match=r"prompt token 1 is 9, not a token id of this model: prompt_token_ids\[1\]"):
+        check_prompt_ids("r", [1, 9], vocab_size=9)
+    with pytest.raises(TypeError, match="prompt token 0 must be an int"):
+        check_prompt_ids("r", [1.0])
+    with pytest.raises(TypeError, match="prompt must be a str or a list of token ids"):
+        check_prompt_ids("r", 5)
+    cfg = EngineConfig(max_num_batched_tokens=16, max_num_seqs=8, block_size=4, num_kv_blocks=8, max_model_len=32)
+    with pytest.raises(ValueError, match="allowed|must be in 0..9"):
+        Scheduler(cfg, vocab_size=10).add_request("a", [1, 10])

@@ -14,6 +14,9 @@ import torch
 
 # dtypes the Triton kernels take; they all accumulate in fp32.
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# head_dims the attention kernels take (here, not in kernels/attention.py, so that choosing a backend
+# does not import Triton).
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
 def interpreting() -> bool:

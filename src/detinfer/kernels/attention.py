@@ -28,13 +28,12 @@ import torch
 import triton
 
 from detinfer.kernels import attention_kernels as K
-from detinfer.kernels._launch import check_kernel_inputs, interpreting, next_pow2, sm_count
+from detinfer.kernels._launch import SUPPORTED_HEAD_DIMS, check_kernel_inputs, interpreting, next_pow2, sm_count
 from detinfer.kernels.attention_ref import attention_contiguous_ref, paged_attention_ref
 
 __all__ = ["DEFAULT_SPLIT_SIZE", "SUPPORTED_HEAD_DIMS", "attention_contiguous", "attention_contiguous_ref",
            "block_n_for", "paged_attention", "paged_attention_fast", "paged_attention_ref"]
 
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # Keys per split: fixes where partial softmaxes are merged, so it is a constant of the kernel, never a
 # function of the batch. 256 = 4 tiles of 64 keys: against 512 it gives small decode batches twice the
 # parallel programs (bs=1 kv=512: 14.8 vs 19.4 us on the H100), loses at bs<=8 with 32k contexts (a

@@ -37,14 +37,11 @@ import torch
 import torch.nn.functional as F
 
 from detinfer.kernels._fold import fold_sum
-from detinfer.kernels._launch import KERNEL_DTYPES, interpreting
+from detinfer.kernels._launch import KERNEL_DTYPES, SUPPORTED_HEAD_DIMS, interpreting
 from detinfer.kernels.scan import cumsum_ref
 
 MODES = ("deterministic", "fast")
 ATTENTION_BACKENDS = ("auto", "kernel", "ref")
-# Head dims the Triton attention kernels take (kept in sync with kernels.attention.SUPPORTED_HEAD_DIMS by a
-# test; not imported so that choosing a backend does not import Triton).
-ATTENTION_HEAD_DIMS = (64, 128, 256)
 # dtypes the kernels run correctly in Triton's CPU interpreter (its bf16 math is wrong).
 _INTERPRETER_DENSE_DTYPES = frozenset({torch.float32, torch.float16})
 _INTERPRETER_ATTENTION_DTYPES = frozenset({torch.float32})
@@ -79,7 +76,7 @@ def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 def _attention_kernel_runs(device: torch.device, dtype: torch.dtype, head_dim: int | None) -> bool:
-    if head_dim not in ATTENTION_HEAD_DIMS or dtype not in KERNEL_DTYPES:
+    if head_dim not in SUPPORTED_HEAD_DIMS or dtype not in KERNEL_DTYPES:
         return False
     return device.type == "cuda" or (device.type == "cpu" and interpreting()
                                      and dtype in _INTERPRETER_ATTENTION_DTYPES)
@@ -117,7 +114,7 @@ class Ops:
         if self.attention == "kernel" and not kernel_ok:
             raise ValueError(f"the Triton attention kernels cannot run here (device {device}, dtype "
                              f"{self.dtype}, head_dim {self.head_dim}; kernels take head_dim in "
-                             f"{ATTENTION_HEAD_DIMS} on CUDA, or fp32 on CPU under TRITON_INTERPRET=1)")
+                             f"{SUPPORTED_HEAD_DIMS} on CUDA, or fp32 on CPU under TRITON_INTERPRET=1)")
         impl = ("kernel" if kernel_ok else "ref") if self.attention == "auto" else self.attention
         object.__setattr__(self, "attention_impl", impl)
 
