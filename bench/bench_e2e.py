@@ -30,18 +30,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from detinfer.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from detinfer.models.config import ModelConfig  # noqa: E402
+from detinfer.models.families import preset_hf_config  # noqa: E402
 from detinfer.models.transformer import Transformer  # noqa: E402
 from detinfer.ops import Ops  # noqa: E402
 
-HBM_BYTES_PER_S = 3.0e12  # measured device-to-device copy on this H100 kind (bench/NOTES.md)
+HBM_BYTES_PER_S = 3.0e12  # measured device-to-device copy on this H100 kind (docs/performance.md)
 
 
 def qwen3_8b_config(layers: int, max_len: int) -> ModelConfig:
-    return ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=4096,
-                       intermediate_size=12288, num_hidden_layers=layers, num_attention_heads=32,
-                       num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
-                       max_position_embeddings=max_len, qk_norm=True, eos_token_ids=(151645,),
-                       torch_dtype="bfloat16")
+    """The qwen3-8b preset's shape with `layers` layers, `max_len` positions, bf16."""
+    cfg = {**preset_hf_config("qwen3-8b"), "num_hidden_layers": layers, "max_position_embeddings": max_len,
+           "torch_dtype": "bfloat16"}
+    return ModelConfig.from_dict(cfg)
 
 
 def random_model(cfg: ModelConfig, device: torch.device, seed: int) -> Transformer:

@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-offline", action="store_true", help="skip the offline-engine comparison")
     parser.add_argument("--json", help="write the summary (no per-request results) to this file")
     parser.add_argument("--write-random", metavar="PRESET", help="first write a checkpoint of this shape with "
-                        "random weights (qwen3-8b, qwen3-0.6b, llama-3.1-8b, tiny) and a tiny byte tokenizer into "
+                        "random weights (a model family's preset, e.g. qwen3-8b) and a tiny byte tokenizer into "
                         "MODEL_DIR, unless MODEL_DIR already holds a config.json")
     add_dataclass_args(parser, EngineConfig)
     args = parser.parse_args(argv)

@@ -18,7 +18,7 @@ from detinfer.engine.config import EngineConfig, add_dataclass_args, from_args
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="detinfer generate", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="HF-format model directory")
+    parser.add_argument("--model", required=True, help="HF-format model directory or Hugging Face hub id")
     parser.add_argument("--prompt", required=True, help="prompt text (the user message with --chat)")
     parser.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default: 0)")

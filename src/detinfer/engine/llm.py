@@ -1,6 +1,6 @@
 """LLM: the offline API. Give it prompts, get completions back in input order.
 
-    llm = LLM("path/to/model", mode="deterministic", max_num_seqs=64)
+    llm = LLM("path/to/model", mode="deterministic", max_num_seqs=64)  # or a hub id: LLM("Qwen/Qwen3-0.6B")
     outs = llm.generate(["Hello", "Once upon a time"], SamplingParams(temperature=0, max_tokens=32))
     print(outs[0].outputs[0].text)
 
@@ -27,7 +27,8 @@ def _is_token_list(x: Any) -> bool:
 
 
 class LLM:
-    """`LLM(model, **engine_config_fields)`: loads the model directory and builds an `LLMEngine`.
+    """`LLM(model, **engine_config_fields)`: loads the model and builds an `LLMEngine`. `model` is a HF-format
+    directory or a Hugging Face hub id (see detinfer.models.hub.resolve_model_path).
 
     Keyword arguments are `EngineConfig` fields (mode, max_num_seqs, max_num_batched_tokens, block_size,
     num_kv_blocks, max_model_len, dtype, enforce_eager, ...), plus `device` (default: cuda if available).

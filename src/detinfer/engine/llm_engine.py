@@ -33,6 +33,7 @@ from detinfer.engine.sampling_params import SamplingParams
 from detinfer.engine.scheduler import ScheduledBatch, Scheduler
 from detinfer.engine.sequence import Sequence, SequenceStatus
 from detinfer.models.config import ModelConfig
+from detinfer.models.hub import resolve_model_path
 from detinfer.models.loader import load_model, load_tokenizer
 from detinfer.models.transformer import Transformer
 
@@ -68,6 +69,7 @@ class LLMEngine:
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         device = resolve_device(device)
+        model_dir = resolve_model_path(model_dir)  # a directory, or a hub id -> its cached snapshot
         dtype = resolve_dtype(config.dtype, ModelConfig.from_dir(model_dir).dtype, device)
         model, model_config = load_model(model_dir, dtype, device, config.mode, attention=attention_backend)
         self._setup(model, model_config, config, load_tokenizer(model_dir))

@@ -1,7 +1,8 @@
 """`ModelConfig`: the architecture facts the model code needs, parsed and validated from a HF config.json.
 
-One decoder-only transformer covers Llama, Qwen2 and Qwen3; what differs between them is expressed as flags
-here (qkv/output/MLP biases, per-head q/k RMSNorm) so the model code has no per-architecture branches.
+One decoder-only transformer covers every registered family (detinfer.models.families: Llama, Qwen2,
+Qwen3); what differs between them is expressed as flags here (qkv/output/MLP biases, per-head q/k RMSNorm),
+which each family's module derives from its config.json, so the model code has no per-architecture branches.
 
 Two spellings of the rotary parameters exist in the wild: transformers 4 writes `rope_theta` and
 `rope_scaling` at the top level, transformers 5 writes one `rope_parameters` dict (and may keep a top-level
@@ -19,9 +20,8 @@ from typing import Any
 import torch
 
 from detinfer.dtypes import DTYPES
+from detinfer.models.families import ModelFamily, family_for_architecture, supported_architectures
 
-# HF `architectures[0]` -> model_type, and the attention flags each architecture implies.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # Rotary variants whose frequencies are a fixed function of the config. "dynamic" NTK scaling is left out on
 # purpose: its frequencies depend on the current sequence length, so a token's result would depend on how
 # long its sequence happens to be at that step.
@@ -69,19 +69,18 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    qkv_bias: bool = False  # bias on q/k/v projections (Qwen2 always; Llama/Qwen3 via attention_bias)
-    o_bias: bool = False  # bias on the attention output projection (Llama/Qwen3 attention_bias)
-    mlp_bias: bool = False  # Llama mlp_bias
-    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rotary
+    # The family flags (see detinfer.models.families: each family's flags_from_hf sets them).
+    qkv_bias: bool = False  # bias on the q/k/v projections
+    o_bias: bool = False  # bias on the attention output projection
+    mlp_bias: bool = False  # biases on gate/up/down
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before rotary
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     pad_token_id: int | None = None
     torch_dtype: str | None = None  # the dtype the checkpoint was saved in, if config.json says
 
     def __post_init__(self):
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {self.architecture!r}; supported: "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        family_for_architecture(self.architecture)  # raises, naming the supported ones
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
@@ -113,9 +112,12 @@ class ModelConfig:
             raise ValueError(f"torch_dtype must be one of {sorted(DTYPES)} or None, got {self.torch_dtype!r}")
 
     @property
+    def family(self) -> ModelFamily:
+        return family_for_architecture(self.architecture)
+
+    @property
     def model_type(self) -> str:
-        return {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                "Qwen3ForCausalLM": "qwen3"}[self.architecture]
+        return self.family.model_type
 
     @property
     def q_size(self) -> int:
@@ -140,11 +142,9 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         if not archs:
             raise ValueError("config.json has no 'architectures' entry; cannot tell which model this is "
-                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+                             f"(supported: {', '.join(supported_architectures())})")
         arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}; supported: "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        family = family_for_architecture(arch)
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act must be 'silu', got {cfg.get('hidden_act')!r}")
         if cfg.get("use_sliding_window"):
@@ -155,7 +155,6 @@ class ModelConfig:
                  "vocab_size", "rms_norm_eps")
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        attention_bias = bool(cfg.get("attention_bias", False))
         rope_theta, rope_scaling = _parse_rope(cfg)
         gen = generation_config or {}
         eos: list[int] = []
@@ -179,10 +178,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=True if arch == "Qwen2ForCausalLM" else attention_bias,
-            o_bias=False if arch == "Qwen2ForCausalLM" else attention_bias,
-            mlp_bias=bool(cfg.get("mlp_bias", False)) if arch == "LlamaForCausalLM" else False,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            **family.flags(cfg),
             bos_token_id=bos,
             eos_token_ids=tuple(eos),
             pad_token_id=cfg.get("pad_token_id"),

@@ -5,7 +5,9 @@
   ...) and stored in the requested float dtype (fp32 by default: a dequantized Q4_1/Q8_0 value, scale *
   quant + offset, is exact in fp32 but not always in 16-bit formats). llama.cpp's Llama converter permutes
   the rows of q/k so that rotary pairs are adjacent (its "interleaved" layout); HF checkpoints pair row i
-  with row i + head_dim/2, so that permutation is undone per head. Qwen2/Qwen3 GGUFs are not permuted.
+  with row i + head_dim/2, so that permutation is undone per head for the families that say so
+  (`ModelFamily.gguf_rotary_permuted`: Llama). Tensor names and family-specific config fields come from the
+  family module (detinfer.models.families).
 * Tokenizer: rebuilt from `tokenizer.ggml.*` into a tokenizer.json. Only GPT-2 style byte-level BPE
   ("gpt2" model) with the GPT-2 or the digit-splitting StarCoder/SmolLM pre-tokenizer is rebuilt; anything
   else is refused rather than approximated.
@@ -26,19 +28,11 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from detinfer.dtypes import DTYPES
 from detinfer.models.config import ModelConfig
-from detinfer.models.transformer import hf_weight_shapes
+from detinfer.models.families import family_for_gguf_arch
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # tokenizer.ggml.pre values whose pre-tokenization is GPT-2's regex, or GPT-2's after splitting every digit.
 GPT2_PRE = ("default", "gpt2")
 DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "codeshell")
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
 _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4  # gguf.TokenType values
 
 
@@ -62,8 +56,7 @@ def _f32(value: float) -> float:
 
 def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str], dtype: str) -> dict[str, Any]:
     arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
+    family = family_for_gguf_arch(arch)
     if "rope_freqs.weight" in tensor_names:
         raise ValueError("this GGUF carries per-dimension rope_freqs (Llama 3.1 style scaling), which cannot "
                          "be expressed as a HF rope config here; unsupported")
@@ -82,7 +75,7 @@ def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str], dtype: str
     if vocab is None:
         raise ValueError(f"GGUF metadata gives no vocab size ({arch}.vocab_size or tokenizer.ggml.tokens)")
     cfg: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[arch]], "model_type": arch, "hidden_act": "silu",
+        "architectures": [family.architectures[0]], "model_type": family.model_type, "hidden_act": "silu",
         "vocab_size": int(vocab), "hidden_size": key("embedding_length"),
         "intermediate_size": key("feed_forward_length"), "num_hidden_layers": key("block_count"),
         "num_attention_heads": heads, "num_key_value_heads": key("attention.head_count_kv", heads),
@@ -99,13 +92,7 @@ def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str], dtype: str
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": _f32(key("rope.scaling.factor"))}
     elif scaling != "none":
         raise ValueError(f"unsupported GGUF rope scaling {scaling!r}; supported: none, linear")
-    if arch == "llama":
-        cfg["attention_bias"] = "blk.0.attn_output.bias" in tensor_names
-        cfg["mlp_bias"] = "blk.0.ffn_up.bias" in tensor_names
-    else:
-        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg["num_hidden_layers"])
-        if arch == "qwen3":
-            cfg["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    cfg.update(family.gguf_config_fields(cfg, tensor_names))
     return cfg
 
 
@@ -120,16 +107,17 @@ def _unpermute_rotary_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 def hf_tensors_from_gguf(reader, cfg: dict[str, Any], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     gguf = _gguf()
     config = ModelConfig.from_dict(cfg)
-    expected = hf_weight_shapes(config)
-    permute = cfg["model_type"] == "llama"
+    family = config.family
+    expected = family.hf_weight_shapes(config)
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = family.hf_name_from_gguf(t.name)
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
         values = gguf.quants.dequantize(t.data, t.tensor_type)  # float32 numpy
         w = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)  # a writable copy
-        if permute and name.startswith("model.layers.") and name.split(".")[-2] in ("q_proj", "k_proj"):
-            kv = name.split(".")[-2] == "k_proj"
+        proj = name.split(".")[-2]
+        if family.gguf_rotary_permuted and name.startswith("model.layers.") and proj in ("q_proj", "k_proj"):
+            kv = proj == "k_proj"
             w = _unpermute_rotary_rows(w, config.num_key_value_heads if kv else config.num_attention_heads)
         out[name] = w.to(dtype).contiguous()
     unexpected = sorted(set(out) - set(expected))
@@ -140,16 +128,6 @@ def hf_tensors_from_gguf(reader, cfg: dict[str, Any], dtype: torch.dtype) -> dic
         raise ValueError(f"GGUF tensors do not match the {cfg['architectures'][0]} layout: "
                          f"missing {missing}, unexpected {unexpected}, wrong shapes {wrong}")
     return out
-
-
-def _hf_name(gguf_name: str) -> str:
-    base, _, kind = gguf_name.rpartition(".")
-    if base in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[base]}.{kind}"
-    parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no HF counterpart here")
 
 
 def tokenizer_from_gguf(meta: dict[str, Any]) -> tuple[Tokenizer, dict[str, Any]]:

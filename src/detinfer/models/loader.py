@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from detinfer.dtypes import resolve_dtype
 from detinfer.models.config import ModelConfig
-from detinfer.models.transformer import Transformer, hf_weight_shapes, state_dict_from_hf
+from detinfer.models.transformer import Transformer
 from detinfer.ops import Ops
 
 # safetensors dtype codes a checkpoint may store weights in.
@@ -57,7 +57,7 @@ def check_checkpoint(model_dir: str | Path, config: ModelConfig) -> dict[str, Pa
     """Validate names, shapes and stored dtypes against the config; returns {name: file} of the tensors to
     load. Raises ValueError listing every problem found."""
     files = safetensors_files(model_dir)
-    expected = hf_weight_shapes(config)
+    expected = config.family.hf_weight_shapes(config)
     ignorable = {n for n in files if n.endswith(_IGNORABLE_SUFFIXES)}
     if config.tie_word_embeddings:
         ignorable.add("lm_head.weight")  # some exporters store the tied copy; the embedding is used
@@ -109,7 +109,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str | None = None,
                 hf[name] = f.get_tensor(name).to(device=device, dtype=dtype)
     with torch.device("meta"):
         model = Transformer(config, ops)
-    model.load_state_dict(state_dict_from_hf(config, hf), strict=True, assign=True)
+    model.load_state_dict(config.family.state_dict_from_hf(config, hf), strict=True, assign=True)
     model.rotary.reset_parameters(device)
     model.eval()
     return model, config

@@ -1,6 +1,6 @@
 """Tiny random checkpoints in exactly the HF on-disk format, for tests that need a model directory.
 
-`write_tiny_checkpoint(dir, "LlamaForCausalLM" | "Qwen2ForCausalLM" | "Qwen3ForCausalLM", ...)` writes
+`write_tiny_checkpoint(dir, architecture, ...)` (any registered family's HF architecture string) writes
 config.json, generation_config.json, model.safetensors (or shards + index), and a small but real tokenizer:
 a byte-level BPE trained in-process on a few sentences (tokenizer.json) with a ChatML chat template
 (tokenizer_config.json). HF transformers loads these directories as-is, which is what the parity tests use.
@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from detinfer.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from detinfer.models.transformer import hf_weight_shapes
+from detinfer.models.config import ModelConfig
+from detinfer.models.families import family_for_architecture
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 CHATML_TEMPLATE = (
@@ -71,14 +71,13 @@ def tiny_config_dict(architecture: str = "LlamaForCausalLM", *, vocab_size: int 
                      max_position_embeddings: int = 256, rms_norm_eps: float = 1e-6,
                      dtype: str = "float32") -> dict[str, Any]:
     """A HF config.json dict. rope_style "legacy" writes rope_theta/rope_scaling (transformers 4),
-    "parameters" writes one rope_parameters dict (transformers 5)."""
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"architecture must be one of {SUPPORTED_ARCHITECTURES}, got {architecture!r}")
+    "parameters" writes one rope_parameters dict (transformers 5). The family's module adds its own fields
+    (attention_bias / mlp_bias where its config.json has such switches)."""
+    family = family_for_architecture(architecture)
     if rope_style not in ("legacy", "parameters"):
         raise ValueError(f"rope_style must be 'legacy' or 'parameters', got {rope_style!r}")
-    model_type = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
     cfg: dict[str, Any] = {
-        "architectures": [architecture], "model_type": model_type[architecture], "vocab_size": vocab_size,
+        "architectures": [architecture], "model_type": family.model_type, "vocab_size": vocab_size,
         "hidden_size": hidden_size, "intermediate_size": intermediate_size,
         "num_hidden_layers": num_hidden_layers, "num_attention_heads": num_attention_heads,
         "num_key_value_heads": num_key_value_heads, "hidden_act": "silu",
@@ -88,14 +87,7 @@ def tiny_config_dict(architecture: str = "LlamaForCausalLM", *, vocab_size: int 
     }
     if head_dim is not None:
         cfg["head_dim"] = head_dim
-    if architecture == "LlamaForCausalLM":
-        cfg.update(attention_bias=attention_bias, mlp_bias=mlp_bias, pretraining_tp=1)
-    elif architecture == "Qwen2ForCausalLM":
-        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=num_hidden_layers)
-    else:
-        cfg.update(attention_bias=attention_bias, use_sliding_window=False, sliding_window=None,
-                   max_window_layers=num_hidden_layers,
-                   head_dim=head_dim or hidden_size // num_attention_heads)
+    cfg.update(family.hf_config_fields(cfg, attention_bias=attention_bias, mlp_bias=mlp_bias))
     if rope_style == "legacy":
         cfg["rope_theta"] = rope_theta
         if rope_scaling is not None:
@@ -107,12 +99,12 @@ def tiny_config_dict(architecture: str = "LlamaForCausalLM", *, vocab_size: int 
 
 def random_hf_weights(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
                       device: str | torch.device = "cpu") -> dict:
-    """Seeded random tensors for every name `hf_weight_shapes(config)` lists, returned on the CPU.
+    """Seeded random tensors for every name the family's `hf_weight_shapes(config)` lists, returned on the CPU.
     `device` is where they are drawn (a GPU makes an 8B-parameter checkpoint in seconds; its random stream
     differs from the CPU's, so the same seed gives other weights there)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     out = {}
-    for name, shape in hf_weight_shapes(config).items():
+    for name, shape in config.family.hf_weight_shapes(config).items():
         r = torch.randn(shape, generator=gen, device=device)
         if name.endswith("norm.weight"):
             t = 1.0 + 0.1 * r

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from detinfer.engine.config import ENGINE_MODES, EngineConfig
+from detinfer.models.hub import resolve_model_path
 from detinfer.repro.analysis import summarize
 from detinfer.repro.experiment import ReproConfig, run_offline
 from detinfer.repro.random_model import encode_bytes
@@ -69,8 +70,8 @@ def repro_offline(model_dir: str | Path | None, prompt: str, cfg: ReproConfig, *
         raise TypeError(f"cfg must be a ReproConfig, got {type(cfg).__name__}")
     if (model_dir is None) == (random_model is None):
         raise ValueError("give exactly one of model_dir and random_model")
-    if model_dir is not None and not Path(model_dir).is_dir():
-        raise FileNotFoundError(f"model directory {model_dir} does not exist")
+    if model_dir is not None:  # a directory or a hub id; fail here, before any mode runs
+        model_dir = resolve_model_path(model_dir)
     modes = tuple(modes)
     if not modes or any(m not in ENGINE_MODES for m in modes) or len(set(modes)) != len(modes):
         raise ValueError(f"modes must be distinct values of {ENGINE_MODES}, got {modes!r}")

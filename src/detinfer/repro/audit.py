@@ -247,28 +247,28 @@ def build_runner(model_dir, random_model, mode: str, engine_config: EngineConfig
     """(ModelRunner, vocab size) for a checkpoint or a random-weight preset, in `mode`, steps eager."""
     from detinfer.dtypes import resolve_dtype
     from detinfer.engine.llm_engine import LLMEngine, resolve_device
-    from detinfer.models.config import ModelConfig
     from detinfer.repro.random_model import build_random_model, preset_config
 
     dev = resolve_device(device)
     config = engine_config.replace(mode=mode, enforce_eager=True)
-    mc = preset_config(random_model) if random_model else ModelConfig.from_dir(model_dir)
     if random_model:
         model, mc = build_random_model(random_model, mode=mode, device=dev, seed=random_seed,
-                                       dtype=resolve_dtype(config.dtype, mc.dtype, dev))
+                                       dtype=resolve_dtype(config.dtype, preset_config(random_model).dtype, dev))
         engine = LLMEngine.from_model(model, mc, config)
     else:
-        engine = LLMEngine(model_dir, config, dev)
-    return engine.runner, mc.vocab_size
+        engine = LLMEngine(model_dir, config, dev)  # a directory or a hub id
+    return engine.runner, engine.model_config.vocab_size
 
 
 def main(argv: list[str] | None = None) -> int:
+    from detinfer.models.families import preset_names
+
     p = argparse.ArgumentParser(prog="detinfer audit", conflict_handler="resolve",
                                 description="Check that a model's logits for random prompts are bit-identical "
                                             "alone, in random batches and in random chunkings; name the first "
                                             "module whose output differs.")
-    p.add_argument("model_dir", nargs="?", help="HF-format model directory")
-    p.add_argument("--random-model", help="a random-weight preset instead (qwen3-8b, qwen3-0.6b, llama-3.1-8b, tiny)")
+    p.add_argument("model_dir", nargs="?", help="HF-format model directory or Hugging Face hub id")
+    p.add_argument("--random-model", help=f"a random-weight preset instead ({', '.join(preset_names())})")
     p.add_argument("--random-seed", type=int, default=0, help="seed of --random-model's weights")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available)")
     add_dataclass_args(p, AuditConfig)

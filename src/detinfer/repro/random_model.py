@@ -1,5 +1,6 @@
 """Models with random weights built in-process from a named shape, for experiments at a real model's size
-without its checkpoint (`detinfer repro --random-model qwen3-8b`, `detinfer audit --random-model ...`).
+without its checkpoint (`detinfer repro --random-model qwen3-8b`, `detinfer audit --random-model ...`). The
+shapes are the model families' presets (detinfer.models.families).
 
 The weights are drawn on the target device from a seeded generator in the target dtype, so an 8B model
 appears in seconds on a GPU, and building it twice with the same seed (once per mode in `--mode both`)
@@ -19,35 +20,17 @@ from collections.abc import Sequence
 import torch
 
 from detinfer.models.config import ModelConfig
+from detinfer.models.families import preset_hf_config, preset_names
 from detinfer.models.transformer import Transformer
 from detinfer.ops import Ops
 
-# HF config.json fields of public models (architecture shapes only; no weights involved).
-PRESETS: dict[str, dict] = {
-    "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096,
-                     intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
-                     max_position_embeddings=40960, tie_word_embeddings=False, eos_token_id=151645),
-    "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=1024,
-                       intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
-                       max_position_embeddings=40960, tie_word_embeddings=True, eos_token_id=151645),
-    "llama-3.1-8b": dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096,
-                         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
-                         max_position_embeddings=131072, tie_word_embeddings=False, eos_token_id=128009),
-    # Small enough for a CPU (tests, trying the tool out).
-    "tiny": dict(architectures=["Qwen3ForCausalLM"], vocab_size=512, hidden_size=64, intermediate_size=128,
-                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                 rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=2048,
-                 tie_word_embeddings=False, eos_token_id=2),
-}
+# name -> HF config.json dict of every registered family's presets (each family module defines its own).
+PRESETS: dict[str, dict] = {name: preset_hf_config(name) for name in preset_names()}
 
 
 def preset_config(name: str) -> ModelConfig:
-    if name not in PRESETS:
-        raise ValueError(f"unknown random model {name!r}; known: {', '.join(PRESETS)}")
-    return ModelConfig.from_dict(PRESETS[name])
+    """The preset's ModelConfig; unknown names raise a ValueError listing the known ones."""
+    return ModelConfig.from_dict(preset_hf_config(name))
 
 
 @torch.no_grad()
