@@ -7,7 +7,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from detinfer.models.loader import load_model
-from detinfer.ops import Ops
 from detinfer.train import TrainableModel, pack_padded
 
 
@@ -25,7 +24,7 @@ def _batch():
 
 
 def test_fp32_optimizer_step_changes_the_engine_weights(stories_model):
-    model, _ = load_model(stories_model, torch.float32, "cpu", Ops("deterministic"))
+    model, _ = load_model(stories_model, torch.float32, "cpu", "deterministic")
     trainer = TrainableModel(model)
     assert not trainer.master_weights
     params = list(trainer.parameters())
@@ -42,7 +41,7 @@ def test_fp32_optimizer_step_changes_the_engine_weights(stories_model):
 
 
 def test_bf16_master_weights_get_fp32_grads_and_push_into_the_engine(stories_model):
-    model, _ = load_model(stories_model, torch.bfloat16, "cpu", Ops("deterministic"))
+    model, _ = load_model(stories_model, torch.bfloat16, "cpu", "deterministic")
     trainer = TrainableModel(model)
     assert trainer.master_weights
     masters = list(trainer.parameters())
@@ -66,7 +65,7 @@ def test_bf16_master_weights_get_fp32_grads_and_push_into_the_engine(stories_mod
 
 
 def test_fast_mode_is_close_to_deterministic_and_differentiable(stories_model):
-    model, _ = load_model(stories_model, torch.float32, "cpu", Ops("deterministic"))
+    model, _ = load_model(stories_model, torch.float32, "cpu", "deterministic")
     ids, cu = _batch()
     det = TrainableModel(model).score(ids, cu)
     fast_trainer = TrainableModel(model, mode="fast")
@@ -78,7 +77,7 @@ def test_fast_mode_is_close_to_deterministic_and_differentiable(stories_model):
 
 
 def test_bad_inputs_are_rejected_with_clear_errors(stories_model):
-    model, _ = load_model(stories_model, torch.float32, "cpu", Ops("deterministic"))
+    model, _ = load_model(stories_model, torch.float32, "cpu", "deterministic")
     trainer = TrainableModel(model)
     ids, cu = _batch()
     with pytest.raises(ValueError, match="mode must be one of"):
@@ -98,7 +97,7 @@ def test_bad_inputs_are_rejected_with_clear_errors(stories_model):
 
 
 def test_explicit_targets_score_those_tokens(stories_model):
-    model, _ = load_model(stories_model, torch.float32, "cpu", Ops("deterministic"))
+    model, _ = load_model(stories_model, torch.float32, "cpu", "deterministic")
     trainer = TrainableModel(model)
     ids, cu = _batch()
     with torch.no_grad():
@@ -112,7 +111,7 @@ def test_explicit_targets_score_those_tokens(stories_model):
 
 
 def test_a_second_trainer_takes_over_the_gradients(stories_model):
-    model, _ = load_model(stories_model, torch.bfloat16, "cpu", Ops("deterministic"))
+    model, _ = load_model(stories_model, torch.bfloat16, "cpu", "deterministic")
     first = TrainableModel(model)
     second = TrainableModel(model, mode="fast")
     ids, cu = _batch()
@@ -127,8 +126,8 @@ def test_whole_model_gradients_match_fp64_autograd(model_dirs, name):
     same module (fast mode in float64)."""
     if name not in model_dirs:
         pytest.skip("stories260k checkpoint not found next to the repository")
-    m32, _ = load_model(model_dirs[name], torch.float32, "cpu", Ops("deterministic"))
-    m64, _ = load_model(model_dirs[name], torch.float64, "cpu", Ops("deterministic"))
+    m32, _ = load_model(model_dirs[name], torch.float32, "cpu", "deterministic")
+    m64, _ = load_model(model_dirs[name], torch.float64, "cpu", "deterministic")
     ids, cu = _batch()
     w = torch.linspace(-1, 1, ids.shape[0])
     t32, t64 = TrainableModel(m32), TrainableModel(m64, mode="fast")
@@ -144,7 +143,7 @@ def test_whole_model_gradients_match_fp64_autograd(model_dirs, name):
 
 @pytest.fixture(scope="module")
 def stories_trainer(stories_model):
-    model, _ = load_model(stories_model, torch.float32, "cpu", Ops("deterministic"))
+    model, _ = load_model(stories_model, torch.float32, "cpu", "deterministic")
     return TrainableModel(model)
 
 

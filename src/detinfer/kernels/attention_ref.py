@@ -70,7 +70,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     and `fold_sum` ignores trailing zeros, so the padding length never reaches a result. Multi-query
     sequences (prefill chunks) go one at a time, their rows sharing one copy of the keys.
     """
-    from detinfer.cache.paged_kv import check_step_metadata
+    from detinfer.kernels._launch import check_step_metadata
 
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError("paged_attention_ref: need q [T, Hq, D] and k_cache, v_cache [num_blocks, "

@@ -1,22 +1,22 @@
 """The one interface between training and the model: how a training forward runs the engine's module.
 
 Contract with the model (all that training relies on; `TrainingForward` is the adapter class):
-  * submodules read their numerics from an `ops` attribute: `ops.linear(x, w, b)`,
-    `ops.rms_norm(x, w, eps, residual=)`, `ops.silu_mul(gate, up)`, `ops.log_softmax(x, dim=)`;
+  * the model computes with its one numerics backend `model.ops` (see detinfer.ops.backend), passed down
+    to every submodule in forward: `ops.linear`, `ops.rms_norm(x, w, eps, residual=)`, `ops.silu_mul`,
+    `ops.rope(positions, q, k, inv_freq)`, `ops.logits(hidden, weight)`, `ops.log_softmax`;
   * `model(input_ids [T], positions [T], attn) -> hidden [T, H]` with `attn(layer_idx, q, k, v)`,
-    and `model.compute_logits(hidden) -> fp32 logits` (through `ops.linear`);
-  * `model.rotary(positions, q, k)` and `F.embedding(ids, model.embed_tokens)` (or `ops.embedding`);
-  * the engine runner's `backend` ("kernel" | "ref") says which attention functions it calls.
+    and `model.compute_logits(hidden) -> fp32 logits` (through `ops.logits`);
+  * `F.embedding(ids, model.embed_tokens)`;
+  * the Ops' `paged_attention` / `write_kv` are the attention functions the engine calls.
 For the duration of one forward (`TrainingForward.run`) the adapter
-  * sets `ops` on every submodule to `DifferentiableOps` (forward = the engine's op, backward = ours),
-  * replaces the model's `rotary` with `_DifferentiableRotary` (forward = the original module),
+  * sets `model.ops` to `DifferentiableOps` (forward = the engine's op, backward = ours),
   * routes `F.embedding` on the model's embedding weight through `EmbeddingFn` (a TorchFunctionMode),
 and passes `PackedPagedAttention` as `attn`: it writes the packed K/V into a temporary paged KV cache with
 contiguous block tables and calls the very attention function the engine's runner calls. The engine's
 attention is invariant to chunking and block layout, so the bits equal what the engine computed.
 Everything is restored afterwards. Not thread-safe: do not step the engine during a training forward.
 
-Fast mode swaps in stock `Ops("fast")` (F.linear, torch norms and softmax: plain autograd) and
+Fast mode swaps in the model's Ops in fast mode (F.linear, torch norms and softmax: plain autograd) and
 `SDPAAttention` (torch's scaled_dot_product_attention per sequence), on the same module and weights.
 """
 
@@ -28,9 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from detinfer.kernels._launch import KERNEL_DTYPES, interpreting
-from detinfer.kernels.attention import SUPPORTED_HEAD_DIMS, paged_attention, paged_attention_ref
-from detinfer.kernels.kv_write import write_kv, write_kv_ref
 from detinfer.train.functions import (
     AttentionFn,
     EmbeddingFn,
@@ -85,19 +82,26 @@ class DifferentiableOps:
     def log_softmax(self, x, dim=-1, dtype=torch.float32):
         return self.base.log_softmax(x, dim=dim, dtype=dtype)
 
+    def logits(self, hidden, weight):
+        return self.linear(hidden, weight).float()  # what base.logits computes, through LinearFn
+
+    def rope(self, positions, q, k, inv_freq):
+        if not _needs_grad(q, k):
+            return self.base.rope(positions, q, k, inv_freq)
+        return RotaryFn.apply(q, k, positions, _Rope(inv_freq, self.base))
+
     def softmax(self, x, dim=-1, dtype=torch.float32):
         return self.base.softmax(x, dim=dim, dtype=dtype)
 
 
-class _DifferentiableRotary(torch.nn.Module):
-    def __init__(self, rotary):
-        super().__init__()
-        self.inner = rotary
+class _Rope:
+    """The backend's rotation as RotaryFn takes it: `rope(positions, q, k)` with its `inv_freq`."""
 
-    def forward(self, positions, q, k):
-        if not _needs_grad(q, k):
-            return self.inner(positions, q, k)
-        return RotaryFn.apply(q, k, positions, self.inner)
+    def __init__(self, inv_freq, base):
+        self.inv_freq, self.base = inv_freq, base
+
+    def __call__(self, positions, q, k):
+        return self.base.rope(positions, q, k, self.inv_freq)
 
 
 class _EmbeddingRoute(TorchFunctionMode):
@@ -116,17 +120,10 @@ class _EmbeddingRoute(TorchFunctionMode):
 
 
 def attention_functions(model, runner=None):
-    """(attend, write): the engine runner's deterministic attention and KV write when a runner is given,
-    else the same choice the runner makes (Triton kernels on CUDA, or on CPU in fp32 under Triton's
-    interpreter, for head dims the kernels take; otherwise the pure-torch references)."""
-    if runner is not None:
-        backend = runner.backend
-    else:
-        dev, dtype = model.embed_tokens.device, model.embed_tokens.dtype
-        kernel_ok = ((dev.type == "cuda" or (interpreting() and dtype == torch.float32))
-                     and model.config.head_dim in SUPPORTED_HEAD_DIMS and dtype in KERNEL_DTYPES)
-        backend = "kernel" if kernel_ok else "ref"
-    return (paged_attention, write_kv) if backend == "kernel" else (paged_attention_ref, write_kv_ref)
+    """(attend, write): the deterministic paged attention and KV write of the engine runner's Ops when a
+    runner is given, else of the model's Ops (the backend's one rule picks kernel or reference)."""
+    ops = (runner.ops if runner is not None else model.ops).replace(mode="deterministic")
+    return ops.paged_attention, ops.write_kv
 
 
 class PackedPagedAttention:
@@ -194,21 +191,18 @@ class TrainingForward:
     @contextlib.contextmanager
     def _swapped(self):
         model = self.model
-        saved = [(m, m.ops) for m in model.modules() if "ops" in vars(m)]
-        rotary = model.rotary
+        saved = model.ops
         try:
-            for m, _ in saved:
-                m.ops = self.ops
+            # The model passes its one `ops` down to every submodule in forward: swapping it is enough.
+            # (Set directly, not through set_ops: DifferentiableOps wraps an Ops rather than being one.)
+            model.ops = self.ops
             if isinstance(self.ops, DifferentiableOps):
-                model.rotary = _DifferentiableRotary(rotary)
                 with _EmbeddingRoute(model.embed_tokens):
                     yield
             else:
                 yield
         finally:
-            for m, ops in saved:
-                m.ops = ops
-            model.rotary = rotary
+            model.ops = saved
 
     def run(self, input_ids, positions, attn):
         """-> (hidden [T, H], compute_logits) with the swapped ops active for both."""

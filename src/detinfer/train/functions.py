@@ -1,6 +1,6 @@
 """torch.autograd.Functions for every op of the model's training forward in deterministic mode.
 
-Each Function's forward calls the engine's own op (passed in as `fwd`, e.g. `Ops("deterministic").linear`),
+Each Function's forward calls the engine's own op (passed in as `fwd`, e.g. the model's `ops.linear`),
 so the forward bits are exactly the engine's; its backward is a fixed-order kernel from
 `detinfer.kernels.*_backward` (no atomics, no reduction whose order depends on the batch composition).
 Weight gradients come back in fp32; autograd casts them to the parameter's dtype unless the parameter

@@ -31,7 +31,6 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from detinfer.ops import Ops
 from detinfer.train.adapter import (
     DifferentiableOps,
     PackedPagedAttention,
@@ -92,13 +91,13 @@ class TrainableModel:
         cfg = self.model.config
         self.scale = cfg.softmax_scale
         if mode == "deterministic":
-            base = self.model.ops if self.model.ops.mode == "deterministic" else Ops("deterministic")
+            base = self.model.ops.replace(mode="deterministic")  # the same device/dtype rule as the engine
             runner = self.runner if (self.runner is not None and self.runner.config.mode == "deterministic") \
                 else None
             self.attend, self.write = attention_functions(self.model, runner)
             self.ops = DifferentiableOps(base)
         else:
-            self.ops = Ops("fast")
+            self.ops = self.model.ops.replace(mode="fast")
         self.forward_runner = TrainingForward(self.model, self.ops)
         # One TrainableModel at a time routes the model's gradients: a new one releases the previous one's
         # master-weight hooks (two sets would race for each .grad).

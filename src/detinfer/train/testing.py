@@ -34,7 +34,7 @@ def random_model(shape: str, *, layers: int | None = None, mode: str = "determin
     config = ModelConfig.from_dict(cfg)
     device = torch.device(device)
     with torch.device("meta"):
-        model = Transformer(config, Ops(mode))
+        model = Transformer(config, Ops(mode, device, dtype, head_dim=config.head_dim))
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in sorted(model.named_parameters()):
         t = torch.empty(tuple(p.shape), device=device, dtype=torch.float32)
