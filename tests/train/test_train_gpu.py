@@ -24,8 +24,10 @@ pytestmark = pytest.mark.gpu
 
 def _engine(shape: str, layers: int | None):
     real = os.environ.get("DETINFER_SMOLLM2_DIR")
+    # A fixed KV pool (16 sequences x 64 blocks of 16 tokens): sized from free memory it would depend on what
+    # other test processes hold on the same GPU (pytest -n) and could come out empty.
     config = EngineConfig(mode="deterministic", max_num_batched_tokens=256, max_num_seqs=16, max_model_len=1024,
-                          gpu_memory_utilization=0.5)
+                          num_kv_blocks=16 * 64)
     if shape == "smollm2-135m" and real:
         return LLMEngine(real, config.replace(dtype="bfloat16"), device="cuda")
     model, cfg = random_model(shape, layers=layers, device="cuda", dtype=torch.bfloat16, seed=1)
