@@ -50,7 +50,7 @@ def random_model(cfg: ModelConfig, device: torch.device, seed: int) -> Transform
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("meta"):
-            model = Transformer(cfg, Ops("fast"))
+            model = Transformer(cfg, Ops("fast", device, torch.bfloat16, head_dim=cfg.head_dim))
     finally:
         torch.set_default_dtype(default)
     model.to_empty(device=device)
@@ -66,14 +66,9 @@ def random_model(cfg: ModelConfig, device: torch.device, seed: int) -> Transform
 
 
 def model_in_mode(fast_model: Transformer, cfg: ModelConfig, mode: str) -> Transformer:
-    """The same weight tensors (no copy) behind another Ops mode."""
-    if mode == "fast":
-        return fast_model
-    with torch.device("meta"):
-        model = Transformer(cfg, Ops(mode))
-    model.load_state_dict(fast_model.state_dict(), strict=True, assign=True)
-    model.rotary.reset_parameters(fast_model.embed_tokens.device)
-    return model.eval()
+    """The same model (same weight tensors, no copy) switched to another Ops mode."""
+    fast_model.set_ops(fast_model.ops.replace(mode=mode))
+    return fast_model
 
 
 def matmul_weight_bytes(model: Transformer) -> int:

@@ -10,7 +10,6 @@ from detinfer.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from detinfer.engine.generate_cli import main as generate_main
 from detinfer.models import load_model
 from detinfer.models.testing import write_tiny_checkpoint
-from detinfer.ops import Ops
 
 STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260k"
 CONFIG = EngineConfig(max_num_batched_tokens=32, max_num_seqs=4, block_size=4, num_kv_blocks=48)
@@ -140,7 +139,7 @@ def test_n_samples_and_seeds_replay(model_dir):
 
 
 def test_from_model_without_tokenizer(model_dir):
-    model, cfg = load_model(model_dir, torch.float32, "cpu", Ops("deterministic"))
+    model, cfg = load_model(model_dir, torch.float32, "cpu", "deterministic")
     engine = LLMEngine.from_model(model, cfg, CONFIG)
     with pytest.raises(ValueError, match="text prompts need a tokenizer"):
         engine.add_request("t", "hello", GREEDY)

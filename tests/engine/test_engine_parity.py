@@ -12,7 +12,6 @@ import torch
 from detinfer.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from detinfer.models import ReferenceAttention, load_model
 from detinfer.models.testing import write_tiny_checkpoint
-from detinfer.ops import Ops
 
 STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260k"
 PROMPT = [5, 77, 140, 9, 260, 31, 18, 200, 45, 99, 13, 250, 7, 64, 121, 33, 280, 17, 42]
@@ -31,7 +30,7 @@ def checkpoints(tmp_path_factory):
 
 def reference_greedy(model_dir, mode, prompt, n):
     """Prefill the whole prompt, then decode one token at a time, attention by ReferenceAttention."""
-    model, cfg = load_model(model_dir, torch.float32, "cpu", Ops(mode))
+    model, cfg = load_model(model_dir, torch.float32, "cpu", mode)
     attn = ReferenceAttention(cfg.num_hidden_layers, cfg.softmax_scale)
     tokens, logprobs, feed = [], [], list(prompt)
     with torch.inference_mode():

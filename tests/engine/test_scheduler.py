@@ -58,8 +58,10 @@ class FakeRunner:
 def make(num_blocks=64, block_size=4, budget=16, max_seqs=8, max_model_len=64, stop_checker=None, **kw):
     cfg = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, block_size=block_size,
                        num_kv_blocks=num_blocks, max_model_len=max_model_len, **kw)
-    sched = Scheduler(cfg, eos_token_ids=[EOS], stop_checker=stop_checker)
-    return sched, FakeRunner(sched)
+    sched = Scheduler(cfg, eos_token_ids=[EOS])
+    runner = FakeRunner(sched)
+    runner.stop_checker = stop_checker  # (seq, token) -> stop string found with this token, as the engine's
+    return sched, runner
 
 
 def step(sched, runner, tokens=None, rng=None):
@@ -68,7 +70,10 @@ def step(sched, runner, tokens=None, rng=None):
     runner.run(batch)
     it = iter(tokens or ())
     out = [(next(it, 7) if rng is None else rng.randrange(5)) if s.sample else None for s in batch.scheduled]
-    finished = sched.postprocess(batch, out)
+    check = runner.stop_checker
+    stops = [check(s.seq, t) if check is not None and t is not None and not sched.stops_on_token(s.seq, t)
+             else None for s, t in zip(batch.scheduled, out)]
+    finished = sched.postprocess(batch, out, stops)
     sched.check_invariants()
     return batch, finished
 
@@ -186,9 +191,9 @@ def test_stop_conditions(params, tokens, reason, stop_reason, n_out):
 def test_stop_checker_and_max_model_len():
     calls = []
 
-    def checker(seq):
-        calls.append(seq.output_token_ids)
-        return "END" if seq.output_token_ids[-1] == 6 else None
+    def checker(seq, token):  # the engine detokenizes the new token before the scheduler records it
+        calls.append(seq.output_token_ids + [token])
+        return "END" if token == 6 else None
 
     sched, runner = make(stop_checker=checker)
     (seq,) = sched.add_request("a", [1, 2], SamplingParams(max_tokens=None))
@@ -377,3 +382,18 @@ class SchedulerMachine(RuleBasedStateMachine):
 SchedulerMachine.TestCase.settings = settings(max_examples=4 * settings.default.max_examples,
                                               stateful_step_count=40)
 test_random_scheduler_mixes = SchedulerMachine.TestCase
+
+
+def test_prompt_ids_are_checked_once_here():
+    from detinfer.engine.scheduler import check_prompt_ids
+
+    assert check_prompt_ids("r", (3, 4)) == [3, 4]
+    with pytest.raises(ValueError, match=r"prompt token 1 is 9, not a token id of this model: prompt_token_ids\[1\]"):
+        check_prompt_ids("r", [1, 9], vocab_size=9)
+    with pytest.raises(TypeError, match="prompt token 0 must be an int"):
+        check_prompt_ids("r", [1.0])
+    with pytest.raises(TypeError, match="prompt must be a str or a list of token ids"):
+        check_prompt_ids("r", 5)
+    cfg = EngineConfig(max_num_batched_tokens=16, max_num_seqs=8, block_size=4, num_kv_blocks=8, max_model_len=32)
+    with pytest.raises(ValueError, match="allowed|must be in 0..9"):
+        Scheduler(cfg, vocab_size=10).add_request("a", [1, 10])

@@ -286,26 +286,26 @@ def test_config_specs_and_table_override(monkeypatch, tmp_path):
         MatmulConfig.from_spec([64, 64])
     with pytest.raises(ValueError, match="need tma=True"):
         MatmulConfig(64, 64, 64, 4, 3, persistent=True)
-    table = dict(mc.GPU_CONFIGS_16BIT)
-    monkeypatch.setattr(mc, "GPU_CONFIGS_16BIT", table)
-    monkeypatch.setattr(mc, "WAVE_EFFICIENCY", dict(mc.WAVE_EFFICIENCY))
+    base_small = mc.GPU_CONFIGS_16BIT["small"]
     path = tmp_path / "t.json"
     path.write_text('{"16bit": {"small": {"max_m": 500, "configs": [[64, 64, 64, 4, 4, "TP"]]}}}')
+    tables = mc.load_tables(str(path))
+    assert tables.configs_16bit["small"] == (500, (MatmulConfig(64, 64, 64, 4, 4, tma=True, persistent=True),))
+    assert select_config(300, 4096, 4096, torch.bfloat16, interpreter=False, tables=tables).block_m == 64
+    assert mc.GPU_CONFIGS_16BIT["small"] == base_small  # the built-in table is not modified
     monkeypatch.setenv(mc.ENV_OVERRIDE, str(path))
-    mc._apply_overrides()
-    assert table["small"] == (500, (MatmulConfig(64, 64, 64, 4, 4, tma=True, persistent=True),))
-    assert select_config(300, 4096, 4096, torch.bfloat16, interpreter=False).block_m == 64
+    assert mc.active_tables() == tables
     path.write_text('{"16bit": {"batch": {"configs": [[128, 128, 64, 8, 4], [64, 64, 64, 4, 4]], '
                     '"eff": [1.0, 0.1]}}}')
-    mc._apply_overrides()
-    assert mc.WAVE_EFFICIENCY[MatmulConfig(64, 64, 64, 4, 4)] == 0.1
-    assert select_config(4096, 4096, 4096, torch.bfloat16, interpreter=False).block_m == 128
+    tables = mc.load_tables(str(path))
+    assert tables.efficiency[MatmulConfig(64, 64, 64, 4, 4)] == 0.1
+    assert select_config(4096, 4096, 4096, torch.bfloat16, interpreter=False, tables=tables).block_m == 128
     path.write_text('{"16bit": {"batch": {"configs": [[128, 128, 64, 8, 4]], "eff": [0.5, 1]}}}')
     with pytest.raises(ValueError, match="one positive number per config"):
-        mc._apply_overrides()
+        mc.load_tables(str(path))
     path.write_text('{"16bit": {"huge": {"configs": [[64, 64, 64, 4, 4]]}}}')
     with pytest.raises(ValueError, match="unknown class"):
-        mc._apply_overrides()
+        mc.load_tables(str(path))
 
 
 def test_dispatch_memo_matches_the_rule_and_can_be_cleared(monkeypatch):

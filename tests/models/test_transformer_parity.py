@@ -7,7 +7,6 @@ from transformers import AutoModelForCausalLM
 
 from detinfer.models import ReferenceAttention, load_model
 from detinfer.models.rope import inverse_frequencies
-from detinfer.ops import Ops
 
 MODES = ("fast", "deterministic")
 RTOL = 1e-4  # relative to the largest |logit|; fp32 with different reduction orders
@@ -43,7 +42,7 @@ def _assert_close(ours, ref):
 @pytest.mark.parametrize("mode", MODES)
 def test_logits_match_hf(tiny_checkpoints, tiny_variant, mode):
     path = tiny_checkpoints[tiny_variant]
-    model, config = load_model(path, dtype=torch.float32, ops=Ops(mode))
+    model, config = load_model(path, dtype=torch.float32, mode=mode)
     hf = _hf(path)
     a, b = _ids(19, config.vocab_size, 1), _ids(6, config.vocab_size, 2)
     with torch.no_grad():
@@ -60,7 +59,7 @@ def test_logits_match_hf(tiny_checkpoints, tiny_variant, mode):
                                      "qwen3-linear-rope", "qwen2-mqa-tied"])
 def test_rotary_frequencies_match_hf(tiny_checkpoints, variant):
     path = tiny_checkpoints[variant]
-    model, config = load_model(path, ops=Ops("fast"))
+    model, config = load_model(path, mode="fast")
     hf_inv = _hf(path).model.rotary_emb.inv_freq
     assert torch.equal(model.rotary.inv_freq, hf_inv)
     if config.rope_scaling is not None:  # the scaling must actually have changed something
@@ -72,7 +71,7 @@ def test_rotary_frequencies_match_hf(tiny_checkpoints, variant):
 @pytest.mark.parametrize("variant", ["qwen3-headdim32", "llama-odd-sizes"])
 def test_deterministic_packing_is_bitwise_invariant(tiny_checkpoints, variant):
     """A sequence's logits are the same bits whether it runs alone or packed with other sequences."""
-    model, config = load_model(tiny_checkpoints[variant], ops=Ops("deterministic"))
+    model, config = load_model(tiny_checkpoints[variant], mode="deterministic")
     seqs = {s: _ids(n, config.vocab_size, 10 + i) for i, (s, n) in enumerate([("x", 11), ("y", 5), ("z", 8)])}
     prompt = [(s, t[:-2]) for s, t in seqs.items()]
     decode1 = [(s, t[-2:-1]) for s, t in seqs.items()]
@@ -84,7 +83,7 @@ def test_deterministic_packing_is_bitwise_invariant(tiny_checkpoints, variant):
 
 
 def test_forward_shapes_and_dtypes(tiny_checkpoints):
-    model, config = load_model(tiny_checkpoints["llama-gqa"], dtype="bfloat16", ops=Ops("fast"))
+    model, config = load_model(tiny_checkpoints["llama-gqa"], dtype="bfloat16", mode="fast")
     attn = ReferenceAttention(config.num_hidden_layers, config.softmax_scale)
     ids = _ids(4, config.vocab_size, 0)
     with torch.no_grad():

@@ -7,8 +7,9 @@ sequence owns a list of physical blocks (its block table); its key i lives in sl
 table[i // block_size] * block_size + i % block_size. Which physical blocks it owns never changes the
 attention bits: the kernel reads key i from wherever the table says, in key order.
 
-Which blocks a sequence gets is the scheduler's business (engine.block_manager); this module turns its
-decisions into tensors and checks them.
+Which blocks a sequence gets is the scheduler's business (engine.block_manager); the step's layout
+(slots, positions, logits rows) is derived once, in `cache.layout`; this module allocates the pools and
+turns a layout into tensors (`step_tensors`, which the engine runs every eager step through).
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "KVCacheSpec", "StepMetadata", "allocate_kv_cache", "build_block_tables",
-           "build_slot_mapping", "build_step_metadata", "check_step_metadata", "gather_kv",
-           "num_blocks_for_bytes"]
+from detinfer.cache.layout import StepLayout, padded_tables
+from detinfer.kernels._launch import check_step_metadata  # noqa: F401  (re-exported)
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "KVCacheSpec", "StepLayout", "StepMetadata", "allocate_kv_cache",
+           "build_block_tables", "build_slot_mapping", "build_step_metadata", "check_step_metadata", "gather_kv",
+           "num_blocks_for_bytes", "step_tensors"]
 
 # Tokens per block. 16 keeps the tail waste per sequence small. The attention kernel looks up the block
 # of every key (block ids one tile ahead), so any block size works and gives the same bits; the
@@ -89,11 +93,8 @@ def build_block_tables(block_lists: Sequence[Sequence[int]], *, max_blocks: int 
         max_blocks = max(width, 1)
     if width > max_blocks:
         raise ValueError(f"build_block_tables: a sequence has {width} blocks but max_blocks is {max_blocks}")
-    table = torch.zeros((len(block_lists), max_blocks), dtype=torch.int32)
-    for s, blocks in enumerate(block_lists):
-        if blocks:
-            table[s, : len(blocks)] = torch.as_tensor(list(blocks), dtype=torch.int32)
-    return table.to(device)
+    rows = padded_tables(block_lists, max_blocks)
+    return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(rows), max_blocks)
 
 
 def build_slot_mapping(block_lists: Sequence[Sequence[int]], starts: Sequence[int], counts: Sequence[int],
@@ -101,13 +102,7 @@ def build_slot_mapping(block_lists: Sequence[Sequence[int]], starts: Sequence[in
                        device: torch.device | str = "cpu") -> torch.Tensor:
     """Slots of the new tokens: sequence s writes positions starts[s] .. starts[s] + counts[s] - 1, in
     packed order. Rows past the real tokens (pad_to) get -1 (write_kv skips them)."""
-    slots: list[int] = []
-    for blocks, start, count in zip(block_lists, starts, counts, strict=True):
-        end = start + count
-        if start < 0 or count < 0 or -(-end // block_size) > len(blocks):
-            raise ValueError(f"build_slot_mapping: positions {start}..{end - 1} need "
-                             f"{-(-end // block_size)} blocks of {block_size}, sequence has {len(blocks)}")
-        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
+    slots = StepLayout.build(block_lists, starts, counts, block_size).slots
     if pad_to is not None:
         if pad_to < len(slots):
             raise ValueError(f"build_slot_mapping: pad_to {pad_to} < {len(slots)} real tokens")
@@ -117,13 +112,30 @@ def build_slot_mapping(block_lists: Sequence[Sequence[int]], starts: Sequence[in
 
 @dataclass(frozen=True)
 class StepMetadata:
-    """Everything one step's write_kv + paged_attention calls take (the same for every layer)."""
+    """Everything one step's write_kv + paged_attention calls take (the same for every layer), and the
+    packed token ids and positions the model runs on."""
     cu_q_lens: torch.Tensor  # [S+1] int32
-    kv_lens: torch.Tensor  # [S] int32
+    kv_lens: torch.Tensor  # [S] int32, keys per sequence including this step's
     block_tables: torch.Tensor  # [S, max_blocks] int32
-    slot_mapping: torch.Tensor  # [T] int64
-    max_q_len: int
+    slot_mapping: torch.Tensor  # [T] int64; -1: padding row, nothing written
+    max_q_len: int  # host-side bounds: no device->host sync needed to size the grid
     max_kv_len: int
+    input_ids: torch.Tensor | None = None  # [T] int64
+    positions: torch.Tensor | None = None  # [T] int64
+
+
+def step_tensors(layout: StepLayout, device: torch.device | str = "cpu", *,
+                 max_blocks: int | None = None) -> StepMetadata:
+    """The device tensors of one step's layout (what the engine runs every eager step through)."""
+    i64 = torch.int64
+    return StepMetadata(
+        cu_q_lens=torch.tensor(layout.cu_q_lens, dtype=torch.int32, device=device),
+        kv_lens=torch.tensor(layout.kv_lens, dtype=torch.int32, device=device),
+        block_tables=build_block_tables(layout.block_tables, max_blocks=max_blocks, device=device),
+        slot_mapping=torch.tensor(layout.slots, dtype=i64, device=device),
+        max_q_len=layout.max_q_len, max_kv_len=layout.max_kv_len,
+        input_ids=torch.tensor(layout.token_ids, dtype=i64, device=device),
+        positions=torch.tensor(layout.positions, dtype=i64, device=device))
 
 
 def build_step_metadata(block_lists: Sequence[Sequence[int]], num_cached: Sequence[int],
@@ -136,60 +148,8 @@ def build_step_metadata(block_lists: Sequence[Sequence[int]], num_cached: Sequen
     if any(n < 1 for n in query_lens) or any(c < 0 for c in num_cached):
         raise ValueError(f"build_step_metadata: query_lens must be >= 1 and num_cached >= 0, got "
                          f"{list(query_lens)}, {list(num_cached)}")
-    kv = [c + n for c, n in zip(num_cached, query_lens, strict=True)]
-    cu = [0]
-    for n in query_lens:
-        cu.append(cu[-1] + n)
-    return StepMetadata(
-        cu_q_lens=torch.tensor(cu, dtype=torch.int32, device=device),
-        kv_lens=torch.tensor(kv, dtype=torch.int32, device=device),
-        block_tables=build_block_tables(block_lists, max_blocks=max_blocks, device=device),
-        slot_mapping=build_slot_mapping(block_lists, num_cached, query_lens, block_size, device=device),
-        max_q_len=max(query_lens, default=1), max_kv_len=max(kv, default=1))
-
-
-def check_step_metadata(cu_q_lens: torch.Tensor, kv_lens: torch.Tensor, block_tables: torch.Tensor, *,
-                        block_size: int, num_blocks: int, num_tokens: int, max_kv_len: int | None = None,
-                        op: str = "paged attention") -> None:
-    """Value checks of one step's metadata (one device->host copy). Raises ValueError naming the problem.
-
-    Rows of q past cu_q_lens[-1] are allowed (padding; attention leaves them unwritten). max_kv_len, when
-    given, must bound every kv_len (attention sizes its split grid from it); max_q_len is a speed hint
-    only and needs no check.
-    """
-    cu = cu_q_lens.detach().cpu().to(torch.int64)
-    kv = kv_lens.detach().cpu().to(torch.int64)
-    s = kv.shape[0]
-    if cu.shape != (s + 1,) or block_tables.shape[0] != s:
-        raise ValueError(f"{op}: need cu_q_lens [S+1], kv_lens [S], block_tables [S, .] with one S; got "
-                         f"{tuple(cu_q_lens.shape)}, {tuple(kv_lens.shape)}, {tuple(block_tables.shape)}")
-    if s == 0:
-        return
-    q_lens = cu[1:] - cu[:-1]
-    if int(cu[0]) != 0 or bool((q_lens < 0).any()):
-        raise ValueError(f"{op}: cu_q_lens must start at 0 and never decrease, got {cu.tolist()}")
-    if int(cu[-1]) > num_tokens:
-        raise ValueError(f"{op}: cu_q_lens[-1] = {int(cu[-1])} exceeds the {num_tokens} query rows of q")
-    bad = torch.nonzero(q_lens > kv).flatten()
-    if bad.numel():
-        i = int(bad[0])
-        raise ValueError(f"{op}: sequence {i} has q_len {int(q_lens[i])} > kv_len {int(kv[i])} (kv_lens "
-                         "count every key including this step's new ones)")
-    if max_kv_len is not None and int(kv.max()) > max_kv_len:
-        raise ValueError(f"{op}: max_kv_len {max_kv_len} < longest kv_len {int(kv.max())}")
-    need = (kv + block_size - 1) // block_size
-    short = torch.nonzero(need > block_tables.shape[1]).flatten()
-    if short.numel():
-        i = int(short[0])
-        raise ValueError(f"{op}: block table too short: sequence {i} has kv_len {int(kv[i])}, needing "
-                         f"{int(need[i])} blocks of {block_size}; the table has {block_tables.shape[1]} "
-                         "columns")
-    tables = block_tables.detach().cpu().to(torch.int64)
-    used = torch.arange(tables.shape[1])[None, :] < need[:, None]
-    ids = tables[used]
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
-        raise ValueError(f"{op}: block tables reference block ids outside [0, {num_blocks}) "
-                         f"(min {int(ids.min())}, max {int(ids.max())})")
+    layout = StepLayout.build(block_lists, num_cached, query_lens, block_size)
+    return step_tensors(layout, device, max_blocks=max_blocks)
 
 
 def gather_kv(cache: torch.Tensor, block_table_row: torch.Tensor | Sequence[int],

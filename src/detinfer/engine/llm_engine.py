@@ -3,9 +3,10 @@
 One `step()`: the scheduler picks a batch (decodes, then prefill chunks) -> the model runner computes
 the logits the batch needs -> the sampler draws a token for every sequence whose chunk reached its end
 (a pure function of the logits row, the request's seed, the output position and the sample index) ->
-logprobs if asked -> the scheduler records the step (stop conditions; the engine's stop checker feeds
-each sequence's incremental detokenizer and reports stop strings) -> a `RequestOutput` for every request
-that progressed.
+logprobs if asked -> each sampled token goes to its sequence's incremental detokenizer, which reports
+stop strings -> the scheduler records the step and decides every finish -> a `RequestOutput` for every
+request that progressed. The logits rows of each sequence come from the batch's one layout
+(`ScheduledBatch.layout`), which the model runner computed the logits by.
 
 In deterministic mode every kernel is batch-invariant, so what a request gets (token ids, logprobs,
 text) does not depend on which other requests share its steps, how its prompt was chunked, whether its
@@ -17,27 +18,24 @@ size: `EngineConfig.num_kv_blocks` if given, else see `ModelRunner._pick_num_blo
 
 from __future__ import annotations
 
-import operator
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from detinfer.dtypes import resolve_dtype
 from detinfer.engine.config import EngineConfig
 from detinfer.engine.model_runner import ModelRunner
 from detinfer.engine.outputs import CompletionOutput, EngineStats, RequestOutput, TokenLogprob
 from detinfer.engine.sampler import compute_logprobs, sample
 from detinfer.engine.sampling_params import SamplingParams
 from detinfer.engine.scheduler import ScheduledBatch, Scheduler
-from detinfer.engine.sequence import Sequence
+from detinfer.engine.sequence import Sequence, SequenceStatus
 from detinfer.models.config import ModelConfig
 from detinfer.models.hub import resolve_model_path
 from detinfer.models.loader import load_model, load_tokenizer
 from detinfer.models.transformer import Transformer
-from detinfer.ops import Ops
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:
@@ -49,15 +47,6 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device cuda was asked for but CUDA is not available")
     return device
-
-
-def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
-    """EngineConfig.dtype -> torch dtype (see the module docstring for "auto")."""
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type != "cuda":
-        return torch.float32
-    return model_config.dtype or torch.bfloat16
 
 
 @dataclass
@@ -81,21 +70,24 @@ class LLMEngine:
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         device = resolve_device(device)
         model_dir = resolve_model_path(model_dir)  # a directory, or a hub id -> its cached snapshot
-        dtype = resolve_dtype(config.dtype, ModelConfig.from_dir(model_dir), device)
-        model, model_config = load_model(model_dir, dtype, device, Ops(config.mode))
-        self._setup(model, model_config, config, load_tokenizer(model_dir), attention_backend)
+        dtype = resolve_dtype(config.dtype, ModelConfig.from_dir(model_dir).dtype, device)
+        model, model_config = load_model(model_dir, dtype, device, config.mode, attention=attention_backend)
+        self._setup(model, model_config, config, load_tokenizer(model_dir))
 
     @classmethod
     def from_model(cls, model: Transformer, model_config: ModelConfig, config: EngineConfig | None = None,
                    tokenizer=None, *, attention_backend: str = "auto") -> LLMEngine:
         """An engine over an already built model (benchmarks, tests). Without a tokenizer, prompts must be
-        token ids, outputs have empty text, and stop strings are refused."""
+        token ids, outputs have empty text, and stop strings are refused. The model keeps its numerics
+        backend (`model.ops`, whose mode must be the config's); attention_backend other than "auto"
+        switches its attention choice (`model.set_ops`)."""
+        if attention_backend != "auto":
+            model.set_ops(model.ops.replace(attention=attention_backend))
         engine = cls.__new__(cls)
-        engine._setup(model, model_config, EngineConfig() if config is None else config, tokenizer,
-                      attention_backend)
+        engine._setup(model, model_config, EngineConfig() if config is None else config, tokenizer)
         return engine
 
-    def _setup(self, model, model_config, config, tokenizer, attention_backend) -> None:
+    def _setup(self, model, model_config, config, tokenizer) -> None:
         limit = model_config.max_position_embeddings
         max_len = limit if config.max_model_len is None else config.max_model_len
         if max_len > limit:
@@ -106,16 +98,15 @@ class LLMEngine:
             raise ValueError(f"with max_model_len resolved to {max_len} (the model's context length): {e}; "
                              "set max_model_len explicitly") from None
         self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
-        self.ops = Ops(config.mode)
-        self.runner = ModelRunner(model, model_config, config, config.num_kv_blocks,
-                                  attention_backend=attention_backend)
+        self.runner = ModelRunner(model, model_config, config, config.num_kv_blocks)
+        self.ops = self.runner.ops  # the model's numerics backend (logprobs use its log_softmax)
         eos = model_config.eos_token_ids
         if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
             eos = (tokenizer.eos_token_id,)
         self.scheduler = Scheduler(config, num_kv_blocks=self.runner.num_kv_blocks, eos_token_ids=eos,
-                                   stop_checker=self._check_stop)
+                                   vocab_size=model_config.vocab_size)
         self._requests: dict[str, _Request] = {}
-        self._seq_detok: dict[int, object] = {}  # seq_id -> its detokenizer (the stop checker's lookup)
+        self._seq_detok: dict[int, object] = {}  # seq_id -> its detokenizer (stop strings' lookup)
         self._aborted: list[str] = []  # aborted requests whose final output is still owed
         self._counters = dict(num_steps=0, prompt_tokens=0, generation_tokens=0, num_preemptions=0,
                               num_finished_requests=0, last_step_tokens=0)
@@ -149,7 +140,8 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need a tokenizer; this engine has none "
                              "(use stop_token_ids)")
-        seqs = self.scheduler.add_request(request_id, ids, params)  # length / pool-size checks
+        seqs = self.scheduler.add_request(request_id, ids, params)  # the prompt's checks, seeds
+        ids = seqs[0].prompt_token_ids
         detoks = [None if self.tokenizer is None else
                   self.tokenizer.incremental_detokenizer(ids, stop=params.stop) for _ in seqs]
         self._requests[request_id] = _Request(request_id, prompt_text, tuple(ids), params, seqs, detoks,
@@ -157,32 +149,15 @@ class LLMEngine:
         for seq, detok in zip(seqs, detoks):
             self._seq_detok[seq.seq_id] = detok
 
-    def _prompt_ids(self, request_id: str, prompt) -> tuple[str | None, list[int]]:
+    def _prompt_ids(self, request_id: str, prompt) -> tuple[str | None, list[int] | object]:
+        """(text, token ids) of a text prompt; token-id prompts pass through (the scheduler checks them)."""
         if isinstance(prompt, str):
-            if not prompt:
+            if not prompt:  # checked as text: the tokenizer may turn "" into a BOS token
                 raise ValueError(f"request {request_id!r}: the prompt is empty")
             if self.tokenizer is None:
                 raise ValueError(f"request {request_id!r}: text prompts need a tokenizer; pass token ids")
             return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__iter__"):
-            raise TypeError(f"request {request_id!r}: prompt must be a str or a list of token ids, "
-                            f"got {type(prompt).__name__}")
-        ids = []
-        vocab = self.model_config.vocab_size
-        for i, t in enumerate(prompt):
-            try:
-                if isinstance(t, bool):
-                    raise TypeError
-                t = operator.index(t)
-            except TypeError:
-                raise TypeError(f"request {request_id!r}: prompt token {i} must be an int, got {t!r}") from None
-            if not 0 <= t < vocab:
-                raise ValueError(f"request {request_id!r}: prompt token {i} is {t}, not a token id of this "
-                                 f"model (allowed: 0..{vocab - 1})")
-            ids.append(t)
-        if not ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty; at least one token is needed")
-        return None, ids
+        return None, prompt
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now, freeing its KV blocks; its final output (finish_reason "abort") comes with
@@ -223,7 +198,7 @@ class LLMEngine:
                 for rid in dict.fromkeys(item.seq.request_id for item in batch.scheduled):
                     self.abort_request(rid)
                 raise
-            finished = self.scheduler.postprocess(batch, tokens)
+            finished = self.scheduler.postprocess(batch, tokens, self._stop_strings(batch, tokens))
             for seq in finished:
                 detok = self._seq_detok.get(seq.seq_id)
                 if detok is not None:
@@ -244,8 +219,7 @@ class LLMEngine:
         tokens: list[int | None] = [None] * len(batch)
         sample_idx, sample_rows = [], []
         lp_rows, lp_targets, lp_dest = [], [], []  # rows, target token ids, (seq, k, is_prompt)
-        row = 0
-        for i, item in enumerate(batch.scheduled):
+        for i, (item, row) in enumerate(zip(batch.scheduled, batch.layout.logits_offsets, strict=True)):
             seq = item.seq
             if seq.wants_prompt_logprobs:
                 expected = len(seq.prompt_logprobs)  # logits position of the next undelivered prompt token
@@ -258,7 +232,6 @@ class LLMEngine:
             if item.sample:
                 sample_idx.append(i)
                 sample_rows.append(row + item.num_logits - 1)
-            row += item.num_logits
         if sample_rows:
             rows = logits if sample_rows == list(range(logits.shape[0])) else logits[sample_rows]
             seqs = [batch.scheduled[i].seq for i in sample_idx]
@@ -290,14 +263,19 @@ class LLMEngine:
                 seq.output_logprobs.append(entry)
                 self._requests[seq.request_id].cumulative_logprobs[seq.sample_index] += chosen[j]
 
-    def _check_stop(self, seq: Sequence) -> str | None:
-        """The scheduler's stop checker: feed the new token to the sequence's detokenizer; a stop string
-        in the text ends the sequence (the text is cut before it)."""
-        detok = self._seq_detok.get(seq.seq_id)
-        if detok is None:
-            return None
-        detok.add(seq.last_token_id)
-        return detok.stopped
+    def _stop_strings(self, batch: ScheduledBatch, tokens: list[int | None]) -> list[str | None]:
+        """Feed each sampled token to its sequence's detokenizer and report the stop string it completes.
+        A token that ends its sequence by itself (stop token, EOS) is not fed: its text is never shown."""
+        found: list[str | None] = [None] * len(tokens)
+        for i, (item, token) in enumerate(zip(batch.scheduled, tokens, strict=True)):
+            seq = item.seq
+            detok = self._seq_detok.get(seq.seq_id)
+            if (token is None or detok is None or seq.status is not SequenceStatus.RUNNING
+                    or self.scheduler.stops_on_token(seq, token)):
+                continue
+            detok.add(token)
+            found[i] = detok.stopped
+        return found
 
     def _output(self, req: _Request) -> RequestOutput:
         params = req.params

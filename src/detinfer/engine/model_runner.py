@@ -1,15 +1,13 @@
 """Model runner: one scheduler step -> tensors -> the model over the paged KV cache -> logits.
 
-For a `ScheduledBatch` it packs every scheduled chunk's tokens into one [T] vector (positions, KV slots),
-builds the attention metadata (block tables [S, W], kv_lens [S], cu_q_lens [S+1]), runs the model with an
-`attn` callable that writes each layer's new K/V into the pool (`write_kv`) BEFORE attending, and returns
-the fp32 logits of the positions the scheduler asked logits for (`num_logits` trailing positions of each
-chunk), in batch order.
+For a `ScheduledBatch` it turns the batch's one layout (`batch.layout`: packed tokens, positions, KV
+slots, block tables, logits rows; see `cache.layout`) into tensors (`cache.paged_kv.step_tensors`), runs
+the model with an `attn` callable that writes each layer's new K/V into the pool BEFORE attending, and
+returns the fp32 logits of the layout's logits rows, in batch order.
 
-Attention backend: the Triton kernels (`paged_attention` in deterministic mode, `paged_attention_fast` in
-fast mode) on CUDA, and on CPU when Triton's interpreter is on (tests); otherwise, or for a head_dim the
-kernels do not take (e.g. stories260k's 8), the pure-torch `paged_attention_ref` + `write_kv_ref`, which
-are batch-invariant by construction and so keep deterministic mode's guarantee.
+Every numeric op, attention and the KV write included, is the model's numerics backend (`model.ops`, see
+`detinfer.ops.backend`, which also says when attention runs the Triton kernels and when the pure-torch
+`paged_attention_ref` + `write_kv_ref`); the runner only checks that it matches the engine's mode.
 
 CUDA graphs (CUDA, kernel backend, unless enforce_eager): steps whose chunks are all one token long
 (decodes) replay a graph captured for the smallest capture size >= the batch (1, 2, 4, 8, then multiples
@@ -24,25 +22,22 @@ may move with the graph size: that is what fast mode trades for speed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from detinfer.cache.paged_kv import KVCacheSpec, allocate_kv_cache, num_blocks_for_bytes
+from detinfer.cache.layout import StepLayout
+from detinfer.cache.paged_kv import (
+    KVCacheSpec,
+    StepMetadata,
+    allocate_kv_cache,
+    num_blocks_for_bytes,
+    step_tensors,
+)
 from detinfer.engine.config import EngineConfig
 from detinfer.engine.scheduler import ScheduledBatch
-from detinfer.kernels._launch import KERNEL_DTYPES, interpreting
-from detinfer.kernels.attention import (
-    SUPPORTED_HEAD_DIMS,
-    paged_attention,
-    paged_attention_fast,
-    paged_attention_ref,
-)
-from detinfer.kernels.kv_write import write_kv, write_kv_ref
 from detinfer.models.config import ModelConfig
 from detinfer.models.transformer import Transformer
+from detinfer.ops import Ops
 
-ATTENTION_BACKENDS = ("auto", "kernel", "ref")
 # KV pool on CPU when num_kv_blocks is not given: CPU runs are tests and small models, so a fixed budget
 # (capped at what max_num_seqs full-length sequences can use) rather than a fraction of host memory.
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -58,43 +53,13 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted(sizes)
 
 
-@dataclass(frozen=True)
-class StepInputs:
-    """Device tensors of one step (the same for every layer)."""
-
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    slot_mapping: torch.Tensor  # [T] int64; -1: padding row, nothing written
-    block_tables: torch.Tensor  # [S, W] int32
-    kv_lens: torch.Tensor  # [S] int32, keys per sequence including this step's
-    cu_q_lens: torch.Tensor  # [S + 1] int32
-    max_q_len: int  # host-side bounds: no device->host sync needed to size the grid
-    max_kv_len: int
-
-
-@dataclass(frozen=True)
-class HostStep:
-    """A step's metadata as Python lists, built from a ScheduledBatch (see `ModelRunner.host_step`)."""
-
-    token_ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    query_lens: list[int]
-    kv_lens: list[int]
-    block_tables: list[tuple[int, ...]]
-    logit_rows: list[int]  # rows of the packed tokens whose logits are returned, in order
-
-    @property
-    def all_single_token(self) -> bool:
-        return all(n == 1 for n in self.query_lens)
-
-
 class PagedAttention:
     """The model's `attn(layer_idx, q, k, v)` for one step: write this step's K/V into the layer's pools,
-    then attend over the pools. `out` (graphs) is a fixed buffer the kernel writes the real rows of."""
+    then attend over the pools (both through the numerics backend). `out` (graphs) is a fixed buffer the
+    kernel writes the real rows of."""
 
-    def __init__(self, kv_cache, meta: StepInputs, attend, write, scale: float, out: torch.Tensor | None):
-        self.kv_cache, self.meta, self.attend, self.write = kv_cache, meta, attend, write
+    def __init__(self, kv_cache, meta: StepMetadata, ops: Ops, scale: float, out: torch.Tensor | None):
+        self.kv_cache, self.meta, self.ops = kv_cache, meta, ops
         self.scale, self.out = scale, out
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -102,40 +67,32 @@ class PagedAttention:
         k_cache, v_cache = self.kv_cache[layer_idx]
         # validate=False: the metadata comes from the scheduler's checked state, and value checks would
         # cost a device->host sync per layer (and are impossible under graph capture).
-        self.write(k, v, k_cache, v_cache, m.slot_mapping, validate=False)
-        kwargs = {} if self.out is None else {"out": self.out}
-        return self.attend(q, k_cache, v_cache, m.block_tables, m.kv_lens, m.cu_q_lens, self.scale,
-                           max_q_len=m.max_q_len, max_kv_len=m.max_kv_len, validate=False, **kwargs)
+        self.ops.write_kv(k, v, k_cache, v_cache, m.slot_mapping, validate=False)
+        return self.ops.paged_attention(q, k_cache, v_cache, m.block_tables, m.kv_lens, m.cu_q_lens, self.scale,
+                                        max_q_len=m.max_q_len, max_kv_len=m.max_kv_len, validate=False,
+                                        out=self.out)
 
 
 class ModelRunner:
     """Owns the KV pools (and CUDA graphs) of one model; `execute(batch)` runs one step."""
 
     def __init__(self, model: Transformer, model_config: ModelConfig, config: EngineConfig,
-                 num_kv_blocks: int | None = None, *, attention_backend: str = "auto"):
+                 num_kv_blocks: int | None = None):
         if config.max_model_len is None:
             raise ValueError("ModelRunner needs config.max_model_len resolved, got None")
-        if model.ops.mode != config.mode:
-            raise ValueError(f"the model was built with Ops({model.ops.mode!r}) but the engine mode is "
-                             f"{config.mode!r}")
-        if attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
-        self.model, self.model_config, self.config = model, model_config, config
+        ops = model.ops
+        if ops.mode != config.mode:
+            raise ValueError(f"the model was built with Ops({ops.mode!r}) but the engine mode is "
+                             f"{config.mode!r}; switch it with model.set_ops(model.ops.replace(mode=...))")
+        self.model, self.model_config, self.config, self.ops = model, model_config, config, ops
         self.device, self.dtype = model.embed_tokens.device, model.embed_tokens.dtype
+        if (ops.device.type, ops.dtype, ops.head_dim) != (self.device.type, self.dtype, model_config.head_dim):
+            raise ValueError(f"the model's Ops were chosen for {ops.device.type} {ops.dtype} head_dim "
+                             f"{ops.head_dim}, but its weights are {self.device.type} {self.dtype} and its "
+                             f"head_dim {model_config.head_dim}: build them with Ops(mode, device, dtype, "
+                             "head_dim=...)")
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
-        kernel_ok = ((self.device.type == "cuda" or (interpreting() and self.dtype == torch.float32))
-                     and model_config.head_dim in SUPPORTED_HEAD_DIMS and self.dtype in KERNEL_DTYPES)
-        if attention_backend == "kernel" and not kernel_ok:
-            raise ValueError(f"the Triton attention kernels cannot run here (device {self.device}, dtype "
-                             f"{self.dtype}, head_dim {model_config.head_dim}; kernels take head_dim in "
-                             f"{SUPPORTED_HEAD_DIMS} on CUDA, or fp32 on CPU under TRITON_INTERPRET=1)")
-        self.backend = ("kernel" if kernel_ok else "ref") if attention_backend == "auto" else attention_backend
-        if self.backend == "kernel":
-            self._attend = paged_attention if config.mode == "deterministic" else paged_attention_fast
-            self._write = write_kv
-        else:
-            self._attend, self._write = paged_attention_ref, write_kv_ref
         self.num_kv_blocks = self._pick_num_blocks() if num_kv_blocks is None else num_kv_blocks
         if self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
@@ -148,59 +105,32 @@ class ModelRunner:
         if self.use_graphs:
             self._capture_graphs()
 
-    # -- host-side packing ---------------------------------------------------------------------------
-    def host_step(self, batch: ScheduledBatch) -> HostStep:
-        ids, pos, slots, q_lens, kv_lens, tables, rows = [], [], [], [], [], [], []
-        offset = 0
-        for item in batch.scheduled:
-            n = item.query_len
-            if len(item.block_table) * self.block_size < item.context_len:
-                raise RuntimeError(f"sequence {item.seq.seq_id}: {len(item.block_table)} blocks cannot hold "
-                                   f"{item.context_len} tokens")
-            ids.extend(item.token_ids)
-            pos.extend(item.positions)
-            slots.extend(item.slot_mapping())
-            q_lens.append(n)
-            kv_lens.append(item.context_len)
-            tables.append(item.block_table)
-            rows.extend(range(offset + n - item.num_logits, offset + n))
-            offset += n
-        return HostStep(ids, pos, slots, q_lens, kv_lens, tables, rows)
+    @property
+    def backend(self) -> str:
+        """Which attention implementation the model's Ops run: "kernel" (Triton) or "ref"."""
+        return self.ops.attention_impl
 
     # -- execution -----------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Run one step; returns logits [R, V] fp32 for the R requested positions, in batch order. The
-        tensor may be a view of a graph's static buffer: use it before the next `execute`."""
+        """Run one step; returns logits [R, V] fp32 for the R rows of `batch.layout.logit_rows`, in batch
+        order. The tensor may be a view of a graph's static buffer: use it before the next `execute`."""
         if batch.is_empty:
             raise ValueError("execute: the batch is empty")
-        host = self.host_step(batch)
-        if self.use_graphs and host.all_single_token and len(host.query_lens) <= self.graph_sizes[-1]:
-            return self._run_graph(host)
-        return self._run_eager(host)
+        layout = batch.layout
+        if self.use_graphs and layout.all_single_token and len(layout.query_lens) <= self.graph_sizes[-1]:
+            return self._run_graph(layout)
+        return self._run_eager(layout)
 
-    def _run_eager(self, host: HostStep) -> torch.Tensor:
+    def _run_eager(self, layout: StepLayout) -> torch.Tensor:
         dev = self.device
-        width = max(len(t) for t in host.block_tables)
-        cu = [0]
-        for n in host.query_lens:
-            cu.append(cu[-1] + n)
-        meta = StepInputs(
-            input_ids=torch.tensor(host.token_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(host.positions, dtype=torch.int64, device=dev),
-            slot_mapping=torch.tensor(host.slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor([list(t) + [0] * (width - len(t)) for t in host.block_tables],
-                                      dtype=torch.int32, device=dev),
-            kv_lens=torch.tensor(host.kv_lens, dtype=torch.int32, device=dev),
-            cu_q_lens=torch.tensor(cu, dtype=torch.int32, device=dev),
-            max_q_len=max(host.query_lens), max_kv_len=max(host.kv_lens))
-        attn = PagedAttention(self.kv_cache, meta, self._attend, self._write, self.model_config.softmax_scale,
-                              None)
+        meta = step_tensors(layout, dev)
+        attn = PagedAttention(self.kv_cache, meta, self.ops, self.model_config.softmax_scale, None)
         hidden = self.model(meta.input_ids, meta.positions, attn)
-        if not host.logit_rows:
+        if not layout.logit_rows:
             return torch.empty((0, self.model_config.vocab_size), dtype=torch.float32, device=dev)
-        if len(host.logit_rows) != hidden.shape[0]:
-            hidden = hidden[torch.tensor(host.logit_rows, dtype=torch.int64, device=dev)]
+        if len(layout.logit_rows) != hidden.shape[0]:
+            hidden = hidden[torch.tensor(layout.logit_rows, dtype=torch.int64, device=dev)]
         return self.model.compute_logits(hidden)
 
     # -- CUDA graphs ---------------------------------------------------------------------------------
@@ -218,11 +148,11 @@ class ModelRunner:
         pool = None
         with torch.inference_mode():
             for b in reversed(self.graph_sizes):  # largest first: the others fit in its memory pool
-                meta = StepInputs(self._g_i64[0, :b], self._g_i64[1, :b], self._g_i64[2, :b], self._g_bt[:b],
-                                  self._g_kv[:b], self._g_cu[:b + 1], max_q_len=1,
-                                  max_kv_len=width * self.block_size)
-                attn = PagedAttention(self.kv_cache, meta, self._attend, self._write, cfg.softmax_scale,
-                                      self._g_out[:b])
+                meta = StepMetadata(input_ids=self._g_i64[0, :b], positions=self._g_i64[1, :b],
+                                    slot_mapping=self._g_i64[2, :b], block_tables=self._g_bt[:b],
+                                    kv_lens=self._g_kv[:b], cu_q_lens=self._g_cu[:b + 1], max_q_len=1,
+                                    max_kv_len=width * self.block_size)
+                attn = PagedAttention(self.kv_cache, meta, self.ops, cfg.softmax_scale, self._g_out[:b])
 
                 def forward(b=b, meta=meta, attn=attn):
                     hidden = self.model(meta.input_ids, meta.positions, attn)
@@ -237,24 +167,24 @@ class ModelRunner:
                 self._graphs[b] = graph
         torch.cuda.synchronize(dev)
 
-    def _run_graph(self, host: HostStep) -> torch.Tensor:
-        n = len(host.query_lens)
+    def _run_graph(self, layout: StepLayout) -> torch.Tensor:
+        n = len(layout.query_lens)
         b = next(s for s in self.graph_sizes if s >= n)
         pad = b - n
         width = self.max_blocks_per_seq
-        i64 = torch.tensor([host.token_ids + [0] * pad, host.positions + [0] * pad, host.slots + [-1] * pad],
+        i64 = torch.tensor([layout.token_ids + [0] * pad, layout.positions + [0] * pad, layout.slots + [-1] * pad],
                            dtype=torch.int64)
-        tables = [list(t[:width]) + [0] * (width - len(t)) for t in host.block_tables] + [[0] * width] * pad
+        tables = [list(t[:width]) + [0] * (width - len(t)) for t in layout.block_tables] + [[0] * width] * pad
         self._g_i64[:, :b].copy_(i64, non_blocking=True)
-        self._g_kv[:b].copy_(torch.tensor(host.kv_lens + [0] * pad, dtype=torch.int32), non_blocking=True)
+        self._g_kv[:b].copy_(torch.tensor(layout.kv_lens + [0] * pad, dtype=torch.int32), non_blocking=True)
         # Real rows have one query each; padding sequences have none (cu_q_lens stays at n).
         self._g_cu[:b + 1].copy_(torch.tensor(list(range(n + 1)) + [n] * pad, dtype=torch.int32),
                                  non_blocking=True)
         self._g_bt[:b].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
         self._graphs[b].replay()
-        if host.logit_rows == list(range(n)):
+        if layout.logit_rows == list(range(n)):
             return self._g_logits[:n]
-        return self._g_logits[torch.tensor(host.logit_rows, dtype=torch.int64, device=self.device)]
+        return self._g_logits[torch.tensor(layout.logit_rows, dtype=torch.int64, device=self.device)]
 
     # -- KV pool sizing ------------------------------------------------------------------------------
     def _blocks_per_byte_budget(self, budget: int) -> int:
@@ -305,17 +235,19 @@ class ModelRunner:
         spec = KVCacheSpec(next_block, bs, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
         saved, self.kv_cache = getattr(self, "kv_cache", None), allocate_kv_cache(spec, cfg.num_hidden_layers, dev)
         rows = min(self.config.max_num_seqs, total)
-        host = HostStep(
-            token_ids=[i % cfg.vocab_size for i in range(total)],
-            positions=[p for n in lens for p in range(n)],
-            slots=[t[p // bs] * bs + p % bs for t, n in zip(tables, lens) for p in range(n)],
-            query_lens=lens, kv_lens=lens, block_tables=[tuple(t) for t in tables],
-            logit_rows=list(range(total - rows, total)))
+        num_logits, left = [], rows  # logits for the last `rows` packed tokens
+        for n in reversed(lens):
+            num_logits.insert(0, min(n, left))
+            left -= num_logits[0]
+        ids = [i % cfg.vocab_size for i in range(total)]
+        starts = [sum(lens[:s]) for s in range(len(lens))]
+        layout = StepLayout.build(tables, [0] * len(lens), lens, bs, num_logits=num_logits,
+                                  token_ids=[ids[a:a + n] for a, n in zip(starts, lens)])
         try:
             torch.cuda.synchronize(dev)
             torch.cuda.reset_peak_memory_stats(dev)
             base = torch.cuda.memory_allocated(dev)
-            logits = self._run_eager(host)
+            logits = self._run_eager(layout)
             params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * rows
             sample(logits, params, [0] * rows, [0] * rows)
             torch.cuda.synchronize(dev)

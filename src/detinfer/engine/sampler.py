@@ -2,8 +2,9 @@
 
 Every operation here is either elementwise (per row, per token), an exact selection (sort, max, argmax,
 gather, integer counts) or a fixed-order float reduction built from elementwise adds (`fold_sum`, and
-`_inclusive_scan` for cumulative sums). torch.sum / cumsum / softmax are not used on probabilities: their
-reduction order depends on the tensor's shape, so a row's result could change with the batch around it.
+`_inclusive_scan` for cumulative sums; both from the numerics backend `Ops`). torch.sum / cumsum /
+softmax are not used on probabilities: their reduction order depends on the tensor's shape, so a row's
+result could change with the batch around it.
 Processing order: repetition/presence/frequency penalties -> temperature -> top_k -> top_p (over the
 top-k survivors, renormalised) -> min_p -> draw.
 
@@ -26,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from detinfer.engine.sampling_params import SamplingParams
-from detinfer.kernels._fold import fold_sum
+from detinfer.ops.backend import Ops
 
 
 def _as_int64(c: int) -> int:
@@ -63,14 +64,9 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, sample_indices: t
     return -torch.log(-torch.log(u))
 
 
-def _inclusive_scan(x: torch.Tensor) -> torch.Tensor:
-    """Cumulative sum over the last dim in a fixed pattern (Hillis-Steele): each step adds a shifted
-    copy elementwise, so the order of additions depends only on the position, never on other rows."""
-    n, shift = x.shape[-1], 1
-    while shift < n:
-        x = torch.cat([x[..., :shift], x[..., shift:] + x[..., :-shift]], dim=-1)
-        shift *= 2
-    return x
+# The float reductions are the numerics backend's fixed-order ones, the same in every mode (sampling is
+# always a pure function of the row): a pairwise fold, and a Hillis-Steele scan for cumulative sums.
+fold_sum, _inclusive_scan = Ops.fold_sum, Ops.cumsum
 
 
 def _row_tensor(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -221,8 +217,8 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor | Sequence[in
                      log_softmax_fn: LogSoftmaxFn) -> Logprobs:
     """Logprobs of `token_ids` [S] under `logits` [S, V], plus each row's top-k (token, logprob).
 
-    `log_softmax_fn(x, dim=-1)` does the normalisation: pass `detinfer.ops.Ops(mode).log_softmax` so
-    deterministic mode is batch-invariant. These are logprobs of the distribution the logits describe;
+    `log_softmax_fn(x, dim=-1)` does the normalisation: pass the model's `ops.log_softmax` (the engine
+    does) so deterministic mode is batch-invariant. These are logprobs of the distribution the logits describe;
     to score under a temperature, divide the logits first. No engine state: trainers call this to
     recompute the logprobs of sampled tokens.
     """

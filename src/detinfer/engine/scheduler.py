@@ -15,17 +15,25 @@ a token for every entry with `sample=True`; `scheduler.postprocess(batch, tokens
 With chunked prefill a prefill takes whatever budget is left; without it a prefill runs whole or waits.
 
 Requests that could never run are refused at `add_request` (prompt longer than max_model_len, or more KV
-blocks needed than the whole pool), so the queue can never hang on them.
+blocks needed than the whole pool), so the queue can never hang on them. `add_request` is the one place
+a prompt's token ids are validated and a sampled request's seed is drawn (when it gives none).
+
+`postprocess` decides every finish (stop token / EOS, stop string, length). Stop strings are text, which
+the scheduler does not have: the caller detokenizes first and passes what it found (`stop_strings`),
+for tokens that do not already end their sequence (`stops_on_token`).
 """
 
 from __future__ import annotations
 
 import itertools
+import operator
 import random
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 
+from detinfer.cache.layout import StepLayout, slot_mapping
 from detinfer.engine.block_manager import BlockManager
 from detinfer.engine.config import EngineConfig, check_int
 from detinfer.engine.sampling_params import SamplingParams
@@ -37,9 +45,31 @@ from detinfer.engine.sequence import (
     SequenceStatus,
 )
 
-# Called after a sampled token is appended (the engine detokenizes and looks for stop strings there).
-# A truthy result finishes the sequence with reason "stop"; a string result is recorded as stop_reason.
-StopChecker = Callable[[Sequence], "bool | str | None"]
+_MAX_TOKEN_ID = (1 << 63) - 1
+
+
+def check_prompt_ids(request_id: str, prompt, vocab_size: int | None = None) -> list[int]:
+    """The prompt's token ids as a list of ints, or a TypeError/ValueError naming the problem."""
+    if isinstance(prompt, (str, bytes, dict)) or not hasattr(prompt, "__iter__"):
+        raise TypeError(f"request {request_id!r}: prompt must be a str or a list of token ids, "
+                        f"got {type(prompt).__name__}")
+    hi = _MAX_TOKEN_ID if vocab_size is None else vocab_size - 1
+    ids = []
+    for i, t in enumerate(prompt):
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            t = operator.index(t)
+        except TypeError:
+            raise TypeError(f"request {request_id!r}: prompt token {i} must be an int, got {t!r}") from None
+        if not 0 <= t <= hi:
+            what = "" if vocab_size is None else ", not a token id of this model"
+            raise ValueError(f"request {request_id!r}: prompt token {i} is {t}{what}: prompt_token_ids[{i}] "
+                             f"must be in 0..{hi}")
+        ids.append(t)
+    if not ids:
+        raise ValueError(f"request {request_id!r}: the prompt is empty; at least one token is needed")
+    return ids
 
 
 @dataclass(frozen=True)
@@ -86,8 +116,7 @@ class ScheduledSequence:
 
     def slot_mapping(self) -> list[int]:
         """Flat KV slot (block_id * block_size + offset) each fed token's K/V is written to."""
-        bs = self.block_size
-        return [self.block_table[p // bs] * bs + p % bs for p in self.positions]
+        return slot_mapping(self.block_table, self.start_pos, self.query_len, self.block_size)
 
 
 @dataclass(frozen=True)
@@ -105,12 +134,22 @@ class ScheduledBatch:
     def __len__(self) -> int:
         return len(self.scheduled)
 
+    @cached_property
+    def layout(self) -> StepLayout:
+        """The step's packed layout: token rows, KV slots, and where each sequence's logits rows are (the
+        model runner and the engine's sampling both read it; computed once per batch)."""
+        items = self.scheduled
+        return StepLayout.build([s.block_table for s in items], [s.start_pos for s in items],
+                                [s.query_len for s in items], items[0].block_size if items else 1,
+                                token_ids=[s.token_ids for s in items], num_logits=[s.num_logits for s in items],
+                                names=[s.seq.seq_id for s in items])
+
 
 class Scheduler:
     """Owns the waiting queue, the running set and the block manager."""
 
     def __init__(self, config: EngineConfig, *, num_kv_blocks: int | None = None,
-                 eos_token_ids: Iterable[int] = (), stop_checker: StopChecker | None = None):
+                 eos_token_ids: Iterable[int] = (), vocab_size: int | None = None):
         if config.max_model_len is None:
             raise ValueError("Scheduler needs config.max_model_len resolved (e.g. from the model's "
                              "config) — got None")
@@ -122,7 +161,7 @@ class Scheduler:
         self.config = config
         self.block_manager = BlockManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.stop_checker = stop_checker
+        self.vocab_size = vocab_size  # prompt token ids must be below it (when given)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last one is preempted first
         self._requests: dict[str, list[Sequence]] = {}  # unfinished requests -> their sequences
@@ -140,11 +179,7 @@ class Scheduler:
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
-        prompt = list(prompt_token_ids)
-        if not prompt:
-            raise ValueError(f"request {request_id!r}: the prompt is empty; at least one token is needed")
-        for i, t in enumerate(prompt):
-            check_int(f"request {request_id!r}: prompt_token_ids[{i}]", t, minimum=0, maximum=(1 << 63) - 1)
+        prompt = check_prompt_ids(request_id, prompt_token_ids, self.vocab_size)
         max_len = self.config.max_model_len
         if len(prompt) > max_len:
             raise ValueError(f"request {request_id!r}: the prompt has {len(prompt)} tokens, more than "
@@ -274,15 +309,21 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # -- after the step ------------------------------------------------------------------------------
-    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: Iterable[int | None]) -> list[Sequence]:
+    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: Iterable[int | None],
+                    stop_strings: Iterable[str | bool | None] | None = None) -> list[Sequence]:
         """Record a computed step. `sampled_token_ids[i]` is the token sampled for `batch.scheduled[i]`
-        (an int where `sample` is True, None elsewhere). Returns the sequences that finished."""
+        (an int where `sample` is True, None elsewhere); `stop_strings[i]`, when given, is truthy if the
+        caller found a stop string in that sequence's text with this token (a string: recorded as its
+        stop_reason). Returns the sequences that finished."""
         tokens = list(sampled_token_ids)
         if len(tokens) != len(batch.scheduled):
             raise ValueError(f"postprocess: got {len(tokens)} sampled tokens for a batch of "
                              f"{len(batch.scheduled)} sequences")
+        stops = [None] * len(tokens) if stop_strings is None else list(stop_strings)
+        if len(stops) != len(tokens):
+            raise ValueError(f"postprocess: got {len(stops)} stop-string results for {len(tokens)} sequences")
         finished: list[Sequence] = []
-        for item, token in zip(batch.scheduled, tokens, strict=True):
+        for item, token, stop in zip(batch.scheduled, tokens, stops, strict=True):
             seq = item.seq
             if item.sample:
                 check_int(f"postprocess: sampled token of sequence {seq.seq_id}", token, minimum=0)
@@ -301,23 +342,27 @@ class Scheduler:
             self.block_manager.commit_computed(seq)
             if item.sample:
                 seq.append_token(token)
-                reason = self._stop_reason(seq, token)
+                reason = self._stop_reason(seq, token, stop)
                 if reason is not None:
                     self.running.remove(seq)
                     self._finish(seq, reason)
                     finished.append(seq)
         return finished
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+    def stops_on_token(self, seq: Sequence, token: int) -> bool:
+        """Whether `token` ends `seq` by itself (a stop token id, or EOS unless ignored): its text is then
+        never shown, so the caller does not detokenize it."""
         params = seq.params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+        return token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+
+    def _stop_reason(self, seq: Sequence, token: int, stop_string: str | bool | None) -> str | None:
+        params = seq.params
+        if self.stops_on_token(seq, token):
             seq.stop_reason = token
             return FINISH_STOP
-        if self.stop_checker is not None:
-            hit = self.stop_checker(seq)
-            if hit:
-                seq.stop_reason = hit if isinstance(hit, str) else None
-                return FINISH_STOP
+        if stop_string:
+            seq.stop_reason = stop_string if isinstance(stop_string, str) else None
+            return FINISH_STOP
         if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             return FINISH_LENGTH
         if seq.num_tokens >= self.config.max_model_len:

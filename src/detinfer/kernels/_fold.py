@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length() if n > 1 else 1
+from detinfer.kernels._launch import next_pow2
 
 
 def fold_sum(t: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
@@ -28,7 +26,7 @@ def fold_sum(t: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Ten
     if n == 0:
         out = torch.zeros(x.shape[:-1], dtype=t.dtype, device=t.device)
     else:
-        p = _next_pow2(n)
+        p = next_pow2(n)
         if p != n:
             x = torch.nn.functional.pad(x, (0, p - n))
         while p > 1:

@@ -28,13 +28,12 @@ import torch
 import triton
 
 from detinfer.kernels import attention_kernels as K
-from detinfer.kernels._launch import check_kernel_inputs, interpreting
+from detinfer.kernels._launch import SUPPORTED_HEAD_DIMS, check_kernel_inputs, interpreting, next_pow2, sm_count
 from detinfer.kernels.attention_ref import attention_contiguous_ref, paged_attention_ref
 
 __all__ = ["DEFAULT_SPLIT_SIZE", "SUPPORTED_HEAD_DIMS", "attention_contiguous", "attention_contiguous_ref",
            "block_n_for", "paged_attention", "paged_attention_fast", "paged_attention_ref"]
 
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # Keys per split: fixes where partial softmaxes are merged, so it is a constant of the kernel, never a
 # function of the batch. 256 = 4 tiles of 64 keys: against 512 it gives small decode batches twice the
 # parallel programs (bs=1 kv=512: 14.8 vs 19.4 us on the H100), loses at bs<=8 with 32k contexts (a
@@ -63,29 +62,23 @@ def block_n_for(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 def _tile_shape(head_dim: int, dtype: torch.dtype, group: int, max_q_len: int) -> tuple[int, int, int, int]:
     """(GROUP_PAD, BLOCK_T, BLOCK_M, num_warps). BLOCK_M (query rows per program) is NOT part of the
     reduction order: each dot row depends only on its own query row (proven bitwise on the GPU by
     tests/kernels/test_attention_gpu.py), so it may follow the step's query length for speed."""
-    gp = _next_pow2(group)
+    gp = next_pow2(group)
     if interpreting():
         bm_max = 128  # tall tiles: the interpreter's cost is per op, not per FLOP
     else:
         bm_max = _TUNE["bm_max"] if (head_dim <= 128 and dtype != torch.float32) else _TUNE["bm_max_other"]
-    bt = max(1, min(_next_pow2(max_q_len), bm_max // gp if gp < bm_max else 1))
+    bt = max(1, min(next_pow2(max_q_len), bm_max // gp if gp < bm_max else 1))
     bm = max(16, gp * bt)
     warps = _TUNE["warps_bm128"] if bm >= 128 else (_TUNE["warps_bm16"] if bm <= 16 else 4)
     return gp, bm // gp, bm, warps
 
 
 def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _NOMINAL_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return sm_count(device, off_gpu=_NOMINAL_SMS)
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -173,7 +166,7 @@ def _check_paged(op, q, k_cache, v_cache, block_tables, kv_lens, cu_q_lens, scal
 
 def _check_paged_values(op, q, k_cache, block_tables, kv_lens, cu_q_lens, max_kv_len):
     """Value-level checks: one device->host copy of the (small) step metadata."""
-    from detinfer.cache.paged_kv import check_step_metadata
+    from detinfer.kernels._launch import check_step_metadata
 
     check_step_metadata(cu_q_lens, kv_lens, block_tables, block_size=k_cache.shape[1],
                         num_blocks=k_cache.shape[0], num_tokens=q.shape[0], max_kv_len=max_kv_len, op=op)

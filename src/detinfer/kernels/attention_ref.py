@@ -63,7 +63,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     Same signature as `paged_attention`; the hints and split/schedule keywords are accepted and ignored.
     Metadata values are always checked (the function reads them on the host anyway).
     """
-    from detinfer.cache.paged_kv import check_step_metadata
+    from detinfer.kernels._launch import check_step_metadata
 
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError("paged_attention_ref: need q [T, Hq, D] and k_cache, v_cache [num_blocks, "

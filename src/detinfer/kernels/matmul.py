@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from detinfer.kernels._fold import fold_sum
-from detinfer.kernels._launch import check_kernel_inputs, interpreting
+from detinfer.kernels._launch import KERNEL_DTYPES, check_kernel_inputs, interpreting, sm_count
 from detinfer.kernels.matmul_configs import MatmulConfig, select_config
 
 __all__ = ["matmul", "bmm", "linear", "matmul_ref", "bmm_ref", "linear_ref", "FP32_DOT_PRECISION"]
@@ -148,24 +148,22 @@ except ImportError:  # pragma: no cover - depends on the installed triton
 # Everything below runs once per call on the host, in front of a kernel that can take only a few
 # microseconds: no torch view ops beyond one reshape, no `triton.cdiv` (a constexpr function: ~10 us per
 # call on a slow CPU in triton 3.9), device properties and configs looked up once and cached.
-_SM_COUNT: dict = {}
 _TMA_ARCH: dict = {}
 _CONFIGS: dict = {}
 _CONFIG_CACHE_MAX = 1 << 14  # (M, N, K, dtype, device) keys; cleared when full (a batch-size sweep)
-_KERNEL_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32))
+_KERNEL_DTYPES = frozenset(KERNEL_DTYPES)
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# Off the GPU (interpreter) a small count, so the tests exercise the persistent tile walk.
+INTERPRETER_SMS = 4
+
+
 def _num_sms(device: torch.device) -> int:
-    n = _SM_COUNT.get(device)
-    if n is None:
-        # interpreter: any small number exercises the persistent tile walk
-        n = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-        _SM_COUNT[device] = n
-    return n
+    return sm_count(device, off_gpu=INTERPRETER_SMS)
 
 
 def _tma_arch(device: torch.device) -> bool:

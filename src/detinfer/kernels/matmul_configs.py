@@ -24,7 +24,8 @@ tiles = 1.45 waves; 384 small ones = 2.9), and a 64-row tile wins when one of th
 output (o at M = 256).
 
 Offline tuning: the GPU tables below can be replaced, class by class, from a JSON file named by the
-environment variable DETINFER_MATMUL_CONFIGS (read once, at import), e.g.
+environment variable DETINFER_MATMUL_CONFIGS (`load_tables`; read at the first launch, cached per path, and
+passed explicitly as a `MatmulTables`: the built-in tables below are never modified), e.g.
     {"16bit": {"batch": {"configs": [[128, 128, 64, 8, 4, "TPW"], [64, 64, 256, 4, 3]], "eff": [0.85, 0.33]}}}
 (a config is [block_m, block_n, block_k, num_warps, num_stages, flags], flags from T = tma,
 P = persistent, W = warp_specialize; "eff", optional, sets WAVE_EFFICIENCY of those configs; "max_m"
@@ -139,13 +140,28 @@ TILES_PER_SM = 0.7
 _SM_COUNT = 132  # H100 SXM; only used when the device's count is not given
 
 
-def _apply_overrides() -> None:
-    path = os.environ.get(ENV_OVERRIDE)
-    if not path:
-        return
+@dataclass(frozen=True)
+class MatmulTables:
+    """The tables `select_config` reads: {class: (max_m, family)} per dtype kind, and WAVE_EFFICIENCY."""
+
+    configs_16bit: dict
+    configs_fp32: dict
+    efficiency: dict
+
+    def for_dtype(self, dtype: torch.dtype) -> dict:
+        return self.configs_fp32 if dtype == torch.float32 else self.configs_16bit
+
+
+DEFAULT_TABLES = MatmulTables(GPU_CONFIGS_16BIT, GPU_CONFIGS_FP32, WAVE_EFFICIENCY)
+
+
+def load_tables(path: str, base: MatmulTables = DEFAULT_TABLES) -> MatmulTables:
+    """`base` with the classes a JSON file (module doc) replaces; `base` itself is left unchanged."""
     with open(path) as f:
         data = json.load(f)
-    for key, table in (("16bit", GPU_CONFIGS_16BIT), ("fp32", GPU_CONFIGS_FP32)):
+    tables = {"16bit": dict(base.configs_16bit), "fp32": dict(base.configs_fp32)}
+    efficiency = dict(base.efficiency)
+    for key, table in tables.items():
         for cls, entry in data.get(key, {}).items():
             if cls not in table:
                 raise ValueError(f"{ENV_OVERRIDE}: unknown class {key}/{cls}; classes are {list(table)}")
@@ -158,20 +174,29 @@ def _apply_overrides() -> None:
                 if len(eff) != len(configs) or not all(float(e) > 0 for e in eff):
                     raise ValueError(f"{ENV_OVERRIDE}: class {key}/{cls}: 'eff' needs one positive number per "
                                      "config")
-                WAVE_EFFICIENCY.update(zip(configs, map(float, eff)))
+                efficiency.update(zip(configs, map(float, eff)))
             table[cls] = (max_m, configs)
+    return MatmulTables(tables["16bit"], tables["fp32"], efficiency)
 
 
-_apply_overrides()
+_LOADED: dict = {}
 
 
-def _table(dtype: torch.dtype) -> dict:
-    return GPU_CONFIGS_FP32 if dtype == torch.float32 else GPU_CONFIGS_16BIT
+def active_tables() -> MatmulTables:
+    """The tables the dispatcher uses: DEFAULT_TABLES, or those of the file DETINFER_MATMUL_CONFIGS names
+    (loaded once per path)."""
+    path = os.environ.get(ENV_OVERRIDE)
+    if not path:
+        return DEFAULT_TABLES
+    if path not in _LOADED:
+        _LOADED[path] = load_tables(path)
+    return _LOADED[path]
 
 
-def gpu_configs(dtype: torch.dtype) -> tuple[MatmulConfig, ...]:
+def gpu_configs(dtype: torch.dtype, tables: MatmulTables | None = None) -> tuple[MatmulConfig, ...]:
     """Every config the GPU dispatcher can select for `dtype` (what the GPU invariance tests sweep)."""
-    picked = [c for _, family in _table(dtype).values() for c in family]
+    tables = active_tables() if tables is None else tables
+    picked = [c for _, family in tables.for_dtype(dtype).values() for c in family]
     # A TMA config falls back to pointer loads with the same tiles when operands do not qualify (bmm,
     # unaligned or transposed operands): that twin is selectable too.
     twins = [replace(c, tma=False, persistent=False, warp_specialize=False) for c in picked if c.tma]
@@ -179,27 +204,31 @@ def gpu_configs(dtype: torch.dtype) -> tuple[MatmulConfig, ...]:
 
 
 def select_config(m: int, n: int, k: int, dtype: torch.dtype, interpreter: bool,
-                  sm_count: int = _SM_COUNT) -> MatmulConfig:
+                  sm_count: int = _SM_COUNT, tables: MatmulTables | None = None) -> MatmulConfig:
     """The config for one launch. Any GPU choice is bit-identical to any other (module doc), so this may
-    look at M; `k` is accepted for future tables but unused (the reduction order never depends on it)."""
+    look at M; `k` is accepted for future tables but unused (the reduction order never depends on it).
+    tables: default `active_tables()`."""
     if interpreter:
         return INTERPRETER_CONFIG
-    cls, (_, family) = next((c, e) for c, e in _table(dtype).items() if e[0] is None or m <= e[0])
-    return pick_from_family(family, m, n, sm_count, rule=_RULES.get(cls, "tiles"))
+    tables = active_tables() if tables is None else tables
+    cls, (_, family) = next((c, e) for c, e in tables.for_dtype(dtype).items() if e[0] is None or m <= e[0])
+    return pick_from_family(family, m, n, sm_count, rule=_RULES.get(cls, "tiles"), efficiency=tables.efficiency)
 
 
 def _tiles(c: MatmulConfig, m: int, n: int) -> int:
     return -(-m // c.block_m) * -(-n // c.block_n)
 
 
-def pick_from_family(family, m: int, n: int, sm_count: int = _SM_COUNT, rule: str = "tiles") -> MatmulConfig:
+def pick_from_family(family, m: int, n: int, sm_count: int = _SM_COUNT, rule: str = "tiles",
+                     efficiency: dict | None = None) -> MatmulConfig:
     """rule "tiles": the largest tile area that still gives TILES_PER_SM tiles per SM, else the member with
     the most tiles. rule "waves": the member with the smallest ceil(tiles / SMs) x area / efficiency (ties:
     the larger tile)."""
+    efficiency = WAVE_EFFICIENCY if efficiency is None else efficiency
     if rule == "waves":
         def estimate(c):
             area = c.block_m * c.block_n
-            return -(-_tiles(c, m, n) // sm_count) * area / WAVE_EFFICIENCY.get(c, 1.0), -area
+            return -(-_tiles(c, m, n) // sm_count) * area / efficiency.get(c, 1.0), -area
         return min(family, key=estimate)
     if rule != "tiles":
         raise ValueError(f"unknown family rule {rule!r}")

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from detinfer.kernels._fold import fold_sum
-from detinfer.kernels._launch import check_kernel_inputs
+from detinfer.kernels._launch import check_kernel_inputs, next_pow2
 
 # Block of the lane accumulator for rows longer than one block. It fixes the summation order of long
 # rows, so it is a constant (never derived from the batch or the row length). 4096 fp32 lanes = 16 per
@@ -43,17 +43,13 @@ MIN_BLOCK = 32
 TILE = 4096
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length() if n > 1 else 1
-
-
 def row_block(n: int, block_size: int) -> int:
     """The power-of-two block a row of n elements is processed in: `block_size`, or less for a short row.
 
     A row that fits in one block gives the same bits for every power-of-two block >= n (lanes past n
     stay 0 and the fold adds them exactly), so the smaller block changes speed, not results.
     """
-    return max(MIN_BLOCK, min(block_size, _next_pow2(n)))
+    return max(MIN_BLOCK, min(block_size, next_pow2(n)))
 
 
 def tile_for(n: int, block_size: int) -> tuple[int, int, int]:

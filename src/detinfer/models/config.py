@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 
+from detinfer.dtypes import DTYPES
 from detinfer.models.families import ModelFamily, family_for_architecture, supported_architectures
 
 # Rotary variants whose frequencies are a fixed function of the config. "dynamic" NTK scaling is left out on
 # purpose: its frequencies depend on the current sequence length, so a token's result would depend on how
 # long its sequence happens to be at that step.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)

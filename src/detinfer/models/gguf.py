@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from detinfer.dtypes import DTYPES
 from detinfer.models.config import ModelConfig
 from detinfer.models.families import family_for_gguf_arch
 
@@ -183,8 +184,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype 
     """Write config.json, generation_config.json, model.safetensors, tokenizer.json and
     tokenizer_config.json for `gguf_path` into `out_dir` (created); returns out_dir."""
     gguf = _gguf()
-    names = {v: k for k, v in {"float32": torch.float32, "float16": torch.float16,
-                                "bfloat16": torch.bfloat16}.items()}
+    names = {v: k for k, v in DTYPES.items()}
     if dtype not in names:
         raise ValueError(f"dtype must be one of torch.float32/float16/bfloat16, got {dtype}")
     gguf_path, out = Path(gguf_path), Path(out_dir)

@@ -14,30 +14,16 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from detinfer.dtypes import resolve_dtype
 from detinfer.models.config import ModelConfig
 from detinfer.models.transformer import Transformer
 from detinfer.ops import Ops
 
-LOAD_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-               "float64": torch.float64}
 # safetensors dtype codes a checkpoint may store weights in.
 STORED_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 # Names some exporters add that carry no weights (recomputed from the config here).
 _IGNORABLE_SUFFIXES = (".rotary_emb.inv_freq",)
 INDEX_FILE = "model.safetensors.index.json"
-
-
-def resolve_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch.dtype:
-    """None -> the checkpoint's torch_dtype (fp32 if config.json does not say)."""
-    if dtype is None:
-        return config.dtype or torch.float32
-    if isinstance(dtype, str):
-        if dtype not in LOAD_DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(LOAD_DTYPES)}, got {dtype!r}")
-        return LOAD_DTYPES[dtype]
-    if dtype not in LOAD_DTYPES.values():
-        raise ValueError(f"dtype must be one of {sorted(LOAD_DTYPES)}, got {dtype}")
-    return dtype
 
 
 def safetensors_files(model_dir: str | Path) -> dict[str, Path]:
@@ -107,12 +93,14 @@ def check_checkpoint(model_dir: str | Path, config: ModelConfig) -> dict[str, Pa
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype | str | None = None,
-               device: torch.device | str = "cpu", ops: Ops | None = None) -> tuple[Transformer, ModelConfig]:
-    """Build the model for `model_dir`, weights in `dtype` on `device` (ops default: deterministic)."""
+               device: torch.device | str = "cpu", mode: str = "deterministic", *,
+               attention: str = "auto") -> tuple[Transformer, ModelConfig]:
+    """Build the model for `model_dir`, weights in `dtype` (None: the checkpoint's) on `device`, computing
+    with the numerics backend `Ops(mode, device, dtype)` (`attention`: see detinfer.ops.backend)."""
     config = ModelConfig.from_dir(model_dir)
-    dtype = resolve_dtype(dtype, config)
+    dtype = resolve_dtype(dtype, config.dtype)
     device = torch.device(device)
-    ops = Ops("deterministic") if ops is None else ops
+    ops = Ops(mode, device, dtype, head_dim=config.head_dim, attention=attention)
     to_load = check_checkpoint(model_dir, config)
     hf: dict[str, torch.Tensor] = {}
     for path in dict.fromkeys(to_load.values()):

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (RoPE), HF "rotate_half" layout.
+"""Rotary position embeddings (RoPE), HF "rotate_half" layout: the config's frequencies (the rotation is
+`detinfer.ops.backend.Ops.rope`).
 
 cos/sin are computed per token from its position, elementwise, in fp32: no precomputed table whose contents
 could depend on a maximum length, and nothing a token computes depends on the other tokens in the batch.
@@ -39,15 +40,9 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     return torch.where(in_band, blended, scaled)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by cos/sin [T, 1, D/2] (fp32): pairs are (i, i + D/2), as in HF checkpoints."""
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)  # [T, H, D/2] each
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
-
-
 class RotaryEmbedding(nn.Module):
+    """Holds the inverse frequencies; the rotation itself is the numerics backend's `Ops.rope`."""
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
@@ -56,10 +51,3 @@ class RotaryEmbedding(nn.Module):
     def reset_parameters(self, device: torch.device | str | None = None) -> None:
         """Recompute inv_freq (e.g. after the model was built on the meta device)."""
         self.inv_freq = inverse_frequencies(self.config).to(device)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions [T] int; q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k), same dtypes."""
-        angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        cos = angles.cos()[:, None, :]  # [T, 1, D/2]
-        sin = angles.sin()[:, None, :]
-        return rotate(q, cos, sin), rotate(k, cos, sin)

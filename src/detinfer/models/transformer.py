@@ -5,10 +5,12 @@ positions, no batch dimension and no padding (vLLM / gpt-fast style). Attention 
 tokens, and it is supplied by the caller as `attn(layer_idx, q, k, v)`: the engine's callable writes k/v into
 its paged cache and runs paged attention; `attention_ref.ReferenceAttention` is a plain-torch one for tests.
 
-Every matmul and norm, and SiLU * up, goes through `ops` (see detinfer.ops), so under `Ops("deterministic")`
-each token's result is independent of what else is in the batch. Rotary (mul/add/cos/sin), the embedding
-gather and residual adds are elementwise ops whose bits do not depend on an element's position, and stay
-plain torch. forward has no host syncs, so it can be captured in a CUDA graph.
+Every numeric op (matmuls, norms, SiLU * up, rotary, the logits) goes through the model's one numerics
+backend `self.ops` (see detinfer.ops.backend), so under a deterministic `Ops` each token's result is
+independent of what else is in the batch. The submodules hold weights only: the backend is passed down
+in forward, so `set_ops` switches a model between modes (same weight tensors, no copy, no rebuild). The
+embedding gather and residual adds are elementwise and stay plain torch. forward has no host syncs, so it
+can be captured in a CUDA graph.
 
 Weights keep HF's layout ([out, in] linear weights, same norms). At load time q/k/v are concatenated into
 one `qkv_proj` and gate/up into one `gate_up_proj` along the output dim: one matmul launch instead of three
@@ -35,91 +37,88 @@ AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Te
 class Linear(nn.Module):
     """weight [out, in] (+ bias [out]); forward goes through `ops.linear`, never F.linear."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, ops: Ops):
+    def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
-        self.ops = ops
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
     """HF RMSNorm over the last dim; with `residual`, returns (norm(x + residual), x + residual)."""
 
-    def __init__(self, dim: int, eps: float, ops: Ops):
+    def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.ops = ops
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return self.ops.rms_norm(x, self.weight, self.eps, residual=residual)
+    def forward(self, x: torch.Tensor, ops: Ops, residual: torch.Tensor | None = None):
+        return ops.rms_norm(x, self.weight, self.eps, residual=residual)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, ops: Ops):
+    def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads, self.head_dim = (config.num_attention_heads,
                                                         config.num_key_value_heads, config.head_dim)
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, ops)
-        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_bias, ops)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_bias)
         # Qwen3 normalises each head's q and k over head_dim before rotary.
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                attn: AttentionFn) -> torch.Tensor:
+                attn: AttentionFn, ops: Ops) -> torch.Tensor:
         T = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
+        qkv = self.qkv_proj(x, ops)  # [T, (Hq + 2 Hkv) D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(T, self.n_heads, self.head_dim)  # [T, Hq, D]
         k = k.reshape(T, self.n_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.reshape(T, self.n_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+            q, k = self.q_norm(q, ops), self.k_norm(k, ops)
+        q, k = ops.rope(positions, q, k, rotary.inv_freq)
         out = attn(self.layer_idx, q, k, v)  # [T, Hq, D]
-        return self.o_proj(out.reshape(T, self.q_size))  # [T, hidden]
+        return self.o_proj(out.reshape(T, self.q_size), ops)  # [T, hidden]
 
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: ModelConfig, ops: Ops):
+    def __init__(self, config: ModelConfig):
         super().__init__()
-        self.ops = ops
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, ops)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, ops)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, ops).split(self.intermediate_size, dim=-1)  # [T, I] each
         # via ops: stock CPU SiLU rounds differently in a tensor's SIMD tail, i.e. depends on position
-        return self.down_proj(self.ops.silu_mul(gate, up))  # [T, hidden]
+        return self.down_proj(ops.silu_mul(gate, up), ops)  # [T, hidden]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, ops: Ops):
+    def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.self_attn = Attention(config, layer_idx, ops)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.mlp = MLP(config, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
 
-    def forward(self, h, residual, positions, rotary, attn):
+    def forward(self, h, residual, positions, rotary, attn, ops: Ops):
         """Pre-norm block with the residual carried separately (so the add fuses into the norm):
         returns (h, residual) with h + residual == this layer's output stream."""
         if residual is None:
-            h, residual = self.input_layernorm(h), h
+            h, residual = self.input_layernorm(h, ops), h
         else:
-            h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(h, positions, rotary, attn)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+            h, residual = self.input_layernorm(h, ops, residual)
+        h = self.self_attn(h, positions, rotary, attn, ops)
+        h, residual = self.post_attention_layernorm(h, ops, residual)
+        return self.mlp(h, ops), residual
 
 
 class Transformer(nn.Module):
@@ -127,28 +126,37 @@ class Transformer(nn.Module):
         super().__init__()
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
-        if not isinstance(ops, Ops):
-            raise TypeError(f"ops must be a detinfer.ops.Ops, got {type(ops).__name__}")
-        self.config, self.ops = config, ops
+        self.config = config
+        self.set_ops(ops)
         self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size),
                                          requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, ops) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Tied checkpoints reuse embed_tokens as the output projection; no separate parameter then.
         self.lm_head = (None if config.tie_word_embeddings else
                         nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False))
         self.rotary = RotaryEmbedding(config)
 
+    def set_ops(self, ops: Ops) -> None:
+        """Compute with another numerics backend from now on (e.g. `model.set_ops(model.ops.replace(
+        mode="fast"))`): the same weight tensors, nothing rebuilt or copied."""
+        if not isinstance(ops, Ops):
+            raise TypeError(f"ops must be a detinfer.ops.Ops, got {type(ops).__name__}")
+        if self.config.head_dim != ops.head_dim and ops.head_dim is not None:
+            raise ValueError(f"ops were chosen for head_dim {ops.head_dim}, the model has {self.config.head_dim}")
+        self.ops = ops
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         """input_ids [T], positions [T] (packed tokens of many sequences) -> normed hidden [T, hidden]."""
+        ops = self.ops
         h = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
         residual = None
         for layer in self.layers:
-            h, residual = layer(h, residual, positions, self.rotary, attn)
-        h, _ = self.norm(h, residual)
+            h, residual = layer(h, residual, positions, self.rotary, attn, ops)
+        h, _ = self.norm(h, ops, residual)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] (the rows that need a next token) -> logits [S, vocab] fp32."""
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return self.ops.linear(hidden, weight).float()
+        return self.ops.logits(hidden, weight)

@@ -1,5 +1,6 @@
-"""Op dispatch: `Ops(mode)` for model code, and the torch.library drop-in mode."""
+"""Numerics: `Ops`, the one backend every forward pass and the sampler compute with (see `ops/backend.py`),
+and the torch.library drop-in mode built on it (`ops/mode.py`)."""
 
-from detinfer.ops.functional import MODES, Ops
+from detinfer.ops.backend import ATTENTION_BACKENDS, MODES, Ops
 
-__all__ = ["MODES", "Ops"]
+__all__ = ["ATTENTION_BACKENDS", "MODES", "Ops"]

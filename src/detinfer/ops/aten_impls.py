@@ -1,13 +1,12 @@
 """Batch-invariant implementations of the aten ops a transformer forward pass reduces with.
 
-Each function has the aten schema's signature and is registered by `detinfer.ops.mode` for the CPU and
-CUDA dispatch keys. Inside them we must never call an op we override (that would recurse into ourselves):
-only the detinfer kernels/refs, elementwise ops, views, indexing, amax/max (exact in any order) and
-`fold_sum` are used.
-
-Routing per call (`_route`): CUDA tensors of a kernel dtype (bf16/fp16/fp32) -> Triton kernel; every other
-float case (CPU, fp64) -> the op's `*_ref` (fixed-order folds, invariant by construction); integer/bool ->
-an exact integer path (integer addition is associative, so any fixed order is exact and invariant).
+`AtenImpls(cpu_triton)` holds one method per overridden op, with the aten schema's signature; the drop-in
+mode (`detinfer.ops.mode`) registers the bound methods of one instance for the CPU and CUDA dispatch keys,
+so its configuration is passed in, never set on this module. Inside them we must never call an op we
+override (that would recurse into ourselves): only the numerics backend (`Ops`, which picks kernel or
+`*_ref` per call, see `ops/backend.py`), elementwise ops, views, indexing, amax/max (exact in any order)
+and `fold_sum` are used. Integer/bool inputs take an exact integer path (integer addition is associative,
+so any fixed order is exact and invariant).
 """
 
 from __future__ import annotations
@@ -17,35 +16,19 @@ import math
 import torch
 
 from detinfer.kernels._fold import fold_sum
-from detinfer.kernels._launch import KERNEL_DTYPES, interpreting
+from detinfer.kernels._launch import interpreting
+from detinfer.ops.backend import Ops, gelu_cpu, sigmoid_cpu, silu_cpu, softplus_cpu
 
 
 class NotBatchInvariantError(RuntimeError):
     """Raised in strict mode when an op has no batch-invariant implementation."""
 
 
-# Set by mode.enable(): whether CPU tensors may run the Triton kernels in Triton's interpreter (tests).
-_CPU_TRITON = {"on": False}
-
-
-def _route(*tensors: torch.Tensor | None) -> str:
+def _is_int(*tensors: torch.Tensor | None) -> bool:
     ts = [t for t in tensors if t is not None]
     if any(t.is_complex() for t in ts):
         raise NotBatchInvariantError("batch_invariant mode: complex tensors are not supported")
-    if any(not t.is_floating_point() for t in ts):
-        return "int"
-    if all(t.dtype in KERNEL_DTYPES for t in ts):
-        if all(t.is_cuda for t in ts):
-            return "triton"
-        if _CPU_TRITON["on"] and interpreting() and all(t.device.type == "cpu" for t in ts) \
-                and all(t.dtype in (torch.float32, torch.float16) for t in ts):
-            return "triton"
-    return "ref"
-
-
-def _mm_kernels():
-    from detinfer.kernels import matmul
-    return matmul
+    return any(not t.is_floating_point() for t in ts)
 
 
 def _int_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -56,23 +39,6 @@ def _int_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return fold_sum(prod, dim=-2).to(out_dtype)
 
 
-# ---------------------------------------------------------------------------------------------- matmuls
-def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    r = _route(a, b)
-    if r == "int":
-        return _int_matmul(a, b)
-    k = _mm_kernels()
-    return (k.matmul if r == "triton" else k.matmul_ref)(a, b)
-
-
-def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    r = _route(a, b)
-    if r == "int":
-        return _int_matmul(a, b)
-    k = _mm_kernels()
-    return (k.bmm if r == "triton" else k.bmm_ref)(a, b)
-
-
 def _scale_add(base: torch.Tensor, prod: torch.Tensor, beta, alpha) -> torch.Tensor:
     """beta * base + alpha * prod, elementwise (aten semantics: beta == 0 ignores base, even NaN)."""
     if alpha != 1:
@@ -80,47 +46,6 @@ def _scale_add(base: torch.Tensor, prod: torch.Tensor, beta, alpha) -> torch.Ten
     if beta == 0:
         return prod
     return prod + (base * beta if beta != 1 else base)
-
-
-def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
-    n = b.shape[-1]
-    fused = (beta == 1 and alpha == 1 and bias.dim() == 1 and bias.shape[0] == n
-             and bias.dtype == a.dtype and _route(bias, a, b) != "int")
-    if fused:  # F.linear(x, w, bias) arrives here as addmm(bias, x, w.t()): one fused kernel call
-        k = _mm_kernels()
-        fn = k.linear if _route(bias, a, b) == "triton" else k.linear_ref
-        return fn(a, b.t(), bias)
-    return _scale_add(bias, mm(a, b), beta, alpha)
-
-
-def baddbmm(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
-    return _scale_add(base, bmm(a, b), beta, alpha)
-
-
-def mv(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return mm(a, v.unsqueeze(-1)).squeeze(-1)
-
-
-def dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return mm(a.unsqueeze(0), b.unsqueeze(-1)).reshape(())
-
-
-# --------------------------------------------------------------------------------- softmax / reductions
-def _softmax_kernels():
-    from detinfer.kernels import softmax
-    return softmax
-
-
-def _softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
-    k = _softmax_kernels()
-    out_dtype = torch.float32 if half_to_float else None
-    return (k.softmax if _route(x) == "triton" else k.softmax_ref)(x, dim=dim, dtype=out_dtype)
-
-
-def _log_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
-    k = _softmax_kernels()
-    out_dtype = torch.float32 if half_to_float else None
-    return (k.log_softmax if _route(x) == "triton" else k.log_softmax_ref)(x, dim=dim, dtype=out_dtype)
 
 
 def _norm_dims(x: torch.Tensor, dim) -> list[int]:
@@ -141,81 +66,115 @@ def _int_sum(x: torch.Tensor, dim, keepdim: bool, dtype) -> torch.Tensor:
     return y.to(out_dtype)
 
 
-def sum_dim(x: torch.Tensor, dim, keepdim: bool = False, *, dtype=None) -> torch.Tensor:
-    if not x.is_floating_point() and not (dtype is not None and dtype.is_floating_point):
-        return _int_sum(x, dim, keepdim, dtype)
-    from detinfer.kernels import reduce
-    fn = reduce.sum_dim if _route(x) == "triton" and dtype in (None, torch.float32, x.dtype) else reduce.sum_dim_ref
-    return fn(x if x.is_floating_point() else x.to(dtype), _norm_dims(x, dim), keepdim=keepdim, dtype=dtype)
+class AtenImpls:
+    """The overrides of one activation of the mode. cpu_triton: run fp32/fp16 CPU tensors through the
+    Triton kernels in Triton's interpreter (TRITON_INTERPRET=1; tests) instead of the fold-based refs."""
+
+    def __init__(self, cpu_triton: bool = False):
+        self.cpu_triton = bool(cpu_triton)
+        self._backends: dict = {}
+
+    def ops_for(self, *tensors: torch.Tensor | None) -> Ops:
+        """The deterministic backend of the tensors' device (chosen once per device; the kernel-or-ref
+        choice per dtype is the backend's)."""
+        device = next(t for t in tensors if t is not None).device
+        key = (device, interpreting())
+        ops = self._backends.get(key)
+        if ops is None:
+            ops = self._backends[key] = Ops("deterministic", device, cpu_triton=self.cpu_triton)
+        return ops
+
+    # ------------------------------------------------------------------------------------------ matmuls
+    def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if _is_int(a, b):
+            return _int_matmul(a, b)
+        return self.ops_for(a, b).mm(a, b)
+
+    def bmm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if _is_int(a, b):
+            return _int_matmul(a, b)
+        return self.ops_for(a, b).bmm(a, b)
+
+    def addmm(self, bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
+        n = b.shape[-1]
+        fused = (beta == 1 and alpha == 1 and bias.dim() == 1 and bias.shape[0] == n
+                 and bias.dtype == a.dtype and not _is_int(bias, a, b))
+        if fused:  # F.linear(x, w, bias) arrives here as addmm(bias, x, w.t()): one fused kernel call
+            return self.ops_for(bias, a, b).linear(a, b.t(), bias)
+        return _scale_add(bias, self.mm(a, b), beta, alpha)
+
+    def baddbmm(self, base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
+        return _scale_add(base, self.bmm(a, b), beta, alpha)
+
+    def mv(self, a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.mm(a, v.unsqueeze(-1)).squeeze(-1)
+
+    def dot(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.mm(a.unsqueeze(0), b.unsqueeze(-1)).reshape(())
+
+    # ----------------------------------------------------------------------------- softmax / reductions
+    def softmax(self, x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+        _is_int(x)  # refuses complex
+        return self.ops_for(x).softmax(x, dim=dim, dtype=torch.float32 if half_to_float else None)
+
+    def log_softmax(self, x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+        _is_int(x)  # refuses complex
+        return self.ops_for(x).log_softmax(x, dim=dim, dtype=torch.float32 if half_to_float else None)
+
+    def sum_dim(self, x: torch.Tensor, dim, keepdim: bool = False, *, dtype=None) -> torch.Tensor:
+        if not x.is_floating_point() and not (dtype is not None and dtype.is_floating_point):
+            return _int_sum(x, dim, keepdim, dtype)
+        _is_int(x)  # refuses complex
+        return self.ops_for(x).sum_dim(x, _norm_dims(x, dim), keepdim=keepdim, dtype=dtype)
+
+    def sum_all(self, x: torch.Tensor, *, dtype=None) -> torch.Tensor:
+        return self.sum_dim(x, None, False, dtype=dtype)
+
+    def mean_dim(self, x: torch.Tensor, dim, keepdim: bool = False, *, dtype=None) -> torch.Tensor:
+        if not x.is_floating_point() and not (dtype is not None and dtype.is_floating_point):
+            raise TypeError(f"mean(): could not infer output dtype. Input dtype must be floating point, got {x.dtype}")
+        _is_int(x)  # refuses complex
+        return self.ops_for(x).mean_dim(x, _norm_dims(x, dim), keepdim=keepdim, dtype=dtype)
+
+    def mean_all(self, x: torch.Tensor, *, dtype=None) -> torch.Tensor:
+        return self.mean_dim(x, None, False, dtype=dtype)
+
+    def cumsum(self, x: torch.Tensor, dim: int, *, dtype=None) -> torch.Tensor:
+        return Ops.cumsum(x, dim, dtype=dtype)
+
+    # --------------------------------------------------------------------------------------------- norms
+    def rms_norm(self, x: torch.Tensor, normalized_shape, weight=None, eps=None) -> torch.Tensor:
+        nd = len(normalized_shape)
+        if tuple(x.shape[x.dim() - nd:]) != tuple(normalized_shape):
+            raise ValueError(f"rms_norm: normalized_shape {list(normalized_shape)} does not match the trailing "
+                             f"dims of input shape {list(x.shape)}")
+        if eps is None:
+            eps = torch.finfo(x.dtype).eps
+        lead = x.shape[: x.dim() - nd]
+        flat = x.reshape(*lead, math.prod(normalized_shape))
+        w = weight.reshape(-1) if weight is not None else None
+        _is_int(flat, w)  # refuses complex
+        return self.ops_for(flat, w).rms_norm(flat, w, eps).reshape(x.shape)
+
+    # ----------------------------------------------------------------------------------------- attention
+    def scaled_dot_product_attention(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                     enable_gqa=False) -> torch.Tensor:
+        return _sdpa(self, q, k, v, attn_mask, dropout_p, is_causal, scale)
+
+    def overrides(self) -> dict:
+        """aten op (overload) -> implementation with the same schema, for every dispatch key."""
+        return {
+            "mm": self.mm, "addmm": self.addmm, "bmm": self.bmm, "baddbmm": self.baddbmm, "mv": self.mv,
+            "dot": self.dot, "_softmax": self.softmax, "_log_softmax": self.log_softmax,
+            "sum.dim_IntList": self.sum_dim, "sum": self.sum_all, "mean.dim": self.mean_dim,
+            "mean": self.mean_all, "cumsum": self.cumsum, "rms_norm": self.rms_norm,
+            "scaled_dot_product_attention": self.scaled_dot_product_attention,
+        }
 
 
-def sum_all(x: torch.Tensor, *, dtype=None) -> torch.Tensor:
-    return sum_dim(x, None, False, dtype=dtype)
-
-
-def mean_dim(x: torch.Tensor, dim, keepdim: bool = False, *, dtype=None) -> torch.Tensor:
-    if not x.is_floating_point() and not (dtype is not None and dtype.is_floating_point):
-        raise TypeError(f"mean(): could not infer output dtype. Input dtype must be floating point, got {x.dtype}")
-    from detinfer.kernels import reduce
-    fn = reduce.mean_dim if _route(x) == "triton" and dtype in (None, torch.float32, x.dtype) else reduce.mean_dim_ref
-    return fn(x if x.is_floating_point() else x.to(dtype), _norm_dims(x, dim), keepdim=keepdim, dtype=dtype)
-
-
-def mean_all(x: torch.Tensor, *, dtype=None) -> torch.Tensor:
-    return mean_dim(x, None, False, dtype=dtype)
-
-
-def cumsum(x: torch.Tensor, dim: int, *, dtype=None) -> torch.Tensor:
-    """Inclusive scan in a fixed Hillis-Steele pattern of elementwise adds: the adds a position sees depend
-    only on its index, never on the other rows (torch's CUDA scan picks different kernels per shape)."""
-    out_dtype = dtype or (torch.int64 if not x.is_floating_point() else x.dtype)
-    y = x.to(out_dtype).movedim(dim, -1).clone()
-    n, step = y.shape[-1], 1
-    while step < n:
-        y = torch.cat([y[..., :step], y[..., step:] + y[..., :-step]], dim=-1)
-        step *= 2
-    return y.movedim(-1, dim).contiguous()
-
-
-# ------------------------------------------------------------------------------- CPU activations
-# On CPU, torch's vectorized activation kernels handle the tail of a tensor (elements past the last full
-# SIMD vector) with scalar code whose approximation differs, so an element's bits depend on its position in
-# the flattened tensor, i.e. on the batch (measured: silu, sigmoid, gelu, softplus; exp, erf, tanh are
-# position-independent). These spell the activations with position-independent primitives. CUDA runs one
-# code path per element, so only the CPU key is overridden.
-def silu_cpu(x: torch.Tensor) -> torch.Tensor:
-    return x / (1 + torch.exp(-x))
-
-
-def sigmoid_cpu(x: torch.Tensor) -> torch.Tensor:
-    return 1 / (1 + torch.exp(-x))
-
-
-def gelu_cpu(x: torch.Tensor, *, approximate: str = "none") -> torch.Tensor:
-    if approximate == "tanh":
-        return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x)))
-    return 0.5 * x * (1 + torch.erf(x * (1 / math.sqrt(2))))
-
-
-def softplus_cpu(x: torch.Tensor, beta=1, threshold=20) -> torch.Tensor:
-    bx = x * beta
-    return torch.where(bx > threshold, x, torch.log1p(torch.exp(bx)) / beta)
-
-
-# ------------------------------------------------------------------------------------------------ norms
-def rms_norm(x: torch.Tensor, normalized_shape, weight=None, eps=None) -> torch.Tensor:
-    nd = len(normalized_shape)
-    if tuple(x.shape[x.dim() - nd:]) != tuple(normalized_shape):
-        raise ValueError(f"rms_norm: normalized_shape {list(normalized_shape)} does not match the trailing "
-                         f"dims of input shape {list(x.shape)}")
-    if eps is None:
-        eps = torch.finfo(x.dtype).eps
-    lead = x.shape[: x.dim() - nd]
-    flat = x.reshape(*lead, math.prod(normalized_shape))
-    w = weight.reshape(-1) if weight is not None else None
-    from detinfer.kernels import rmsnorm
-    fn = rmsnorm.rms_norm if _route(flat, w) == "triton" else rmsnorm.rms_norm_ref
-    return fn(flat, w, eps).reshape(x.shape)
+# CPU-only overrides: activations whose stock CPU kernels are position-dependent (see ops/backend.py). CUDA
+# runs one code path per element, so only the CPU key is overridden.
+CPU_OVERRIDES = {"silu": silu_cpu, "sigmoid": sigmoid_cpu, "gelu": gelu_cpu, "softplus": softplus_cpu}
 
 
 # ------------------------------------------------------------------------------------------- attention
@@ -249,8 +208,7 @@ def _anchor_at_first_key(k, v, attn_mask):
     return k, v, attn_mask
 
 
-def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                 enable_gqa=False) -> torch.Tensor:
+def _sdpa(impls: AtenImpls, q, k, v, attn_mask, dropout_p, is_causal, scale) -> torch.Tensor:
     """SDPA as math through the invariant bmm + softmax (HF eager numerics: scores in the input dtype,
     softmax in fp32, probabilities rounded back before P @ V).
 
@@ -281,16 +239,16 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
                                                if attn_mask.dim() == 4 else attn_mask)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     qb, kb, vb = q.reshape(-1, lq, d), k.reshape(-1, lk, d), v.reshape(-1, lk, v.shape[-1])
-    scores = (bmm(qb, kb.transpose(1, 2)).float() * scale).reshape(*lead, lq, lk)   # [..., Lq, Lk]
+    scores = (impls.bmm(qb, kb.transpose(1, 2)).float() * scale).reshape(*lead, lq, lk)   # [..., Lq, Lk]
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attn_mask, float("-inf"))
         else:
             scores = scores + attn_mask.float()
-    probs = _softmax(scores.reshape(-1, lq, lk), -1, False).reshape(scores.shape)
+    probs = impls.softmax(scores.reshape(-1, lq, lk), -1, False).reshape(scores.shape)
     if attn_mask is not None:
         # Like torch's own SDPA since 2.5: a query that may attend to nothing (a pad row) gets zeros, not
         # NaN — a NaN there would reach real rows through later layers' P @ V (0 * NaN = NaN).
         probs = probs.masked_fill(~_allowed(attn_mask).any(dim=-1, keepdim=True), 0.0)
     probs = probs.reshape(-1, lq, lk).to(q.dtype)
-    return bmm(probs, vb).reshape(*lead, lq, v.shape[-1])
+    return impls.bmm(probs, vb).reshape(*lead, lq, v.shape[-1])

@@ -4,7 +4,7 @@
     with detinfer.batch_invariant():
         logits = model(**batch).logits        # any PyTorch / HF model, unmodified
 
-While enabled, the ops in `_OVERRIDES` run detinfer's batch-invariant implementations (Triton on CUDA,
+While enabled, the ops in `AtenImpls.overrides()` run detinfer's batch-invariant implementations (Triton on CUDA,
 fixed-order folds on CPU and for fp64) for the CPU and CUDA dispatch keys. In strict mode (the default) the
 ops in `_REFUSED` — reductions we have no invariant implementation for — raise `NotBatchInvariantError`
 instead of silently running a batch-variant stock kernel. Hugging Face's eager attention is routed through
@@ -24,36 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from detinfer.ops import aten_impls as impl
 from detinfer.ops import hf_attention
-from detinfer.ops.aten_impls import NotBatchInvariantError
-
-# aten op (overload) -> implementation with the same schema.
-_OVERRIDES = {
-    "mm": impl.mm,
-    "addmm": impl.addmm,
-    "bmm": impl.bmm,
-    "baddbmm": impl.baddbmm,
-    "mv": impl.mv,
-    "dot": impl.dot,
-    "_softmax": impl._softmax,
-    "_log_softmax": impl._log_softmax,
-    "sum.dim_IntList": impl.sum_dim,
-    "sum": impl.sum_all,
-    "mean.dim": impl.mean_dim,
-    "mean": impl.mean_all,
-    "cumsum": impl.cumsum,
-    "rms_norm": impl.rms_norm,
-    "scaled_dot_product_attention": impl.scaled_dot_product_attention,
-}
-
-# CPU-only overrides: activations whose stock CPU kernels are position-dependent (see aten_impls).
-_CPU_OVERRIDES = {
-    "silu": impl.silu_cpu,
-    "sigmoid": impl.sigmoid_cpu,
-    "gelu": impl.gelu_cpu,
-    "softplus": impl.softplus_cpu,
-}
+from detinfer.ops.aten_impls import CPU_OVERRIDES, AtenImpls, NotBatchInvariantError
 
 # Reductions without an invariant implementation yet: strict mode refuses them rather than run stock.
 _REFUSED = (
@@ -119,17 +91,17 @@ def enable(strict: bool = True, cpu_triton: bool = False) -> None:
         lib = torch.library.Library("aten", "IMPL")
         with warnings.catch_warnings():  # "Overriding a previously registered kernel" is the point here
             warnings.simplefilter("ignore")
-            for name, fn in _OVERRIDES.items():
+            # The implementations carry this activation's configuration (no module global is set).
+            for name, fn in AtenImpls(cpu_triton=config.cpu_triton).overrides().items():
                 for key in _DISPATCH_KEYS:
                     lib.impl(name, fn, key)
-            for name, fn in _CPU_OVERRIDES.items():
+            for name, fn in CPU_OVERRIDES.items():
                 lib.impl(name, fn, "CPU")
             if config.strict:
                 for name in _REFUSED:
                     if _op_exists(name):
                         for key in _DISPATCH_KEYS:
                             lib.impl(name, _refuser(name), key)
-        impl._CPU_TRITON["on"] = config.cpu_triton
         _STATE.hf_saved = hf_attention.patch_loaded_modules()
         _STATE.lib, _STATE.config = lib, config
 
@@ -142,7 +114,6 @@ def disable() -> None:
         hf_attention.restore_modules(_STATE.hf_saved)
         _STATE.hf_saved = {}
         _STATE.lib, _STATE.config = None, None
-        impl._CPU_TRITON["on"] = False
 
 
 def is_enabled() -> bool:

@@ -29,8 +29,7 @@ def _check_prompt(prompt: str) -> None:
 
 def _engine_for(mode: str, model_dir, random_model, engine_config: EngineConfig, device, random_seed: int):
     """(engine, prompt ids function, decode function, text_of, what) for one mode."""
-    import torch
-
+    from detinfer.dtypes import dtype_name, resolve_dtype
     from detinfer.engine.llm_engine import LLMEngine, resolve_device
     from detinfer.repro import random_model as rm
 
@@ -40,12 +39,11 @@ def _engine_for(mode: str, model_dir, random_model, engine_config: EngineConfig,
         tok = engine.tokenizer
         return engine, tok, (lambda ids: tok.decode(ids, skip_special_tokens=False)), None, f"model {model_dir}"
     dev = resolve_device(device)
-    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
     # "auto" as for checkpoints: bf16 on a GPU, fp32 on a CPU (the CPU kernels' dtype).
-    dtype = dtypes.get(config.dtype, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    dtype = resolve_dtype(config.dtype, None, dev)
     model, model_config = rm.build_random_model(random_model, mode=mode, device=dev, dtype=dtype, seed=random_seed)
     engine = LLMEngine.from_model(model, model_config, config, tokenizer=None)
-    what = f"random {random_model} (seed {random_seed}, {str(dtype).removeprefix('torch.')} on {dev})"
+    what = f"random {random_model} (seed {random_seed}, {dtype_name(dtype)} on {dev})"
     return engine, None, rm.decode_ids, (lambda c: rm.decode_ids(c.token_ids)), what
 
 

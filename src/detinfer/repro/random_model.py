@@ -40,7 +40,7 @@ def build_random_model(name: str, *, mode: str = "deterministic", device: torch.
     config = preset_config(name)
     device = torch.device(device)
     with torch.device("meta"):
-        model = Transformer(config, Ops(mode))
+        model = Transformer(config, Ops(mode, device, dtype, head_dim=config.head_dim))
     gen = torch.Generator(device=device).manual_seed(seed)
     for pname, p in sorted(model.named_parameters()):
         shape = tuple(p.shape)

@@ -24,7 +24,6 @@ from detinfer.models.families import (
 )
 from detinfer.models.families import llama as llama_module
 from detinfer.models.testing import tiny_config_dict, write_tiny_checkpoint
-from detinfer.ops import Ops
 from detinfer.repro.random_model import build_random_model
 
 # Public models' parameter counts (their model cards / safetensors index total sizes).
@@ -153,7 +152,7 @@ def test_a_registered_family_works_end_to_end(toy_registered, tmp_path):
     llama_dir = write_tiny_checkpoint(tmp_path / "llama", "LlamaForCausalLM", **kwargs)
     logits, configs = [], []
     for d in (toy_dir, llama_dir):
-        model, config = load_model(d, ops=Ops("fast"))
+        model, config = load_model(d, mode="fast")
         attn = ReferenceAttention(config.num_hidden_layers, config.softmax_scale)
         ids = torch.arange(5, 30, 2)
         with torch.no_grad():

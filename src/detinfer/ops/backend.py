@@ -1,0 +1,258 @@
+"""The numerics backend: one `Ops` object owns every numeric op a forward pass and the sampler use.
+
+    ops = Ops("deterministic", device, dtype, head_dim=cfg.head_dim)   # chosen once
+    model.set_ops(ops)                                                 # same weights, any backend
+
+Model code (`models/transformer.py`), the engine (KV writes, paged attention, logits, logprobs), the
+drop-in mode's aten implementations (`ops/aten_impls.py`) and the sampler's float reductions call these
+methods and nothing else, so which implementation runs is decided here and only here.
+
+Selection rule (`Ops.__post_init__`, from mode, device, dtype, head_dim and two switches):
+
+- mode "fast": stock torch for linear / norm / SiLU / softmax (cuBLAS, fused kernels: faster,
+  batch-variant), the split-picking `paged_attention_fast` kernel for attention.
+- mode "deterministic", dense ops (linear, matmuls, RMSNorm, softmax, sums): the Triton kernel when the
+  op's tensors are on the backend's CUDA device and of a kernel dtype (bf16/fp16/fp32); otherwise the
+  op's pure-torch `*_ref` (fixed-order folds, batch-invariant by construction: the CPU path, and fp64
+  anywhere). `cpu_triton=True` (the drop-in mode's testing switch) also runs fp32/fp16 CPU tensors
+  through the kernels when Triton's interpreter is on (TRITON_INTERPRET=1).
+- paged attention + KV write, both modes: the Triton kernels when the head_dim is one the kernels take
+  and the tensors are CUDA ones of a kernel dtype, or fp32 CPU ones under the interpreter (how CI tests
+  the kernels); otherwise `paged_attention_ref` + `write_kv_ref` (invariant by construction).
+  `attention="kernel"` / `"ref"` forces one side (a kernel that cannot run here is an error).
+- SiLU in deterministic mode on CPU is spelled with exp and a division: torch's vectorized CPU SiLU
+  rounds a tensor's SIMD tail differently, so an element's bits would depend on its position.
+- RoPE, and the sampler's reductions (`fold_sum`, `cumsum`), are the same in both modes: elementwise or
+  fixed-order, so batch-invariant on any device.
+
+Adding an op (a trainer's backward, an MoE router): one method here (plus its kernel/ref in kernels/).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+
+from detinfer.kernels._fold import fold_sum
+from detinfer.kernels._launch import KERNEL_DTYPES, SUPPORTED_HEAD_DIMS, interpreting
+from detinfer.kernels.scan import cumsum_ref
+
+MODES = ("deterministic", "fast")
+ATTENTION_BACKENDS = ("auto", "kernel", "ref")
+# dtypes the kernels run correctly in Triton's CPU interpreter (its bf16 math is wrong).
+_INTERPRETER_DENSE_DTYPES = frozenset({torch.float32, torch.float16})
+_INTERPRETER_ATTENTION_DTYPES = frozenset({torch.float32})
+
+
+# Position-independent spellings of the activations whose stock CPU kernels are not (see module doc).
+def silu_cpu(x: torch.Tensor) -> torch.Tensor:
+    return x / (1 + torch.exp(-x))
+
+
+def sigmoid_cpu(x: torch.Tensor) -> torch.Tensor:
+    return 1 / (1 + torch.exp(-x))
+
+
+def gelu_cpu(x: torch.Tensor, *, approximate: str = "none") -> torch.Tensor:
+    if approximate == "tanh":
+        return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x)))
+    return 0.5 * x * (1 + torch.erf(x * (1 / math.sqrt(2))))
+
+
+def softplus_cpu(x: torch.Tensor, beta=1, threshold=20) -> torch.Tensor:
+    bx = x * beta
+    return torch.where(bx > threshold, x, torch.log1p(torch.exp(bx)) / beta)
+
+
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by cos/sin [T, 1, D/2] (fp32): pairs are (i, i + D/2), as in HF checkpoints."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)  # [T, H, D/2] each
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)
+
+
+def _attention_kernel_runs(device: torch.device, dtype: torch.dtype, head_dim: int | None) -> bool:
+    if head_dim not in SUPPORTED_HEAD_DIMS or dtype not in KERNEL_DTYPES:
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and interpreting()
+                                     and dtype in _INTERPRETER_ATTENTION_DTYPES)
+
+
+@dataclass(frozen=True)
+class Ops:
+    """The numerics backend for one (mode, device, dtype); see the module docstring for the rule."""
+
+    mode: str = "deterministic"
+    device: torch.device | str = "cpu"
+    dtype: torch.dtype = torch.float32
+    head_dim: int | None = None
+    attention: str = "auto"
+    cpu_triton: bool = False
+    # Resolved once from the fields above.
+    dense_kernel_dtypes: frozenset = field(init=False, repr=False)
+    attention_impl: str = field(init=False)  # "kernel" or "ref"
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
+        device = torch.device(self.device)
+        object.__setattr__(self, "device", device)
+        if device.type == "cuda":
+            dense = KERNEL_DTYPES
+        elif self.cpu_triton and device.type == "cpu" and interpreting():
+            dense = _INTERPRETER_DENSE_DTYPES
+        else:
+            dense = ()
+        object.__setattr__(self, "dense_kernel_dtypes", frozenset(dense))
+        kernel_ok = _attention_kernel_runs(device, self.dtype, self.head_dim)
+        if self.attention == "kernel" and not kernel_ok:
+            raise ValueError(f"the Triton attention kernels cannot run here (device {device}, dtype "
+                             f"{self.dtype}, head_dim {self.head_dim}; kernels take head_dim in "
+                             f"{SUPPORTED_HEAD_DIMS} on CUDA, or fp32 on CPU under TRITON_INTERPRET=1)")
+        impl = ("kernel" if kernel_ok else "ref") if self.attention == "auto" else self.attention
+        object.__setattr__(self, "attention_impl", impl)
+
+    @property
+    def deterministic(self) -> bool:
+        return self.mode == "deterministic"
+
+    def replace(self, **changes) -> Ops:
+        """Another backend for the same model (e.g. `ops.replace(mode="fast")`), re-selected by the rule."""
+        return replace(self, **changes)
+
+    def _kernel(self, *tensors: torch.Tensor | None) -> bool:
+        """Deterministic dense ops: whether these tensors go to the Triton kernel (else the *_ref)."""
+        kinds = self.dense_kernel_dtypes
+        dev = self.device.type
+        return bool(kinds) and all(t is None or (t.device.type == dev and t.dtype in kinds) for t in tensors)
+
+    # -- dense ops -------------------------------------------------------------------------------------
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] @ weight[N, K]^T (+ bias[N]) -> [..., N]."""
+        if not self.deterministic:
+            return F.linear(x, weight, bias)
+        from detinfer.kernels import matmul as mm
+
+        return (mm.linear if self._kernel(x, weight, bias) else mm.linear_ref)(x, weight, bias)
+
+    def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """[M, K] @ [K, N] (float)."""
+        if not self.deterministic:
+            return torch.mm(a, b)
+        from detinfer.kernels import matmul as mm
+
+        return (mm.matmul if self._kernel(a, b) else mm.matmul_ref)(a, b)
+
+    def bmm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """[B, M, K] @ [B, K, N] (float)."""
+        if not self.deterministic:
+            return torch.bmm(a, b)
+        from detinfer.kernels import matmul as mm
+
+        return (mm.bmm if self._kernel(a, b) else mm.bmm_ref)(a, b)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                 residual: torch.Tensor | None = None):
+        """HF-style RMSNorm over the last dim; with `residual`, returns (normed(x + residual), x + residual)."""
+        if not self.deterministic:
+            h = x if residual is None else x + residual
+            hf = h.float()
+            y = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+            if weight is not None:
+                y = weight * y
+            return y if residual is None else (y, h)
+        from detinfer.kernels import rmsnorm
+
+        fn = rmsnorm.rms_norm if self._kernel(x, weight, residual) else rmsnorm.rms_norm_ref
+        return fn(x, weight, eps, residual=residual)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) * up (the SwiGLU MLP's elementwise part)."""
+        if self.deterministic and not gate.is_cuda:
+            return silu_cpu(gate) * up
+        return F.silu(gate) * up
+
+    def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor):
+        """Rotary embedding: positions [T] int; q [T, Hq, D], k [T, Hkv, D]; inv_freq [D/2] fp32. cos/sin
+        are computed per token from its position (no table sized by a maximum length)."""
+        angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+        cos = angles.cos()[:, None, :]  # [T, 1, D/2]
+        sin = angles.sin()[:, None, :]
+        return rotate_half(q, cos, sin), rotate_half(k, cos, sin)
+
+    def softmax(self, x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = torch.float32):
+        if not self.deterministic:
+            return torch.softmax(x, dim=dim, dtype=dtype)
+        from detinfer.kernels import softmax
+
+        return (softmax.softmax if self._kernel(x) else softmax.softmax_ref)(x, dim=dim, dtype=dtype)
+
+    def log_softmax(self, x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = torch.float32):
+        if not self.deterministic:
+            return torch.log_softmax(x, dim=dim, dtype=dtype)
+        from detinfer.kernels import softmax
+
+        return (softmax.log_softmax if self._kernel(x) else softmax.log_softmax_ref)(x, dim=dim, dtype=dtype)
+
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden] @ weight[vocab, hidden]^T -> logits [S, vocab] fp32."""
+        return self.linear(hidden, weight).float()
+
+    def sum_dim(self, x: torch.Tensor, dims: list[int], keepdim: bool = False, dtype=None) -> torch.Tensor:
+        """Sum over `dims` into a float result (an integer x needs a float dtype); the kernel only for a
+        float x and an fp32 or same-dtype result."""
+        return self._reduce(x, dims, keepdim, dtype, mean=False)
+
+    def mean_dim(self, x: torch.Tensor, dims: list[int], keepdim: bool = False, dtype=None) -> torch.Tensor:
+        return self._reduce(x, dims, keepdim, dtype, mean=True)
+
+    def _reduce(self, x, dims, keepdim, dtype, mean: bool) -> torch.Tensor:
+        from detinfer.kernels import reduce
+
+        kernel = x.is_floating_point() and self._kernel(x) and dtype in (None, torch.float32, x.dtype)
+        if mean:
+            fn = reduce.mean_dim if kernel else reduce.mean_dim_ref
+        else:
+            fn = reduce.sum_dim if kernel else reduce.sum_dim_ref
+        return fn(x if x.is_floating_point() else x.to(dtype), dims, keepdim=keepdim, dtype=dtype)
+
+    # -- the sampler's reductions (fixed order in both modes: sampling is always a pure row function) -----
+    @staticmethod
+    def fold_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+        return fold_sum(x, dim=dim, keepdim=keepdim)
+
+    @staticmethod
+    def cumsum(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return cumsum_ref(x, dim, dtype=dtype)
+
+    # -- paged KV cache ----------------------------------------------------------------------------------
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping, *, validate: bool = True) -> None:
+        """Store this step's k/v [T, Hkv, D] at `slot_mapping` [T] (-1: skip) of the layer's pools."""
+        from detinfer.kernels import kv_write
+
+        fn = kv_write.write_kv if self.attention_impl == "kernel" else kv_write.write_kv_ref
+        fn(k, v, k_cache, v_cache, slot_mapping, validate=validate)
+
+    def paged_attention(self, q, k_cache, v_cache, block_tables, kv_lens, cu_q_lens, scale, *, max_q_len,
+                        max_kv_len, validate: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of packed queries q [T, Hq, D] over each sequence's paged keys (prefill,
+        chunked prefill and decode are one call); see kernels.attention for the metadata."""
+        kwargs = {} if out is None else {"out": out}
+        if self.attention_impl == "kernel":
+            from detinfer.kernels import attention
+
+            fn = attention.paged_attention if self.deterministic else attention.paged_attention_fast
+        else:
+            from detinfer.kernels.attention_ref import paged_attention_ref as fn
+        return fn(q, k_cache, v_cache, block_tables, kv_lens, cu_q_lens, scale, max_q_len=max_q_len,
+                  max_kv_len=max_kv_len, validate=validate, **kwargs)
+
+
+__all__ = ["ATTENTION_BACKENDS", "MODES", "Ops", "gelu_cpu", "rotate_half", "sigmoid_cpu", "silu_cpu",
+           "softplus_cpu"]
