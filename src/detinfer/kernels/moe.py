@@ -174,8 +174,10 @@ def expert_config(n: int, k: int, dtype: torch.dtype, device: torch.device) -> E
     batch-variant (a tuned table keyed by M, split-K for small M). A 64-row tile is a compromise: decode
     (a few rows per expert) is bound by reading the expert weights, which does not depend on BLOCK_M;
     prefill (~M * top_k / E rows per expert) gets 64 rows of reuse per weight tile."""
-    if device.type != "cuda":  # the interpreter: small tiles keep the numpy emulation quick
-        return ExpertConfig((16, 32, 32, 4, 1))
+    if device.type != "cuda":
+        # The interpreter's tl.dot is numpy's matmul (BLAS), whose result for a row depends on the row's
+        # position in the block: one row per tile there (as the matmul kernel's interpreter config does).
+        return ExpertConfig((1, 64, 32, 4, 1))
     if dtype == torch.float32:
         return ExpertConfig((64, 64, 32, 4, 3))
     return ExpertConfig((64, 64 if n >= 1024 else 32, 64, 4, 3))
