@@ -180,7 +180,7 @@ def expert_config(n: int, k: int, dtype: torch.dtype, device: torch.device) -> E
         return ExpertConfig((1, 64, 32, 4, 1))
     if dtype == torch.float32:
         return ExpertConfig((64, 64, 32, 4, 3))
-    return ExpertConfig((64, 64 if n >= 1024 else 32, 64, 4, 3))
+    return ExpertConfig((64, 64, 64, 4, 3))
 
 
 @triton.jit
