@@ -111,7 +111,7 @@ def sweep(ms: list[int], weights) -> list[dict]:
             moe.expert_config = lambda n, k, dtype, device, c=cfg: moe.ExpertConfig(c)
             try:
                 out = moe.fused_moe(x, router, w13, w2, TOP_K, True)
-                t = eager_ms(lambda: moe.fused_moe(x, router, w13, w2, TOP_K, True))
+                t = eager_ms(lambda x=x: moe.fused_moe(x, router, w13, w2, TOP_K, True))
                 rows.append({"M": m, "config": cfg, "ms": t, "same_bits_as_default": torch.equal(out, ref)})
             except Exception as e:  # a config that does not compile (registers, shared memory) is reported
                 rows.append({"M": m, "config": cfg, "error": f"{type(e).__name__}: {str(e)[:120]}"})
