@@ -1,5 +1,6 @@
-"""GPU benchmark: the batch-invariant fused MoE layer (kernels/moe.py `fused_moe`) against the stock path
-(`moe_stock`: HF-style loop, bf16 router, torch.topk, F.linear per hit expert, index_add_), on one
+"""GPU benchmark: the batch-invariant fused MoE layer (kernels/moe.py `fused_moe`, deterministic mode) against
+the stock path (`moe_stock`: HF-style loop, bf16 router, torch.topk, F.linear per hit expert, index_add_) and
+fast mode's `moe_fast` (stock routing, the grouped GEMMs with a tile height chosen from M), on one
 Qwen3-30B-A3B MoE layer (128 experts, top-8, hidden 2048, expert intermediate 768, bf16).
 
     PYTHONUNBUFFERED=1 python bench/bench_moe.py [--ms 1,4,16,64,2048,4096,8192] [--sweep] [--json FILE]
@@ -7,9 +8,9 @@ Qwen3-30B-A3B MoE layer (128 experts, top-8, hidden 2048, expert intermediate 76
 Times are medians of triton.testing.do_bench (CUDA events, L2 flushed before each call; the expert weights,
 1.2 GB, do not fit in L2 anyway). Both sides are timed eagerly: the stock loop reads the hit experts on the
 host, so it cannot be captured in a CUDA graph (ours can; its graph time is shown too). ratio = stock /
-ours (>= 1: ours faster). Roofs (H100): decode reads the weights of the experts the batch hits,
-E * (1 - (1 - k/E)^M) experts of 3 * I * H * 2 bytes, at 3.0 TB/s; prefill does 2 * M * k * 3 * I * H
-FLOPs at 770 TFLOP/s. `frac` = roof time / measured time.
+ours (>= 1: ours faster); fast_ratio = moe_fast / ours. Roofs (H100): decode reads the weights of the
+experts the batch hits, E * (1 - (1 - k/E)^M) experts of 3 * I * H * 2 bytes, at 3.0 TB/s; prefill does
+2 * M * k * 3 * I * H FLOPs at 770 TFLOP/s. `frac` = roof time / measured time.
 
 Every row also checks the contract on the GPU: ours(x)[:1] == ours(x[:1]) and ours(x)[-5:] == ours(x[-5:])
 bitwise. `--sweep` times other fixed (never M-dependent) tile configs, by replacing `expert_config`, and
@@ -90,8 +91,10 @@ def bench_row(m: int, weights, graph: bool) -> dict:
     err = (ours.float() - stock.float()).abs().max().item()
     t_ours = eager_ms(lambda: moe.fused_moe(x, router, w13, w2, TOP_K, True))
     t_stock = eager_ms(lambda: moe.moe_stock(x, router, w13, w2, TOP_K, True))
+    t_fast = eager_ms(lambda: moe.moe_fast(x, router, w13, w2, TOP_K, True))
     roof, bound = roof_ms(m)
-    row = {"M": m, "ours_ms": t_ours, "stock_ms": t_stock, "ratio": t_stock / t_ours, "roof_ms": roof,
+    row = {"M": m, "ours_ms": t_ours, "stock_ms": t_stock, "ratio": t_stock / t_ours, "fast_ms": t_fast,
+           "fast_ratio": t_fast / t_ours, "roof_ms": roof,
            "bound": bound, "frac_ours": roof / t_ours, "frac_stock": roof / t_stock, "invariant": invariant,
            "max_abs_diff_vs_stock": err}
     if graph:
@@ -133,13 +136,14 @@ def main() -> None:
     ms = [int(v) for v in args.ms.split(",")]
     weights = layer()
     print(f"{torch.cuda.get_device_name(0)}; Qwen3-30B-A3B MoE layer E={E} top-{TOP_K} H={H} I={INTER} bf16")
-    print(f"{'M':>6} {'ours ms':>9} {'stock ms':>9} {'ratio':>6} {'roof ms':>8} {'bound':>5} {'frac ours':>9} "
-          f"{'frac stock':>10} {'graph ms':>9} {'inv':>4}")
+    print(f"{'M':>6} {'ours ms':>9} {'stock ms':>9} {'ratio':>6} {'fast ms':>9} {'f.ratio':>7} {'roof ms':>8} "
+          f"{'bound':>5} {'frac ours':>9} {'frac stock':>10} {'graph ms':>9} {'inv':>4}")
     rows = []
     for m in ms:
         r = bench_row(m, weights, graph=not args.no_graph)
         rows.append(r)
-        print(f"{m:>6} {r['ours_ms']:>9.4f} {r['stock_ms']:>9.4f} {r['ratio']:>6.2f} {r['roof_ms']:>8.4f} "
+        print(f"{m:>6} {r['ours_ms']:>9.4f} {r['stock_ms']:>9.4f} {r['ratio']:>6.2f} {r['fast_ms']:>9.4f} "
+              f"{r['fast_ratio']:>7.2f} {r['roof_ms']:>8.4f} "
               f"{r['bound']:>5} {r['frac_ours']:>9.2f} {r['frac_stock']:>10.2f} "
               f"{r.get('ours_graph_ms', float('nan')):>9.4f} {'yes' if r['invariant'] else 'NO':>4}", flush=True)
     sweep_rows = sweep([64, 2048, 8192], weights) if args.sweep else []

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from detinfer.kernels.moe import expert_config, fused_moe, fused_moe_ref, moe_stock, route_ref
+from detinfer.kernels.moe import expert_config, fused_moe, fused_moe_ref, moe_fast, moe_stock, route_ref
 
 # The kernel tests' device: CUDA when present, else the CPU under Triton's interpreter (tests/conftest.py).
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -94,12 +94,15 @@ def test_one_expert_with_every_token_equals_it_alone():
     assert expert_config(24, 32, torch.float32, x.device) == expert_config(24, 32, torch.float32, x.device)
 
 
-def test_stock_path_matches_reference():
+def test_fast_paths_match_reference():
+    """Fast mode's two paths (the stock loop; stock routing + M-tuned grouped GEMMs) compute the same function."""
     router, w13, w2 = make_layer(8, 32, 16, seed=5)
     x = torch.randn(11, 32)
     for renorm in (True, False):
         ref = fused_moe_ref(x, router, w13, w2, 3, renorm)
         assert torch.allclose(moe_stock(x, router, w13, w2, 3, renorm), ref, atol=1e-5, rtol=1e-5)
+        fast = moe_fast(*(t.to(DEVICE) for t in (x, router, w13, w2)), 3, renorm).cpu()
+        assert torch.allclose(fast, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_empty_input():
@@ -144,20 +147,22 @@ def test_gpu_qwen3_30b_layer_is_batch_invariant(dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_fused_moe_captures_in_a_cuda_graph():
-    """No host syncs: a decode-sized call replays from a CUDA graph with the same bits as eager."""
+@pytest.mark.parametrize("fn", [fused_moe, moe_fast], ids=["deterministic", "fast"])
+def test_gpu_moe_captures_in_a_cuda_graph(fn):
+    """No host syncs (both modes' GPU paths): a decode-sized call replays from a CUDA graph with the same
+    bits as eager."""
     E, H, inter, k = QWEN3_30B_LAYER.values()
     router, w13, w2 = make_layer(E, H, inter, seed=2, dtype=torch.bfloat16, device="cuda")
     x = torch.randn(16, H, device="cuda", dtype=torch.bfloat16)
-    eager = fused_moe(x, router, w13, w2, k, True)
+    eager = fn(x, router, w13, w2, k, True)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fused_moe(x, router, w13, w2, k, True)  # warm-up (compiles) outside the capture
+        fn(x, router, w13, w2, k, True)  # warm-up (compiles) outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_moe(x, router, w13, w2, k, True)
+        out = fn(x, router, w13, w2, k, True)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)

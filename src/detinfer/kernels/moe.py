@@ -23,8 +23,10 @@ things a stock MoE does not do:
 
 `fused_moe` is the Triton path (CUDA, or fp32/fp16 CPU tensors under TRITON_INTERPRET=1). `fused_moe_ref`
 is the CPU path: the same routing and combine, each expert's rows through the invariant `linear_ref` (a
-row's result does not depend on how many rows are gathered). `moe_stock` is fast mode: the HF-style loop
-(bf16 router, torch.topk, F.linear per hit expert, index_add_): faster to write, batch-variant, host-syncing.
+row's result does not depend on how many rows are gathered). Fast mode: `moe_fast` on a GPU (stock routing,
+the same grouped GEMMs with a tile height chosen from the rows per expert, a stock weighted sum; no host
+sync), `moe_stock` elsewhere and as the benchmark's baseline (the HF-style loop: router in x's dtype,
+torch.topk, F.linear per hit expert, index_add_; batch-variant and host-syncing).
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ import triton.language as tl
 
 from detinfer.kernels._launch import KERNEL_DTYPES, check_kernel_inputs
 
-__all__ = ["ExpertConfig", "expert_config", "fused_moe", "fused_moe_ref", "moe_experts", "moe_experts_ref",
-           "moe_stock", "route", "route_ref"]
+__all__ = ["ExpertConfig", "expert_config", "expert_outputs", "fused_moe", "fused_moe_ref", "moe_experts",
+           "moe_experts_ref", "moe_fast", "moe_stock", "route", "route_ref"]
 
 
 # --------------------------------------------------------------------------------------------- routing
@@ -156,6 +158,32 @@ def moe_stock(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Ten
     return out
 
 
+def moe_fast(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+             top_k: int, renormalize: bool) -> torch.Tensor:
+    """Fast mode on a GPU: stock routing (router GEMM in x's dtype through cuBLAS, torch.topk, torch.sum)
+    and the grouped expert GEMMs with a tile height picked from the rows per expert, as tuned fused-MoE
+    kernels pick theirs; a stock weighted sum over the k slots. No host sync (CUDA-graph capturable),
+    unlike `moe_stock`, whose per-expert loop costs ~10 launches and a sync per hit expert and layer."""
+    _check_moe_inputs("moe_fast", x, router_weight, w_gate_up, w_down, top_k)
+    if x.shape[0] == 0:
+        return x.new_zeros(x.shape)
+    probs = torch.softmax(F.linear(x, router_weight), dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    rows_per_expert = x.shape[0] * top_k / router_weight.shape[0]
+
+    def config_for(n, k, dtype, device):  # chosen from M: exactly what the deterministic path must not do
+        if device.type != "cuda":
+            return expert_config(n, k, dtype, device)
+        if rows_per_expert <= 16:
+            return ExpertConfig((16, 64, 128, 4, 4))
+        return ExpertConfig((32, 64, 64, 4, 4)) if rows_per_expert <= 48 else expert_config(n, k, dtype, device)
+
+    y = expert_outputs(x, ids, w_gate_up, w_down, config_for)  # [T, k, H]
+    return (y.float() * weights[:, :, None]).sum(dim=1).to(x.dtype)
+
+
 # --------------------------------------------------------------------------------------------- kernel
 class ExpertConfig(tuple):
     """(block_m, block_n, block_k, num_warps, num_stages) of the grouped expert GEMMs."""
@@ -253,14 +281,23 @@ def _group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int):
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
                 w_down: torch.Tensor) -> torch.Tensor:
     """The experts and combine for given routing on the Triton grouped GEMMs (see the module doc)."""
+    return _combine(weights, expert_outputs(x, ids, w_gate_up, w_down), x.dtype)
+
+
+def expert_outputs(x: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                   config_for=None) -> torch.Tensor:
+    """y [T, k, H]: y[t, r] = expert ids[t, r] applied to x[t], on the Triton grouped GEMMs.
+    `config_for(n, k, dtype, device)`: the launch config (default `expert_config`; fast mode passes one
+    that looks at M)."""
     T, k = ids.shape
     E, two_i, H = w_gate_up.shape
     inter = two_i // 2
     x = x.contiguous()
     w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # "tf32" is ignored for 16-bit inputs
-    cfg_up = expert_config(inter, H, x.dtype, x.device)
-    cfg_down = expert_config(H, inter, x.dtype, x.device)
+    config_for = expert_config if config_for is None else config_for
+    cfg_up = config_for(inter, H, x.dtype, x.device)
+    cfg_down = config_for(H, inter, x.dtype, x.device)
     act = torch.empty(T * k, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(T * k, H, dtype=x.dtype, device=x.device)
     for cfg, a, w, out, n, kdim, gather in ((cfg_up, x, w_gate_up, act, inter, H, True),
@@ -271,7 +308,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gat
                                   w.stride(1), out.stride(0), GATHER_TOKENS=gather, SWIGLU=gather,
                                   PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                                   BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return _combine(weights, y.view(T, k, H), x.dtype)
+    return y.view(T, k, H)
 
 
 def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
