@@ -7,6 +7,10 @@ per expert and projection, e.g. `model.layers.3.mlp.experts.17.gate_proj.weight`
 in the names (`MoeNames`). At load time they are stacked into the Transformer's
 `mlp.gate_up_proj` [E, 2I, H] (each expert's gate rows then its up rows) and `mlp.down_proj` [E, H, I],
 the layout the fused MoE kernel reads (kernels/moe.py).
+
+llama.cpp's GGUFs stack each layer's experts: `blk.N.ffn_{gate,up,down}_exps.weight` [E, out, in] and the
+router `blk.N.ffn_gate_inp.weight` [E, H]; `hf_name_from_gguf` names a stacked tensor with an `{expert}`
+placeholder, which the GGUF reader fills in while splitting it.
 """
 
 from __future__ import annotations
@@ -31,9 +35,11 @@ class MoeNames:
     def router_name(self, layer: int) -> str:
         return f"model.layers.{layer}.{self.block}.{self.router}.weight"
 
-    def expert_name(self, layer: int, expert: int, proj: str) -> str:
+    def expert_name(self, layer: int, expert: int | str, proj: str) -> str:
         return f"model.layers.{layer}.{self.block}.experts.{expert}.{getattr(self, proj)}.weight"
 
+
+GGUF_EXPERT_NAMES = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
 
 QWEN_MOE_NAMES = MoeNames(block="mlp", router="gate", gate="gate_proj", up="up_proj", down="down_proj")
 MIXTRAL_NAMES = MoeNames(block="block_sparse_moe", router="gate", gate="w1", up="w3", down="w2")
@@ -62,3 +68,15 @@ def state_dict_from_hf(names: MoeNames, config, hf: dict[str, torch.Tensor]) -> 
                                                          hf[names.expert_name(i, e, "up")]]) for e in experts])
         sd[o + "down_proj"] = torch.stack([hf[names.expert_name(i, e, "down")] for e in experts])
     return sd
+
+
+def hf_name_from_gguf(names: MoeNames, gguf_name: str) -> str:
+    """llama.cpp name -> HF name; stacked expert tensors get an `{expert}` placeholder (see module doc)."""
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] == "weight":
+        layer, stem = int(parts[1]), parts[2]
+        if stem == "ffn_gate_inp":
+            return names.router_name(layer)
+        if stem in GGUF_EXPERT_NAMES:
+            return names.expert_name(layer, "{expert}", GGUF_EXPERT_NAMES[stem])
+    return dense_decoder.hf_name_from_gguf(gguf_name)

@@ -1,7 +1,8 @@
 """Qwen3-MoE (Qwen3MoeForCausalLM): Qwen3's attention (q/k norm, explicit head_dim) with a sparse block in
 the layers that `decoder_sparse_step` / `mlp_only_layers` select: a router over `num_experts` experts, the
 top `num_experts_per_tok` of a softmax, renormalised when `norm_topk_prob`. No shared experts (that is
-Qwen2-MoE, not supported: its config's `shared_expert_intermediate_size` is refused). No GGUF support yet.
+Qwen2-MoE, not supported: its config's `shared_expert_intermediate_size` is refused). GGUF arch
+"qwen3moe" (llama.cpp renormalises the top-k and makes every layer sparse, as the public models do).
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ def hf_config_fields(cfg: Mapping[str, Any], *, attention_bias: bool, mlp_bias: 
     return {**fields, **{k: cfg.get(k, v) for k, v in tiny.items()}}
 
 
+def gguf_config_fields(cfg: Mapping[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    return {**qwen3.gguf_config_fields(cfg, tensor_names), "norm_topk_prob": True, "decoder_sparse_step": 1,
+            "mlp_only_layers": []}
+
+
 _QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
                       num_attention_heads=32, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6,
                       rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False,
@@ -59,5 +65,6 @@ FAMILY = ModelFamily(
     model_type="qwen3_moe", architectures=("Qwen3MoeForCausalLM",), flags_from_hf=qwen3.flags_from_hf,
     hf_config_fields=hf_config_fields, hf_weight_shapes=partial(moe_decoder.hf_weight_shapes, NAMES),
     state_dict_from_hf=partial(moe_decoder.state_dict_from_hf, NAMES), moe_from_hf=moe_from_hf,
-    presets=PRESETS,
+    gguf_arch="qwen3moe", gguf_config_fields=gguf_config_fields,
+    hf_name_from_gguf=partial(moe_decoder.hf_name_from_gguf, NAMES), presets=PRESETS,
 )
