@@ -52,7 +52,8 @@ def test_bad_moe_configs_are_refused(extra, message):
 def test_gguf_facts():
     assert family_for_gguf_arch("qwen3moe") is FAMILY and not FAMILY.gguf_rotary_permuted
     assert FAMILY.hf_name_from_gguf("blk.2.ffn_gate_inp.weight") == "model.layers.2.mlp.gate.weight"
-    assert FAMILY.hf_name_from_gguf("blk.2.ffn_down_exps.weight") == "model.layers.2.mlp.experts.{expert}.down_proj.weight"
+    assert (FAMILY.hf_name_from_gguf("blk.2.ffn_down_exps.weight")
+            == "model.layers.2.mlp.experts.{expert}.down_proj.weight")
     assert FAMILY.hf_name_from_gguf("blk.0.attn_q_norm.weight") == "model.layers.0.self_attn.q_norm.weight"
     fields = FAMILY.gguf_config_fields({"num_hidden_layers": 2}, set())
     assert fields["norm_topk_prob"] is True and fields["mlp_only_layers"] == []
