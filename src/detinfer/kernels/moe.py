@@ -300,9 +300,12 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor, 
     cfg_down = config_for(H, inter, x.dtype, x.device)
     act = torch.empty(T * k, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(T * k, H, dtype=x.dtype, device=x.device)
+    groups = {}  # block_m -> grouping (both GEMMs share one when their tile heights agree)
     for cfg, a, w, out, n, kdim, gather in ((cfg_up, x, w_gate_up, act, inter, H, True),
                                             (cfg_down, act, w_down, y, H, inter, False)):
-        pair_ids, tile_expert, tiles = _group_by_expert(ids, E, cfg.block_m)
+        if cfg.block_m not in groups:
+            groups[cfg.block_m] = _group_by_expert(ids, E, cfg.block_m)
+        pair_ids, tile_expert, tiles = groups[cfg.block_m]
         grid = (tiles, triton.cdiv(n, cfg.block_n))
         _expert_gemm_kernel[grid](a, w, out, pair_ids, tile_expert, n, kdim, k, a.stride(0), w.stride(0),
                                   w.stride(1), out.stride(0), GATHER_TOKENS=gather, SWIGLU=gather,
