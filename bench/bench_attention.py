@@ -1,4 +1,4 @@
-"""Attention speed on the GPU: decode and prefill tables for bench/NOTES.md ("## Attention").
+"""Attention speed on the GPU: the decode and prefill tables of docs/performance.md ("Attention").
 
     PYTHONPATH=src python bench/bench_attention.py [--decode] [--prefill] [--sweep] [--json FILE]
 

@@ -34,7 +34,7 @@ from detinfer.models.families import preset_hf_config  # noqa: E402
 from detinfer.models.transformer import Transformer  # noqa: E402
 from detinfer.ops import Ops  # noqa: E402
 
-HBM_BYTES_PER_S = 3.0e12  # measured device-to-device copy on this H100 kind (bench/NOTES.md)
+HBM_BYTES_PER_S = 3.0e12  # measured device-to-device copy on this H100 kind (docs/performance.md)
 
 
 def qwen3_8b_config(layers: int, max_len: int) -> ModelConfig:

@@ -7,16 +7,15 @@ linear       bf16 Llama-3-8B shapes x M in {1, 4, 16, 64, 256, 1024, 4096, 8192}
 rmsnorm      detinfer.kernels.rmsnorm.rms_norm vs torch's F.rms_norm, hidden 4096, rows {1, 64, 1024, 8192}
 log_softmax  detinfer.kernels.softmax.log_softmax vs torch.log_softmax (bf16 in, fp32 out), vocab 128256 /
              151936, rows {1, 64, 1024, 8192}
-A section whose module is missing is skipped with a message. Times are medians of triton.testing.do_bench
-(CUDA events; it also flushes the L2 before each timed call); on top of that, inputs that fit in L2 are
-rotated over several copies so that no repeated call can be served from cache. ratio = stock time / ours
-(>= 1: ours is faster). Bandwidth fractions are of PEAK_BW (3.0 TB/s, the measured H100 copy rate).
+Inputs that fit in L2 are rotated over several copies so that no repeated call can be served from cache.
+ratio = stock time / ours (>= 1: ours is faster). Bandwidth fractions are of PEAK_BW (3.0 TB/s, the
+measured H100 copy rate). Method and every measured table: docs/performance.md.
 
 Two timers, ours and the stock op measured the same way in each (--timer both, the default, runs both):
 * graph: the calls are captured in a CUDA graph and the graph is replayed (`graph_ms`, the method of
   triton's do_bench_cudagraph): device time only, no host launch cost, no L2 flush (the rotation above
   keeps inputs out of L2). What a CUDA-graph decode loop pays, and the like-for-like kernel comparison:
-  the speed bar is judged on this ratio. Measured ours, stock, stock, ours and averaged (run 4 saw the
+  the speed bar is judged on this ratio. Measured ours, stock, stock, ours and averaged (linear run 4 saw the
   same kernel's graph time move by up to 10-20% between measurements minutes apart on compute-bound
   cells; ABBA cancels a linear drift).
 * eager: triton's do_bench (CUDA events around each call, L2 flushed before each). The host is in the
@@ -27,7 +26,6 @@ Two timers, ours and the stock op measured the same way in each (--timer both, t
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import os
@@ -132,19 +130,9 @@ def rotated(fn, sets):
     return call
 
 
-def try_import(name: str):
-    try:
-        return importlib.import_module(name)
-    except ImportError as e:
-        print(f"  (section skipped: cannot import {name}: {e})")
-        return None
-
-
 # ------------------------------------------------------------------------------------------- sections
 def bench_linear(rows_out: list) -> None:
-    mm = try_import("detinfer.kernels.matmul")
-    if mm is None:
-        return
+    from detinfer.kernels import matmul as mm
     print(f"\n## linear, bf16 (ratio = F.linear time / ours; timers: {', '.join(TIMERS)}; "
           "wBW = weight bytes / time / 3.0 TB/s, TF/s: first timer)")
     cols = "".join(f" {t[:5] + ' ours':>11s} {t[:5] + ' cuBLAS':>12s} {t[:5] + ' ratio':>11s}" for t in TIMERS)
@@ -179,9 +167,7 @@ def bench_linear(rows_out: list) -> None:
 
 
 def bench_rmsnorm(rows_out: list) -> None:
-    rn = try_import("detinfer.kernels.rmsnorm")
-    if rn is None:
-        return
+    from detinfer.kernels import rmsnorm as rn
     h, eps = 4096, 1e-6
     print("\n## rms_norm, bf16, hidden 4096 (BW = (x read + y write) / time / 3.0 TB/s)")
     print(f"{'rows':>5s} {'ours us':>9s} {'torch us':>9s} {'ratio':>6s} {'ours BW':>8s} {'torch BW':>8s}")
@@ -200,9 +186,7 @@ def bench_rmsnorm(rows_out: list) -> None:
 
 
 def bench_log_softmax(rows_out: list) -> None:
-    sm = try_import("detinfer.kernels.softmax")
-    if sm is None:
-        return
+    from detinfer.kernels import softmax as sm
     print("\n## log_softmax, bf16 in / fp32 out (BW = (2 + 4 bytes per element) / time / 3.0 TB/s)")
     print(f"{'vocab':>7s} {'rows':>5s} {'ours us':>9s} {'torch us':>9s} {'ratio':>6s} {'ours BW':>8s} "
           f"{'torch BW':>8s}")

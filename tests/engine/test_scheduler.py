@@ -385,7 +385,7 @@ test_random_scheduler_mixes = SchedulerMachine.TestCase
 
 
 def test_prompt_ids_are_checked_once_here():
-    from detinfer.engine.scheduler import check_prompt_ids
+    from detinfer.engine.sequence import check_prompt_ids
 
     assert check_prompt_ids("r", (3, 4)) == [3, 4]
     with pytest.raises(ValueError, match=r"prompt token 1 is 9, not a token id of this model: prompt_token_ids\[1\]"):

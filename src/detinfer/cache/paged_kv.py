@@ -28,7 +28,7 @@ __all__ = ["DEFAULT_BLOCK_SIZE", "KVCacheSpec", "StepLayout", "StepMetadata", "a
 
 # Tokens per block. 16 keeps the tail waste per sequence small. The attention kernel looks up the block
 # of every key (block ids one tile ahead), so any block size works and gives the same bits; the
-# benchmark (bench/NOTES.md "## Attention") ran at 16 and reached the copy bandwidth at large batch.
+# benchmark (docs/performance.md, "Attention") ran at 16 and reached the copy bandwidth at large batch.
 DEFAULT_BLOCK_SIZE = 16
 
 

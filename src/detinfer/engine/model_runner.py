@@ -120,6 +120,9 @@ class ModelRunner:
         order. The tensor may be a view of a graph's static buffer: use it before the next `execute`."""
         if batch.is_empty:
             raise ValueError("execute: the batch is empty")
+        if self.model.ops is not self.ops:  # graphs and the KV pools were set up for self.ops
+            raise RuntimeError("the model's Ops were switched after this engine was built; build a new engine "
+                               "for the other backend")
         layout = batch.layout
         if self.use_graphs and layout.all_single_token and len(layout.query_lens) <= self.graph_sizes[-1]:
             return self._run_graph(layout)

@@ -15,6 +15,7 @@ uncomputed token.
 from __future__ import annotations
 
 import enum
+import operator
 from typing import Any
 
 from detinfer.engine.sampling_params import SamplingParams
@@ -23,6 +24,34 @@ FINISH_STOP = "stop"      # EOS, a stop token id or a stop string
 FINISH_LENGTH = "length"  # max_tokens or max_model_len reached
 FINISH_ABORT = "abort"    # aborted by the caller
 FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)
+
+
+_MAX_TOKEN_ID = (1 << 63) - 1
+
+
+def check_prompt_ids(request_id: str, prompt, vocab_size: int | None = None) -> list[int]:
+    """The prompt's token ids as a list of ints, or a TypeError/ValueError naming the problem."""
+    if isinstance(prompt, (str, bytes, dict)) or not hasattr(prompt, "__iter__"):
+        raise TypeError(f"request {request_id!r}: prompt must be a str or a list of token ids, "
+                        f"got {type(prompt).__name__}")
+    hi = _MAX_TOKEN_ID if vocab_size is None else vocab_size - 1
+    ids = []
+    for i, t in enumerate(prompt):
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            t = operator.index(t)
+        except TypeError:
+            raise TypeError(f"request {request_id!r}: prompt token {i} must be an int, got {t!r}") from None
+        if not 0 <= t <= hi:
+            what = "" if vocab_size is None else ", not a token id of this model"
+            raise ValueError(f"request {request_id!r}: prompt token {i} is {t}{what}: prompt_token_ids[{i}] "
+                             f"must be in 0..{hi}")
+        ids.append(t)
+    if not ids:
+        raise ValueError(f"request {request_id!r}: the prompt is empty; at least one token is needed")
+    return ids
+
 
 
 class SequenceStatus(enum.Enum):

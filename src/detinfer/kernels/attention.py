@@ -37,7 +37,7 @@ __all__ = ["DEFAULT_SPLIT_SIZE", "SUPPORTED_HEAD_DIMS", "attention_contiguous", 
 # Keys per split: fixes where partial softmaxes are merged, so it is a constant of the kernel, never a
 # function of the batch. 256 = 4 tiles of 64 keys: against 512 it gives small decode batches twice the
 # parallel programs (bs=1 kv=512: 14.8 vs 19.4 us on the H100), loses at bs<=8 with 32k contexts (a
-# merge chain twice as long) and ties at bs>=64 and in prefill (bench/NOTES.md "## Attention").
+# merge chain twice as long) and ties at bs>=64 and in prefill (docs/performance.md, "Attention").
 DEFAULT_SPLIT_SIZE = 256
 MAX_GROUP = 128  # query heads per kv head the tile can hold (MQA models go up to ~71 -> 128 padded)
 SCHEDULES = ("auto", "parallel", "sequential")

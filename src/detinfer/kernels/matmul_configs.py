@@ -8,8 +8,8 @@ decides how many hardware steps one loop iteration issues; TMA, persistence and 
 change how operands move. None of them regroups the additions, so an output row gets the same bits under
 every config. That is a claim about the hardware, so it is asserted bitwise on the GPU for every config
 `gpu_configs()` lists (tests/kernels/test_matmul.py, marker gpu) and for every candidate of the offline
-sweep (bench/matmul_gpu_check.py; measured on an H100: 42 bf16, 6 fp16 and 7 fp32 configs, BLOCK_K 32 to
-512, all identical; see bench/NOTES.md). A config that fails it must not be listed here.
+sweep (measured on an H100: 42 bf16, 6 fp16 and 7 fp32 configs, BLOCK_K 32 to 512, all identical; see
+docs/performance.md). A config that fails it must not be listed here.
 
 Triton's CPU interpreter is different: it computes each `tl.dot` block with numpy and adds the block to the
 accumulator, so there BLOCK_K *is* part of the reduction order. The interpreter therefore always uses one
@@ -98,7 +98,7 @@ class MatmulConfig:
 INTERPRETER_CONFIG = MatmulConfig(block_m=1, block_n=64, block_k=32, num_warps=4, num_stages=1)
 
 # GPU tables: M classes in increasing order, each (max_m, family); `_RULES` names how a class picks from
-# its family (default "tiles"). Measured on an H100 (bench/NOTES.md, runs 2 and 4).
+# its family (default "tiles"). Measured on an H100 (docs/performance.md, linear runs 2 and 4).
 _C = MatmulConfig
 _TPW = {"tma": True, "persistent": True, "warp_specialize": True}
 GPU_CONFIGS_16BIT: dict = {
@@ -111,7 +111,7 @@ GPU_CONFIGS_16BIT: dict = {
     # M > 64: compute bound, whole-K tiles, wave estimate (module doc). 128x256 TMA + persistent +
     # warp-specialized tiles for large outputs; 128x128 where 128x256 quantizes badly into waves; 64-row
     # tiles while few tiles cover the output (M <= ~256 with N <= ~6144). Run 4: M = 1024-4096 0.95-1.15x;
-    # M = 256 0.77-0.93x (whole-K tiles cannot fill 132 SMs there; see bench/NOTES.md).
+    # M = 256 0.77-0.93x (whole-K tiles cannot fill 132 SMs there; see docs/performance.md).
     "batch": (None, (_C(128, 256, 64, 8, 3, **_TPW), _C(128, 128, 64, 8, 4, **_TPW), _C(64, 128, 64, 4, 4, tma=True),
                      _C(64, 64, 256, 4, 3), _C(64, 32, 256, 4, 4))),
 }
