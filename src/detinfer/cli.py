@@ -12,6 +12,7 @@ _COMMANDS = {
     "serve": ("detinfer.server.serve", "run the OpenAI-compatible HTTP server"),
     "repro": ("detinfer.repro.cli", "N runs of a prompt under load: how many unique completions? (report)"),
     "audit": ("detinfer.repro.audit", "check a model's batch invariance and name the first op that differs"),
+    "rl": ("detinfer.rl.cli", "GRPO with sampler-trainer logprobs equal bit for bit; compare with stock kernels"),
 }
 
 

@@ -219,6 +219,21 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block (e.g. after the model's weights changed, which makes their K/V
+        stale). Only free cached blocks are dropped: they become plain free blocks. Blocks still owned by
+        a sequence keep their hash, so call this when no sequence runs (the engine checks that). Returns
+        how many blocks were dropped."""
+        dropped = 0
+        for block_id in list(self._free_cached):
+            block = self._blocks[block_id]
+            del self._hash_to_block[block.block_hash]
+            block.block_hash, block.token_ids = None, ()
+            self._free_uncached.append(block_id)
+            dropped += 1
+        self._free_cached.clear()
+        return dropped
+
     # -- invariants ----------------------------------------------------------------------------------
     def check_invariants(self, owners: Iterable[Sequence]) -> None:
         """Raise AssertionError unless the pool is consistent with `owners` (every sequence holding blocks).

@@ -177,6 +177,15 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self._requests)
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix KV block, e.g. after the weights were updated in place (the cached K/V
+        belong to the old weights). Only an idle engine can do this; returns how many blocks were dropped."""
+        if self.has_unfinished_requests():
+            raise RuntimeError(f"reset_prefix_cache: the engine has {self.get_num_unfinished_requests()} "
+                               "unfinished requests whose KV blocks hold the old weights' keys and values; "
+                               "finish or abort them first")
+        return self.scheduler.block_manager.reset_prefix_cache()
+
     # -- one step ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that progressed (cumulative outputs)."""

@@ -41,7 +41,8 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Holds the inverse frequencies; the rotation itself is the numerics backend's `Ops.rope`."""
+    """Holds the inverse frequencies; the rotation is the numerics backend's (`Ops.rope`, which the model
+    calls; `forward` is the same function for callers outside a model)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -51,3 +52,9 @@ class RotaryEmbedding(nn.Module):
     def reset_parameters(self, device: torch.device | str | None = None) -> None:
         """Recompute inv_freq (e.g. after the model was built on the meta device)."""
         self.inv_freq = inverse_frequencies(self.config).to(device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """positions [T] int; q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k), same dtypes."""
+        from detinfer.ops.backend import apply_rope
+
+        return apply_rope(positions, q, k, self.inv_freq)

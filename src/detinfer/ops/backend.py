@@ -77,6 +77,16 @@ def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return out.to(x.dtype)
 
 
+def apply_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor):
+    """Rotary embedding (the same in every mode: elementwise): positions [T] int; q [T, Hq, D], k [T, Hkv, D];
+    inv_freq [D/2] fp32. cos/sin are computed per token from its position (no table sized by a maximum
+    length)."""
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    cos = angles.cos()[:, None, :]  # [T, 1, D/2]
+    sin = angles.sin()[:, None, :]
+    return rotate_half(q, cos, sin), rotate_half(k, cos, sin)
+
+
 def _attention_kernel_runs(device: torch.device, dtype: torch.dtype, head_dim: int | None) -> bool:
     if head_dim not in SUPPORTED_HEAD_DIMS or dtype not in KERNEL_DTYPES:
         return False
@@ -181,12 +191,8 @@ class Ops:
         return F.silu(gate) * up
 
     def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor):
-        """Rotary embedding: positions [T] int; q [T, Hq, D], k [T, Hkv, D]; inv_freq [D/2] fp32. cos/sin
-        are computed per token from its position (no table sized by a maximum length)."""
-        angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-        cos = angles.cos()[:, None, :]  # [T, 1, D/2]
-        sin = angles.sin()[:, None, :]
-        return rotate_half(q, cos, sin), rotate_half(k, cos, sin)
+        """Rotary embedding of q and k (`apply_rope`)."""
+        return apply_rope(positions, q, k, inv_freq)
 
     def softmax(self, x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = torch.float32):
         if not self.deterministic:
@@ -276,5 +282,5 @@ class Ops:
                   max_kv_len=max_kv_len, validate=validate, **kwargs)
 
 
-__all__ = ["ATTENTION_BACKENDS", "MODES", "Ops", "gelu_cpu", "rotate_half", "sigmoid_cpu", "silu_cpu",
+__all__ = ["ATTENTION_BACKENDS", "MODES", "Ops", "apply_rope", "gelu_cpu", "rotate_half", "sigmoid_cpu", "silu_cpu",
            "softplus_cpu"]

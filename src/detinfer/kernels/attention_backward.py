@@ -1,0 +1,275 @@
+"""Backward of causal varlen attention with GQA (the training twin of `paged_attention`'s prefill path).
+
+Packed layout: q [T, Hq, D], k, v [T, Hkv, D], sequences cut by cu_seqlens [S+1]; query i of a sequence
+sees keys 0..i of the same sequence. Per sequence and kv head, the G = Hq / Hkv query heads are stacked
+into one [G * L, D] block, and the recompute backward runs as matmuls in fp32:
+    P = softmax(scale * Q K^T) (causal),  dV = P^T dO,  dP = dO V^T,  delta = rowsum(dO * O),
+    dS = P * (dP - delta) * scale,  dQ = dS K,  dK = dS^T Q.
+`attention_backward_ref` (CPU, fp64, any head_dim): every reduction is the invariant matmul
+(`matmul_det`) or `fold_sum`, walking its axis in ascending order into one accumulator: dK / dV of a key
+reduce over the G * L stacked queries in a fixed order (head-major, then query), with no atomics. Memory:
+one [G * L, L] fp32 score block per kv head of one sequence at a time.
+
+`attention_backward` (Triton, flash-style, no [L, L] matrix in memory) runs two kernels, each output
+element owned by exactly one program, so no atomics and no order that depends on scheduling:
+  * `_dq_kernel`, one program per (query tile, query head): pass 1 walks the visible keys in ascending
+    tiles to rebuild the row's log-sum-exp (the engine's forward kernel does not return it), pass 2
+    accumulates dQ = sum_j dS_ij K_j in the same ascending order; it stores dQ and the LSE.
+  * `_dkv_kernel`, one program per (key tile, kv head): for g = 0..G-1 (heads of the group, in order),
+    for query tiles from the key tile up to the sequence end (ascending), accumulates dV += P^T dO and
+    dK += dS^T Q.
+Tiles are anchored at each sequence's first token and tile sizes depend only on head_dim and dtype, so a
+sequence's gradient bits do not depend on the other sequences of the training batch, nor on its offset in
+the packing. Cost: 8 tile matmuls per (query tile, key tile) pair against FlashAttention-2's 5 (which
+needs atomics for dQ): the LSE recompute and the split into two kernels are the price of a fixed order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from detinfer.kernels._fold import fold_sum
+from detinfer.kernels._launch import check_kernel_inputs, interpreting
+from detinfer.kernels.linear_backward import matmul_det
+
+__all__ = ["attention_backward", "attention_backward_ref", "attention_forward_ref", "kernel_supports"]
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _stack(x: torch.Tensor, hkv: int) -> torch.Tensor:
+    """[L, Hq, D] -> [Hkv, G * L, D]: the G query heads of each kv head stacked head-major."""
+    length, hq, d = x.shape
+    return x.reshape(length, hkv, hq // hkv, d).permute(1, 2, 0, 3).reshape(hkv, -1, d).contiguous()
+
+
+def _unstack(x: torch.Tensor, length: int) -> torch.Tensor:
+    """[Hkv, G * L, D] -> [L, Hq, D]."""
+    hkv, gl, d = x.shape
+    return x.reshape(hkv, gl // length, length, d).permute(2, 0, 1, 3).reshape(length, -1, d)
+
+
+def _probs(qs: torch.Tensor, kt: torch.Tensor, length: int, scale: float) -> torch.Tensor:
+    """Causal softmax(scale * Q K^T) of stacked queries qs [Hkv, G*L, D] and kt [Hkv, D, L]."""
+    s = matmul_det(qs, kt) * scale  # [Hkv, G*L, L]
+    qpos = torch.arange(s.shape[1], device=s.device) % length
+    visible = torch.arange(length, device=s.device)[None, :] <= qpos[:, None]
+    s = s.masked_fill(~visible, float("-inf"))
+    p = torch.exp(s - s.amax(-1, keepdim=True))  # every query sees key 0: the max is finite
+    return p / fold_sum(p, -1, keepdim=True)
+
+
+def attention_forward_ref(q, k, v, cu_seqlens: list[int], scale: float) -> torch.Tensor:
+    """The math the backward differentiates (fp32 / fp64), for gradient checks."""
+    out = torch.zeros_like(q, dtype=_acc(q.dtype))
+    hkv = k.shape[1]
+    for s0, s1 in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        if s1 == s0:
+            continue
+        length = s1 - s0
+        acc = _acc(q.dtype)
+        qs = _stack(q[s0:s1].to(acc), hkv)
+        p = _probs(qs, k[s0:s1].to(acc).permute(1, 2, 0).contiguous(), length, scale)
+        out[s0:s1] = _unstack(matmul_det(p, v[s0:s1].to(acc).permute(1, 0, 2).contiguous()), length)
+    return out.to(q.dtype)
+
+
+def attention_backward_ref(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           out: torch.Tensor, cu_seqlens: list[int], scale: float):
+    """-> (dq, dk, dv) in the dtypes of q, k, v. `out` is the forward's output (for delta = rowsum(dO*O))."""
+    acc = _acc(q.dtype)
+    hkv = k.shape[1]
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    for s0, s1 in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        if s1 == s0:
+            continue
+        length = s1 - s0
+        qs = _stack(q[s0:s1].to(acc), hkv)  # [Hkv, G*L, D]
+        dos = _stack(dout[s0:s1].to(acc), hkv)
+        os_ = _stack(out[s0:s1].to(acc), hkv)
+        kh = k[s0:s1].to(acc).permute(1, 0, 2).contiguous()  # [Hkv, L, D]
+        vh = v[s0:s1].to(acc).permute(1, 0, 2).contiguous()
+        p = _probs(qs, kh.transpose(1, 2).contiguous(), length, scale)  # [Hkv, G*L, L]
+        pt = p.transpose(1, 2).contiguous()  # [Hkv, L, G*L]
+        dv[s0:s1] = matmul_det(pt, dos).permute(1, 0, 2)
+        dp = matmul_det(dos, vh.transpose(1, 2).contiguous())  # [Hkv, G*L, L]
+        delta = fold_sum(dos * os_, -1, keepdim=True)  # [Hkv, G*L, 1]
+        ds = p * (dp - delta) * scale
+        dq[s0:s1] = _unstack(matmul_det(ds, kh), length)
+        dk[s0:s1] = matmul_det(ds.transpose(1, 2).contiguous(), qs).permute(1, 0, 2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ------------------------------------------------------------------------------------------ Triton path
+def kernel_supports(head_dim: int) -> bool:
+    """head_dims the Triton backward takes (a power of two >= 16: tl.dot and tl.arange need it)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and head_dim <= 256
+
+
+def _block(head_dim: int, dtype: torch.dtype) -> int:
+    """Tile height (query and key tiles alike). Part of the reduction order, so a function of head_dim and
+    dtype only, never of the batch: 64 rows up to head_dim 128 (K, V, Q, dO tiles ~64 KB of bf16), 32
+    beyond; 32 for fp32 (register budget of exact fp32 dots)."""
+    if dtype == torch.float32:
+        return 32
+    return 64 if head_dim <= 128 else 32
+
+
+@triton.jit
+def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, delta_ptr, dq_ptr, lse_ptr, tile_start_ptr, tile_seq_end_ptr,
+               tile_seq_start_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+               stride_dot, stride_doh, stride_dqt, stride_dqh, scale_log2, scale,
+               GROUP: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // GROUP
+    q0 = tl.load(tile_start_ptr + tile)
+    seq0 = tl.load(tile_seq_start_ptr + tile)
+    seq1 = tl.load(tile_seq_end_ptr + tile)
+    offs_m = q0 + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < seq1
+    q = tl.load(q_ptr + offs_m[:, None].to(tl.int64) * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    do = tl.load(do_ptr + offs_m[:, None].to(tl.int64) * stride_dot + h * stride_doh + offs_d[None, :],
+                 mask=row_ok[:, None], other=0.0)
+    delta = tl.load(delta_ptr + offs_m.to(tl.int64) * tl.num_programs(1) + h, mask=row_ok, other=0.0)
+    end = tl.minimum(q0 + BLOCK, seq1)
+    m = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((BLOCK,), dtype=tl.float32)
+    for n0 in range(seq0, end, BLOCK):  # pass 1: log-sum-exp of each row, keys ascending
+        offs_n = n0 + tl.arange(0, BLOCK)
+        k = tl.load(k_ptr + offs_n[:, None].to(tl.int64) * stride_kt + kvh * stride_kh + offs_d[None, :],
+                    mask=(offs_n < seq1)[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        vis = (offs_n[None, :] <= offs_m[:, None]) & (offs_n < seq1)[None, :]
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l = l * tl.exp2(m - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+        m = m_new
+    lse = tl.where(row_ok, m + tl.log2(tl.where(l > 0, l, 1.0)), 0.0)
+    dq = tl.zeros((BLOCK, HEAD_DIM), dtype=tl.float32)
+    for n0 in range(seq0, end, BLOCK):  # pass 2: dQ, keys ascending
+        offs_n = n0 + tl.arange(0, BLOCK)
+        n_ok = offs_n < seq1
+        k = tl.load(k_ptr + offs_n[:, None].to(tl.int64) * stride_kt + kvh * stride_kh + offs_d[None, :],
+                    mask=n_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + offs_n[:, None].to(tl.int64) * stride_vt + kvh * stride_vh + offs_d[None, :],
+                    mask=n_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        vis = (offs_n[None, :] <= offs_m[:, None]) & n_ok[None, :] & row_ok[:, None]
+        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+    dq = dq * scale
+    tl.store(dq_ptr + offs_m[:, None].to(tl.int64) * stride_dqt + h * stride_dqh + offs_d[None, :], dq,
+             mask=row_ok[:, None])
+    tl.store(lse_ptr + offs_m.to(tl.int64) * tl.num_programs(1) + h, lse, mask=row_ok)
+
+
+@triton.jit
+def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, delta_ptr, lse_ptr, dk_ptr, dv_ptr, tile_start_ptr,
+                tile_seq_end_ptr, num_q_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale_log2, scale,
+                GROUP: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    k0 = tl.load(tile_start_ptr + tile)
+    seq1 = tl.load(tile_seq_end_ptr + tile)
+    offs_n = k0 + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    n_ok = offs_n < seq1
+    k = tl.load(k_ptr + offs_n[:, None].to(tl.int64) * stride_kt + kvh * stride_kh + offs_d[None, :],
+                mask=n_ok[:, None], other=0.0)
+    v = tl.load(v_ptr + offs_n[:, None].to(tl.int64) * stride_vt + kvh * stride_vh + offs_d[None, :],
+                mask=n_ok[:, None], other=0.0)
+    dk = tl.zeros((BLOCK, HEAD_DIM), dtype=tl.float32)
+    dv = tl.zeros((BLOCK, HEAD_DIM), dtype=tl.float32)
+    for g in range(GROUP):  # the group's query heads in order
+        h = kvh * GROUP + g
+        for m0 in range(k0, seq1, BLOCK):  # query tiles that can see this key tile, ascending
+            offs_m = m0 + tl.arange(0, BLOCK)
+            m_ok = offs_m < seq1
+            q = tl.load(q_ptr + offs_m[:, None].to(tl.int64) * stride_qt + h * stride_qh + offs_d[None, :],
+                        mask=m_ok[:, None], other=0.0)
+            do = tl.load(do_ptr + offs_m[:, None].to(tl.int64) * stride_dot + h * stride_doh + offs_d[None, :],
+                         mask=m_ok[:, None], other=0.0)
+            lse = tl.load(lse_ptr + offs_m.to(tl.int64) * num_q_heads + h, mask=m_ok, other=0.0)
+            delta = tl.load(delta_ptr + offs_m.to(tl.int64) * num_q_heads + h, mask=m_ok, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BM, BN]
+            vis = (offs_n[None, :] <= offs_m[:, None]) & n_ok[None, :] & m_ok[:, None]
+            p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+            dv = tl.dot(tl.trans(p).to(do.dtype), do, dv, input_precision=PRECISION)
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            ds = p * (dp - delta[:, None])
+            dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision=PRECISION)
+    dk = dk * scale
+    tl.store(dk_ptr + offs_n[:, None].to(tl.int64) * stride_dkt + kvh * stride_dkh + offs_d[None, :], dk,
+             mask=n_ok[:, None])
+    tl.store(dv_ptr + offs_n[:, None].to(tl.int64) * stride_dvt + kvh * stride_dvh + offs_d[None, :], dv,
+             mask=n_ok[:, None])
+
+
+def _tiles(cu_seqlens: list[int], block: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per tile: its first token, its sequence's first token and end (tiles anchored at sequence starts)."""
+    start, seq0, seq1 = [], [], []
+    for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        for t in range(a, b, block):
+            start.append(t)
+            seq0.append(a)
+            seq1.append(b)
+    as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    return as_t(start), as_t(seq0), as_t(seq1)
+
+
+def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, cu_seqlens: list[int], scale: float):
+    """Triton flash-style backward (see the module doc) -> (dq, dk, dv) in the dtypes of q, k, v."""
+    op = "attention_backward"
+    check_kernel_inputs(op, dout, q, k, v, out)
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    if not kernel_supports(d) or hq % hkv or k.shape != v.shape or dout.shape != q.shape \
+            or out.shape != q.shape or k.shape[0] != t:
+        raise ValueError(f"{op}: need q, dout, out [T, Hq, D], k, v [T, Hkv, D], Hq % Hkv == 0, D a power "
+                         f"of two in [16, 256]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if len({q.dtype, k.dtype, v.dtype, dout.dtype}) != 1:
+        raise TypeError(f"{op}: q, k, v, dout must share one dtype")
+    if any(x.stride(-1) != 1 for x in (q, k, v, dout)):
+        q, k, v, dout = (x.contiguous() for x in (q, k, v, dout))
+    group = hq // hkv
+    # delta_i = rowsum(dO_i * O_i): a fixed pairwise fold over head_dim, per row.
+    delta = fold_sum(dout.float() * out.float(), -1).contiguous()  # [T, Hq]
+    dq = torch.empty((t, hq, d), dtype=torch.float32, device=q.device)
+    dk = torch.empty((t, hkv, d), dtype=torch.float32, device=q.device)
+    dv = torch.empty((t, hkv, d), dtype=torch.float32, device=q.device)
+    lse = torch.empty((t, hq), dtype=torch.float32, device=q.device)
+    block = _block(d, q.dtype)
+    tile_start, tile_seq0, tile_seq1 = _tiles(cu_seqlens, block, q.device)
+    n_tiles = tile_start.shape[0]
+    if n_tiles == 0:
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    warps = 4 if (interpreting() or block <= 32) else 8
+    scale_log2 = scale * math.log2(math.e)
+    _dq_kernel[(n_tiles, hq)](q, k, v, dout, delta, dq, lse, tile_start, tile_seq1, tile_seq0,
+                              q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                              dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), scale_log2, scale,
+                              GROUP=group, BLOCK=block, HEAD_DIM=d, PRECISION=precision, num_warps=warps,
+                              num_stages=2)
+    _dkv_kernel[(n_tiles, hkv)](q, k, v, dout, delta, lse, dk, dv, tile_start, tile_seq1, hq,
+                                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0),
+                                dv.stride(1), scale_log2, scale, GROUP=group, BLOCK=block, HEAD_DIM=d,
+                                PRECISION=precision, num_warps=warps, num_stages=2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

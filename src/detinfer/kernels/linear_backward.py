@@ -1,0 +1,126 @@
+"""Backward of `linear` (y = x @ W^T + b): dX, dW, db, each with a fixed reduction order.
+
+dX = dY @ W goes through the invariant `matmul` (reduction over the output features N, one row of dY per
+row of dX), so a token's dX bits do not depend on the other tokens. dW = dY^T @ X and db = sum_t dY
+reduce over tokens: `weight_grad` walks the tokens upward from t = 0 in constant blocks of
+`BLOCK_T` into one fp32 accumulator per output element (no split-K, no atomics), so the order of the
+additions is a function of the token count only, and two identical steps give identical bits. dW and db
+come back in fp32 (the gradient dtype of bf16 parameters with fp32 grads); the caller casts if it wants.
+
+`linear_backward_ref` is the pure-torch path (CPU, fp64): the `*_ref` matmuls and `fold_sum`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from detinfer.kernels import matmul as mm
+from detinfer.kernels._fold import fold_sum
+from detinfer.kernels._launch import KERNEL_DTYPES, check_kernel_inputs
+
+__all__ = ["BLOCK_T", "bias_grad", "linear_backward", "linear_backward_ref", "matmul_det", "use_triton",
+           "weight_grad", "weight_grad_ref"]
+
+# Tokens per reduction step of dW: fixes the order of the fp32 additions, so a constant of the kernel
+# (never derived from the batch or the token count).
+BLOCK_T = 64
+
+
+def use_triton(*tensors: torch.Tensor | None) -> bool:
+    """Triton kernels for CUDA tensors of kernel dtypes; everything else (CPU, fp64) takes the refs."""
+    return all(t is None or (t.is_cuda and t.dtype in KERNEL_DTYPES) for t in tensors)
+
+
+def matmul_det(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, K] @ b [K, N] (or batched [B, M, K] @ [B, K, N]) with the invariant matmul: Triton on CUDA,
+    the fold-based reference elsewhere. Output in a's dtype."""
+    if a.dim() == 3:
+        return (mm.bmm if use_triton(a, b) else mm.bmm_ref)(a, b)
+    return (mm.matmul if use_triton(a, b) else mm.matmul_ref)(a, b)
+
+
+@triton.jit
+def _weight_grad_kernel(dy_ptr, x_ptr, dw_ptr, T, N, K, stride_dyt, stride_dyn, stride_xt, stride_xk,
+                        stride_dwn, stride_dwk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr, PRECISION: tl.constexpr):
+    """One program per BLOCK_N x BLOCK_K tile of dW; tokens in ascending BLOCK_T steps, one accumulator.
+
+    Launch order (speed only): GROUP_N consecutive n-tiles share each k-tile, so the dY column strips and
+    X column strips that programs running at the same time read are shared through L2 (without it, a
+    151936-row lm_head dW re-reads all of dY from HBM once per k-tile)."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_k = tl.cdiv(K, BLOCK_K)
+    per_group = GROUP_N * num_k
+    first_n = (pid // per_group) * GROUP_N
+    group_size = tl.minimum(num_n - first_n, GROUP_N)
+    pid_n = first_n + (pid % per_group) % group_size
+    pid_k = (pid % per_group) // group_size
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_t = tl.arange(0, BLOCK_T)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        t = t0 + offs_t
+        # [BT, BN] tile read along rows (coalesced), transposed in registers / shared memory
+        dy = tl.load(dy_ptr + t[:, None].to(tl.int64) * stride_dyt + offs_n[None, :] * stride_dyn,
+                     mask=(t[:, None] < T) & (offs_n[None, :] < N), other=0.0)
+        xt = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_xt + offs_k[None, :] * stride_xk,
+                     mask=(t[:, None] < T) & (offs_k[None, :] < K), other=0.0)  # [BT, BK]
+        acc = tl.dot(tl.trans(dy), xt, acc, input_precision=PRECISION)
+    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
+    tl.store(dw_ptr + offs_n[:, None].to(tl.int64) * stride_dwn + offs_k[None, :] * stride_dwk, acc, mask=mask)
+
+
+def weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """dW [N, K] fp32 = dy[T, N]^T @ x[T, K], tokens reduced in ascending blocks of BLOCK_T (Triton)."""
+    check_kernel_inputs("weight_grad", dy, x)
+    if dy.dim() != 2 or x.dim() != 2 or dy.shape[0] != x.shape[0] or dy.dtype != x.dtype:
+        raise ValueError(f"weight_grad: need dy [T, N] and x [T, K] of one dtype, got {tuple(dy.shape)} "
+                         f"{dy.dtype} and {tuple(x.shape)} {x.dtype}")
+    t, n = dy.shape
+    k = x.shape[1]
+    dw = torch.empty((n, k), dtype=torch.float32, device=dy.device)
+    if n == 0 or k == 0:
+        return dw
+    # Tile shape: a function of the weight shape only (speed); it never changes the per-element order.
+    bn, bk = (64, 64) if dy.dtype == torch.float32 else (128, 128)
+    grid = (triton.cdiv(n, bn) * triton.cdiv(k, bk),)
+    _weight_grad_kernel[grid](dy, x, dw, t, n, k, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
+                              dw.stride(0), dw.stride(1), BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=BLOCK_T, GROUP_N=8,
+                              PRECISION="ieee" if dy.dtype == torch.float32 else "tf32",
+                              num_warps=8 if bn * bk >= 128 * 128 else 4, num_stages=3)
+    return dw
+
+
+def weight_grad_ref(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`weight_grad` in pure torch: the fold-based matmul over tokens (fp32 accumulation; fp64 for fp64)."""
+    acc = torch.float64 if dy.dtype == torch.float64 else torch.float32
+    return mm.matmul_ref(dy.t().to(acc), x.to(acc))
+
+
+def bias_grad(dy: torch.Tensor) -> torch.Tensor:
+    """db [N] = sum over tokens of dy [T, N], a fixed pairwise fold in fp32 (fp64 for fp64)."""
+    acc = torch.float64 if dy.dtype == torch.float64 else torch.float32
+    return fold_sum(dy.to(acc), 0)
+
+
+def linear_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, has_bias: bool):
+    """(dx [..., K] in x.dtype, dW [N, K] fp32, db [N] fp32 or None) for y = linear(x, weight, bias)."""
+    n, k = weight.shape
+    dy2, x2 = dy.reshape(-1, n), x.reshape(-1, k)
+    if not use_triton(dy2, x2, weight):
+        return linear_backward_ref(dy, x, weight, has_bias)
+    dx = matmul_det(dy2, weight.to(dy2.dtype)).reshape(x.shape).to(x.dtype)
+    dw = weight_grad(dy2, x2.to(dy2.dtype))
+    return dx, dw, (bias_grad(dy2) if has_bias else None)
+
+
+def linear_backward_ref(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, has_bias: bool):
+    """`linear_backward` in pure torch (any float dtype): fold-based matmuls in fixed order."""
+    n, k = weight.shape
+    dy2, x2 = dy.reshape(-1, n), x.reshape(-1, k).to(dy.dtype)
+    dx = mm.matmul_ref(dy2, weight.to(dy2.dtype)).reshape(x.shape).to(x.dtype)
+    return dx, weight_grad_ref(dy2, x2), (bias_grad(dy2) if has_bias else None)

@@ -1,0 +1,124 @@
+"""Run GRPO arms end to end: per arm, build the colocated trainer, step it (progress bar, one log line per
+step with the weights' hash), save checkpoints and metrics; then one report comparing the arms.
+
+    from detinfer.rl import RLConfig, run
+    result = run("path/to/model", RLConfig(task="addition", steps=60), arms=("deterministic", "fast"),
+                 out="rl-out")
+
+Output layout: <out>/<arm>/metrics.jsonl (one JSON line per step), <out>/<arm>/checkpoint/ (latest),
+<out>/report.html, report.json, summary.png.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from detinfer.rl.checkpoint import jsonable, load_checkpoint, save_checkpoint
+from detinfer.rl.config import ARMS, RLConfig
+from detinfer.rl.tasks import Task
+
+
+def format_step(arm: str, rec: dict) -> str:
+    """One log line: the numbers a user watches, and the weights' hash (equal lines = equal runs)."""
+    parts = [f"[{arm}] step {rec['step']}", f"reward {rec['reward_mean']:.3f}", f"len {rec['response_len_mean']:.1f}",
+             f"mismatch {rec['mismatch_bits_differ']:.3g} of {rec['mismatch_tokens']} tokens",
+             f"max|d| {rec['mismatch_max_abs_diff']:.3g}", f"kl {rec['mismatch_kl_k3']:.3g}",
+             f"{rec['step_s']:.2f}s", f"weights {rec['weights_hash']}"]
+    return "  ".join(parts)
+
+
+def run_arm(model, config: RLConfig, arm: str, out: str | Path | None = None, *, task: Task | None = None,
+            device=None, resume: bool = False, progress: bool = True, max_model_len: int = 512,
+            log: Callable[[str], None] | None = print) -> list[dict]:
+    """Train one arm for config.steps steps (in total, counting a resumed checkpoint's); returns its
+    per-step metrics. With `out`: metrics.jsonl and checkpoints under <out>/<arm>/; `resume` continues
+    from <out>/<arm>/checkpoint when one exists."""
+    from detinfer.rl.grpo import GRPOTrainer
+
+    trainer = GRPOTrainer(model, config, arm, task=task, device=device, max_model_len=max_model_len)
+    try:
+        arm_dir = None if out is None else Path(out) / arm
+        ckpt = None if arm_dir is None else arm_dir / "checkpoint"
+        if arm_dir is not None:
+            arm_dir.mkdir(parents=True, exist_ok=True)
+        if resume:
+            if ckpt is None:
+                raise ValueError("resume needs an output directory holding a checkpoint")
+            if (ckpt / "state.json").is_file():
+                load_checkpoint(trainer, ckpt)
+                if log:
+                    log(f"[{arm}] resumed from {ckpt} at step {trainer.step_index} "
+                        f"(weights {trainer.fingerprint()})")
+            elif log:
+                log(f"[{arm}] no checkpoint in {ckpt}; starting from step 0")
+        if trainer.step_index > config.steps:
+            raise ValueError(f"the checkpoint is at step {trainer.step_index}, past steps={config.steps}")
+        _loop(trainer, config, arm, arm_dir, ckpt, progress, log)
+        return trainer.history
+    finally:
+        trainer.close()
+        del trainer
+        gc.collect()
+        _empty_cuda_cache()
+
+
+def _loop(trainer, config: RLConfig, arm: str, arm_dir, ckpt, progress: bool, log) -> None:
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=config.steps, initial=trainer.step_index, desc=arm, unit="step", dynamic_ncols=True)
+    write = (lambda s: bar.write(s)) if bar is not None else log
+    if arm_dir is not None:
+        # metrics.jsonl mirrors the history (rewritten on resume, so it never holds steps the run redid)
+        with open(arm_dir / "metrics.jsonl", "w", encoding="utf-8") as f:
+            for rec in trainer.history:
+                f.write(json.dumps(jsonable(rec)) + "\n")
+    try:
+        while trainer.step_index < config.steps:
+            rec = trainer.step()
+            if arm_dir is not None:
+                with open(arm_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
+                    f.write(json.dumps(jsonable(rec)) + "\n")
+            if log:
+                write(format_step(arm, rec))
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", mismatch=f"{rec['mismatch_bits_differ']:.3g}")
+            every = config.checkpoint_every
+            if ckpt is not None and (trainer.step_index == config.steps or (every and trainer.step_index % every == 0)):
+                save_checkpoint(trainer, ckpt)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _empty_cuda_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run(model, config: RLConfig, arms: Sequence[str] = ARMS, out: str | Path = "rl-report", *,
+        task: Task | None = None, device=None, resume: bool = False, progress: bool = True,
+        max_model_len: int = 512, log: Callable[[str], None] | None = print,
+        experiment: dict | None = None) -> dict:
+    """Train each arm in turn (one model in memory at a time) and write the comparison report.
+    Returns {"histories": {arm: [per-step metrics]}, "paths": report files}."""
+    for arm in arms:
+        if arm not in ARMS:
+            raise ValueError(f"unknown arm {arm!r}; arms: {ARMS}")
+    histories = {}
+    for arm in arms:
+        histories[arm] = run_arm(model, config, arm, out, task=task, device=device, resume=resume,
+                                 progress=progress, max_model_len=max_model_len, log=log)
+    from detinfer.rl.report import write_report
+
+    info = {**config.to_dict(), "model": str(model) if isinstance(model, (str, Path)) else type(model).__name__,
+            "task": task.name if task else config.task, **(experiment or {})}
+    paths = write_report(out, histories, info)
+    return {"histories": histories, "paths": paths}

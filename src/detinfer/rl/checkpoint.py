@@ -1,0 +1,139 @@
+"""Checkpoints of a GRPO run: everything a resumed run needs to continue bit for bit.
+
+A checkpoint directory holds
+  weights.safetensors    the trained weights (fp32 masters for 16-bit engines), by parameter name
+  optimizer.safetensors  AdamW's per-parameter state ("<name>::exp_avg", "::exp_avg_sq", "::step")
+  state.json             steps done, the run's seed and config, the arm, the optimizer's hyperparameters,
+                         the metrics history and the weights' fingerprint
+
+There is no other random state to save: a step's prompts and every sampling seed are pure functions of
+(seed, step, prompt, sample), so (seed, steps done) is the whole RNG state. A checkpoint is written to a
+temporary sibling directory and renamed into place, so an interrupted save never leaves a half-written
+checkpoint that looks valid.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from detinfer.rl.config import RESUMABLE_CHANGES, RLConfig
+
+CHECKPOINT_FORMAT = "detinfer-rl-checkpoint/1"
+
+
+def jsonable(x):
+    """Strict JSON: non-finite floats become the strings "inf", "-inf", "nan"."""
+    if isinstance(x, float) and x != x or x in (float("inf"), float("-inf")):
+        return repr(x)
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    return x
+
+
+def _safetensors():
+    try:
+        from safetensors.torch import load_file, save_file
+    except ImportError:
+        raise ImportError("checkpoints need safetensors: pip install safetensors") from None
+    return load_file, save_file
+
+
+def save_checkpoint(trainer, directory: str | Path) -> Path:
+    """Write `trainer`'s (a GRPOTrainer) state into `directory` (replaced if it exists)."""
+    _, save_file = _safetensors()
+    directory = Path(directory)
+    tmp = directory.with_name(directory.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    named = trainer.named_parameters()
+    save_file({n: p.detach().cpu().contiguous() for n, p in named}, str(tmp / "weights.safetensors"))
+    opt_tensors = {}
+    for name, p in named:
+        for key, value in trainer.optimizer.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor):
+                opt_tensors[f"{name}::{key}"] = value.detach().cpu().contiguous()
+            else:  # plain numbers (older torch kept `step` as a float)
+                opt_tensors[f"{name}::{key}"] = torch.tensor(value, dtype=torch.float64)
+    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.state_dict()["param_groups"]]
+    state = {"format": CHECKPOINT_FORMAT, "step": trainer.step_index, "arm": trainer.arm,
+             "task": trainer.task.name, "config": trainer.config.to_dict(), "optimizer_param_groups": groups,
+             "weights_hash": trainer.fingerprint(), "history": trainer.history}
+    (tmp / "state.json").write_text(json.dumps(jsonable(state), indent=1, allow_nan=False) + "\n", encoding="utf-8")
+    if directory.exists():
+        shutil.rmtree(directory)
+    tmp.rename(directory)
+    return directory
+
+
+def read_state(directory: str | Path) -> dict:
+    path = Path(directory) / "state.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {directory} (state.json missing)")
+    state = json.loads(path.read_text(encoding="utf-8"))
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path}: not a {CHECKPOINT_FORMAT} checkpoint (format {state.get('format')!r})")
+    return state
+
+
+def check_compatible(state: dict, config: RLConfig, arm: str, task_name: str) -> None:
+    """Refuse to resume under settings that would change the trajectory (steps/checkpoint_every may change)."""
+    if state["arm"] != arm:
+        raise ValueError(f"the checkpoint is of arm {state['arm']!r}, not {arm!r}")
+    if state["task"] != task_name:
+        raise ValueError(f"the checkpoint trained task {state['task']!r}, not {task_name!r}")
+    saved, now = state["config"], config.to_dict()
+    changed = sorted(k for k in now if k not in RESUMABLE_CHANGES and saved.get(k) != now[k])
+    if changed:
+        diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in changed)
+        raise ValueError(f"cannot resume with different settings ({diffs}); only {RESUMABLE_CHANGES} may change")
+
+
+@torch.no_grad()
+def load_checkpoint(trainer, directory: str | Path) -> dict:
+    """Restore weights, optimizer state, step and history into a freshly built `trainer`; the engine
+    sees the restored weights (and an empty prefix cache). Returns the checkpoint's state.json."""
+    load_file, _ = _safetensors()
+    directory = Path(directory)
+    state = read_state(directory)
+    check_compatible(state, trainer.config, trainer.arm, trainer.task.name)
+    weights = load_file(str(directory / "weights.safetensors"))
+    named = trainer.named_parameters()
+    names = [n for n, _ in named]
+    if sorted(weights) != sorted(names):
+        missing, extra = sorted(set(names) - set(weights))[:5], sorted(set(weights) - set(names))[:5]
+        raise ValueError(f"{directory}: the checkpoint's weights do not match this model's parameters "
+                         f"(missing {missing}, extra {extra})")
+    for name, p in named:
+        if weights[name].shape != p.shape or weights[name].dtype != p.dtype:
+            raise ValueError(f"{directory}: weight {name} is {tuple(weights[name].shape)} {weights[name].dtype}, "
+                             f"the model's is {tuple(p.shape)} {p.dtype}")
+        p.copy_(weights[name])
+    opt = load_file(str(directory / "optimizer.safetensors"))
+    per_param = {}
+    for i, name in enumerate(names):
+        entries = {k.split("::", 1)[1]: v for k, v in opt.items() if k.split("::", 1)[0] == name}
+        if entries:
+            per_param[i] = entries
+    groups = state["optimizer_param_groups"]
+    if len(groups) != 1:
+        raise ValueError(f"{directory}: expected one optimizer param group, found {len(groups)}")
+    group = dict(groups[0])
+    if "betas" in group:
+        group["betas"] = tuple(group["betas"])
+    group["params"] = list(range(len(names)))
+    trainer.optimizer.load_state_dict({"state": per_param, "param_groups": [group]})
+    trainer.trainer.push_weights()  # engine tensors <- restored weights; stale prefix cache dropped
+    trainer.step_index = int(state["step"])
+    trainer.history = list(state["history"])
+    if trainer.fingerprint() != state["weights_hash"]:
+        raise ValueError(f"{directory}: the restored weights' fingerprint {trainer.fingerprint()} differs from the "
+                         f"saved {state['weights_hash']}")
+    return state

@@ -1,0 +1,212 @@
+"""The one interface between training and the model: how a training forward runs the engine's module.
+
+Contract with the model (all that training relies on; `TrainingForward` is the adapter class):
+  * the model computes with its one numerics backend `model.ops` (see detinfer.ops.backend), passed down
+    to every submodule in forward: `ops.linear`, `ops.rms_norm(x, w, eps, residual=)`, `ops.silu_mul`,
+    `ops.rope(positions, q, k, inv_freq)`, `ops.logits(hidden, weight)`, `ops.log_softmax`;
+  * `model(input_ids [T], positions [T], attn) -> hidden [T, H]` with `attn(layer_idx, q, k, v)`,
+    and `model.compute_logits(hidden) -> fp32 logits` (through `ops.logits`);
+  * `F.embedding(ids, model.embed_tokens)`;
+  * the Ops' `paged_attention` / `write_kv` are the attention functions the engine calls.
+For the duration of one forward (`TrainingForward.run`) the adapter
+  * sets `model.ops` to `DifferentiableOps` (forward = the engine's op, backward = ours),
+  * routes `F.embedding` on the model's embedding weight through `EmbeddingFn` (a TorchFunctionMode),
+and passes `PackedPagedAttention` as `attn`: it writes the packed K/V into a temporary paged KV cache with
+contiguous block tables and calls the very attention function the engine's runner calls. The engine's
+attention is invariant to chunking and block layout, so the bits equal what the engine computed.
+Everything is restored afterwards. Not thread-safe: do not step the engine during a training forward.
+
+Fast mode swaps in the model's Ops in fast mode (F.linear, torch norms and softmax: plain autograd) and
+`SDPAAttention` (torch's scaled_dot_product_attention per sequence), on the same module and weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from detinfer.train.functions import (
+    AttentionFn,
+    EmbeddingFn,
+    LinearFn,
+    RMSNormFn,
+    RotaryFn,
+    SiLUMulFn,
+)
+
+__all__ = ["DifferentiableOps", "PackedPagedAttention", "SDPAAttention", "TrainingForward",
+           "attention_functions"]
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+class DifferentiableOps:
+    """Ops-like object: each op's forward is `base.<op>` (the engine's bits), its backward a fixed-order
+    kernel. Without autograd it is `base` itself."""
+
+    def __init__(self, base):
+        self.base = base
+        self.mode = base.mode
+
+    @property
+    def deterministic(self) -> bool:
+        return self.base.deterministic
+
+    def linear(self, x, weight, bias=None):
+        if not _needs_grad(x, weight, bias):
+            return self.base.linear(x, weight, bias)
+        return LinearFn.apply(x, weight, bias, self.base.linear)
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        if not _needs_grad(x, weight, residual):
+            return self.base.rms_norm(x, weight, eps, residual=residual)
+        return RMSNormFn.apply(x, weight, residual, eps, self.base.rms_norm)
+
+    def silu_mul(self, gate, up):
+        if not _needs_grad(gate, up):
+            return self.base.silu_mul(gate, up)
+        return SiLUMulFn.apply(gate, up, self.base.silu_mul)
+
+    def embedding(self, ids, weight):
+        """For a backend that routes the embedding gather through ops (today the model calls F.embedding)."""
+        fwd = getattr(self.base, "embedding", None)
+        if not _needs_grad(weight):
+            return fwd(ids, weight) if fwd is not None else F.embedding(ids, weight)
+        return EmbeddingFn.apply(ids, weight)
+
+    def log_softmax(self, x, dim=-1, dtype=torch.float32):
+        return self.base.log_softmax(x, dim=dim, dtype=dtype)
+
+    def logits(self, hidden, weight):
+        return self.linear(hidden, weight).float()  # what base.logits computes, through LinearFn
+
+    def rope(self, positions, q, k, inv_freq):
+        if not _needs_grad(q, k):
+            return self.base.rope(positions, q, k, inv_freq)
+        return RotaryFn.apply(q, k, positions, _Rope(inv_freq, self.base))
+
+    def softmax(self, x, dim=-1, dtype=torch.float32):
+        return self.base.softmax(x, dim=dim, dtype=dtype)
+
+
+class _Rope:
+    """The backend's rotation as RotaryFn takes it: `rope(positions, q, k)` with its `inv_freq`."""
+
+    def __init__(self, inv_freq, base):
+        self.inv_freq, self.base = inv_freq, base
+
+    def __call__(self, positions, q, k):
+        return self.base.rope(positions, q, k, self.inv_freq)
+
+
+class _EmbeddingRoute(TorchFunctionMode):
+    """Routes F.embedding(ids, weight) for the model's embedding weight through EmbeddingFn."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = weight
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.embedding and len(args) >= 2 and args[1] is self.weight and not kwargs \
+                and _needs_grad(args[1]):
+            return EmbeddingFn.apply(args[0], args[1])
+        return func(*args, **kwargs)
+
+
+def attention_functions(model, runner=None):
+    """(attend, write): the deterministic paged attention and KV write of the engine runner's Ops when a
+    runner is given, else of the model's Ops (the backend's one rule picks kernel or reference)."""
+    ops = (runner.ops if runner is not None else model.ops).replace(mode="deterministic")
+    return ops.paged_attention, ops.write_kv
+
+
+class PackedPagedAttention:
+    """`attn(layer_idx, q, k, v)` for a packed training batch: full causal attention within each sequence
+    (positions 0..L-1), computed by the engine's paged attention over a temporary cache, differentiable."""
+
+    def __init__(self, attend, write, cu_seqlens: list[int], scale: float, block_size: int,
+                 device: torch.device):
+        self.attend, self.write, self.cu, self.scale, self.block_size = attend, write, cu_seqlens, scale, \
+            block_size
+        lens = [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+        blocks = [-(-n // block_size) for n in lens]
+        width = max([1] + blocks)
+        tables, slots, first = [], [], 0
+        for n, nb in zip(lens, blocks):
+            tables.append(list(range(first, first + nb)) + [0] * (width - nb))
+            slots.extend(first * block_size + p for p in range(n))
+            first += nb
+        self.num_blocks = max(1, first)
+        self.block_tables = torch.tensor(tables, dtype=torch.int32, device=device).reshape(len(lens), width)
+        self.kv_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        self.cu_q = torch.tensor(cu_seqlens, dtype=torch.int32, device=device)
+        self.slots = torch.tensor(slots, dtype=torch.int64, device=device)
+        self.max_len = max([1] + lens)
+
+    def _forward(self, q, k, v):
+        shape = (self.num_blocks, self.block_size, k.shape[1], k.shape[2])
+        k_cache = torch.zeros(shape, dtype=k.dtype, device=k.device)
+        v_cache = torch.zeros(shape, dtype=v.dtype, device=v.device)
+        self.write(k, v, k_cache, v_cache, self.slots, validate=False)
+        return self.attend(q, k_cache, v_cache, self.block_tables, self.kv_lens, self.cu_q, self.scale,
+                           max_q_len=self.max_len, max_kv_len=self.max_len, validate=False)
+
+    def __call__(self, layer_idx, q, k, v):
+        if not _needs_grad(q, k, v):
+            return self._forward(q, k, v)
+        return AttentionFn.apply(q, k, v, self._forward, self.cu, self.scale)
+
+
+class SDPAAttention:
+    """Fast mode: torch's scaled_dot_product_attention, causal, one call per sequence (stock autograd)."""
+
+    def __init__(self, cu_seqlens: list[int], scale: float):
+        self.cu, self.scale = cu_seqlens, scale
+
+    def __call__(self, layer_idx, q, k, v):
+        outs = []
+        group = q.shape[1] // k.shape[1]
+        for a, b in zip(self.cu[:-1], self.cu[1:]):
+            # [1, H, L, D]: the fused (flash / memory-efficient) backends take 4-D inputs only
+            qs, ks, vs = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            if group > 1:
+                ks, vs = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale)[0]
+                        .transpose(0, 1))
+        return torch.cat(outs, 0)
+
+
+class TrainingForward:
+    """Runs the model's own forward with training ops swapped in (see the module doc)."""
+
+    def __init__(self, model, ops):
+        self.model, self.ops = model, ops
+
+    @contextlib.contextmanager
+    def _swapped(self):
+        model = self.model
+        saved = model.ops
+        try:
+            # The model passes its one `ops` down to every submodule in forward: swapping it is enough.
+            # (Set directly, not through set_ops: DifferentiableOps wraps an Ops rather than being one.)
+            model.ops = self.ops
+            if isinstance(self.ops, DifferentiableOps):
+                with _EmbeddingRoute(model.embed_tokens):
+                    yield
+            else:
+                yield
+        finally:
+            model.ops = saved
+
+    def run(self, input_ids, positions, attn):
+        """-> (hidden [T, H], compute_logits) with the swapped ops active for both."""
+        with self._swapped():
+            hidden = self.model(input_ids, positions, attn)
+            logits = self.model.compute_logits(hidden)
+        return hidden, logits

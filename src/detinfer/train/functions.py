@@ -1,0 +1,143 @@
+"""torch.autograd.Functions for every op of the model's training forward in deterministic mode.
+
+Each Function's forward calls the engine's own op (passed in as `fwd`, e.g. the model's `ops.linear`),
+so the forward bits are exactly the engine's; its backward is a fixed-order kernel from
+`detinfer.kernels.*_backward` (no atomics, no reduction whose order depends on the batch composition).
+Weight gradients come back in fp32; autograd casts them to the parameter's dtype unless the parameter
+asks for fp32 gradients (`Tensor.grad_dtype`, see `TrainableModel`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from detinfer.kernels._launch import interpreting
+from detinfer.kernels.attention_backward import attention_backward, attention_backward_ref, kernel_supports
+from detinfer.kernels.embedding_backward import embedding_backward_ref
+from detinfer.kernels.linear_backward import linear_backward
+from detinfer.kernels.log_softmax_backward import log_softmax_gather_backward_ref
+from detinfer.kernels.rmsnorm_backward import rms_norm_backward_ref
+from detinfer.kernels.rope_backward import rope_angles, rope_backward_ref
+from detinfer.kernels.silu_mul_backward import silu_mul_backward_ref
+
+__all__ = ["AttentionFn", "EmbeddingFn", "LinearFn", "LogprobFn", "RMSNormFn", "RotaryFn", "SiLUMulFn"]
+
+
+class LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, fwd: Callable):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return fwd(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx, dw, db = linear_backward(dy, x, weight, ctx.has_bias)
+        return dx, dw, db, None
+
+
+class RMSNormFn(torch.autograd.Function):
+    """y = rms_norm(x (+ residual)) * w; with a residual also returns h = x + residual."""
+
+    @staticmethod
+    def forward(ctx, x, weight, residual, eps: float, fwd: Callable):
+        ctx.save_for_backward(x, weight, residual)
+        ctx.eps, ctx.has_residual = eps, residual is not None
+        return fwd(x, weight, eps, residual=residual)
+
+    @staticmethod
+    def backward(ctx, dy, dh=None):
+        x, weight, residual = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros_like(x)
+        dx, dres, dw = rms_norm_backward_ref(dy, dh, x, residual, weight, ctx.eps)
+        return dx, dw, dres, None, None
+
+
+class SiLUMulFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, fwd: Callable):
+        ctx.save_for_backward(gate, up)
+        return fwd(gate, up)
+
+    @staticmethod
+    def backward(ctx, dout):
+        gate, up = ctx.saved_tensors
+        dgate, dup = silu_mul_backward_ref(dout, gate, up)
+        return dgate, dup, None
+
+
+class RotaryFn(torch.autograd.Function):
+    """(q, k) -> rotary(positions, q, k), the model's own rotary module in the forward."""
+
+    @staticmethod
+    def forward(ctx, q, k, positions, rotary):
+        ctx.save_for_backward(positions, rotary.inv_freq)
+        ctx.dtypes = (q.dtype, k.dtype)
+        return rotary(positions, q, k)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        positions, inv_freq = ctx.saved_tensors
+        cos, sin = rope_angles(positions, inv_freq)
+        dq = None if dq is None else rope_backward_ref(dq, cos, sin, ctx.dtypes[0])
+        dk = None if dk is None else rope_backward_ref(dk, cos, sin, ctx.dtypes[1])
+        return dq, dk, None, None
+
+
+class EmbeddingFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids, weight):
+        ctx.save_for_backward(ids)
+        ctx.num_embeddings = weight.shape[0]
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, dh):
+        (ids,) = ctx.saved_tensors
+        return None, embedding_backward_ref(dh, ids, ctx.num_embeddings)
+
+
+class LogprobFn(torch.autograd.Function):
+    """lp[t] = log_softmax(logits)[t, targets[t]] with the engine's log_softmax (sampler.compute_logprobs)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, log_softmax: Callable):
+        logprobs = log_softmax(logits, dim=-1)
+        ctx.save_for_backward(logprobs, targets)
+        return logprobs.gather(1, targets[:, None])[:, 0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        logprobs, targets = ctx.saved_tensors
+        return log_softmax_gather_backward_ref(grad, logprobs, targets).to(logprobs.dtype), None, None
+
+
+def _attention_backward_for(q: torch.Tensor):
+    """The Triton backward on CUDA (and on CPU in fp32 under Triton's interpreter, as the engine's
+    attention kernel), for head_dims it takes; the pure-torch reference otherwise."""
+    kernel_ok = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16, torch.float32) or \
+        (interpreting() and q.dtype == torch.float32)
+    return attention_backward if kernel_ok and kernel_supports(q.shape[-1]) else attention_backward_ref
+
+
+class AttentionFn(torch.autograd.Function):
+    """Causal varlen GQA attention: forward = the engine's paged attention (via `fwd(q, k, v)`), backward =
+    the fixed-order recompute backward over the same packed layout."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, fwd: Callable, cu_seqlens: list[int], scale: float):
+        out = fwd(q, k, v)
+        ctx.save_for_backward(q, k, v, out)
+        ctx.cu_seqlens, ctx.scale = cu_seqlens, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out = ctx.saved_tensors
+        dq, dk, dv = _attention_backward_for(q)(dout.contiguous(), q, k, v, out, ctx.cu_seqlens, ctx.scale)
+        return dq, dk, dv, None, None, None

@@ -1,0 +1,256 @@
+"""`TrainableModel`: the engine's own model and weights, trainable, scoring token sequences.
+
+    from detinfer.engine import LLM
+    from detinfer.train import TrainableModel
+    llm = LLM("path/to/model", mode="deterministic")
+    trainer = TrainableModel(llm)                          # same module, same weight tensors
+    opt = torch.optim.AdamW(trainer.parameters(), lr=1e-5)
+    lp = trainer.score(token_ids, cu_seqlens)              # [N] fp32 logprob of each next token
+    loss = -(lp * advantages).sum(); loss.backward(); opt.step()
+    trainer.push_weights()      # masters -> engine weights; drops the engine's now-stale prefix cache
+
+In deterministic mode the logprobs are `torch.equal` to the ones the engine reported while sampling the
+same tokens (output `logprobs` and `prompt_logprobs`), whatever the engine's batches and the training
+packing: the forward runs the engine's ops and attention (see adapter.py), and both sides are
+batch-invariant. Gradients come from fixed-order backward kernels: two identical steps give identical bits.
+Fast mode runs stock PyTorch autograd (F.linear, SDPA) on the same module, to measure cost and mismatch.
+
+Parameters and gradients. fp32 models: `parameters()` are the engine's tensors, with fp32 grads. 16-bit
+models (bf16 on GPU): by default (`master_weights=True`) `parameters()` are fp32 master copies whose
+`.grad` receives the fp32 weight gradients (the engine's bf16 tensors carry `grad_dtype=float32`, so no
+gradient is rounded to bf16; on torch versions without `Tensor.grad_dtype` they are rounded to bf16
+before reaching the fp32 masters); any torch optimizer steps the masters, and `push_weights()` rounds them
+into the engine's bf16 tensors (round-to-nearest-even, deterministic). With master_weights=False the
+engine's 16-bit tensors are the parameters and their grads are 16-bit. One TrainableModel at a time
+owns a model's gradients: creating another calls `close()` on the previous one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from detinfer.train.adapter import (
+    DifferentiableOps,
+    PackedPagedAttention,
+    SDPAAttention,
+    TrainingForward,
+    attention_functions,
+)
+from detinfer.train.functions import LogprobFn
+
+__all__ = ["MODES", "TrainableModel", "pack_padded"]
+
+MODES = ("deterministic", "fast")
+
+
+def _resolve(source):
+    """LLM | LLMEngine | Transformer -> (model, runner or None, engine or None)."""
+    engine = getattr(source, "engine", source)
+    runner = getattr(engine, "runner", None)
+    model = runner.model if runner is not None else source
+    if not (hasattr(model, "layers") and hasattr(model, "compute_logits") and hasattr(model, "embed_tokens")):
+        raise TypeError("TrainableModel takes a detinfer LLM, LLMEngine or models.Transformer, got "
+                        f"{type(source).__name__}")
+    return model, runner, (engine if runner is not None else None)
+
+
+def _cu_list(cu_seqlens, n: int) -> list[int]:
+    cu = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != n or any(b < a for a, b in zip(cu[:-1], cu[1:])):
+        raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at the token count {n}, "
+                         f"got {cu[:8]}{'...' if len(cu) > 8 else ''}")
+    return cu
+
+
+def pack_padded(token_ids: torch.Tensor, lengths: Sequence[int] | torch.Tensor | None = None):
+    """Right-padded [B, T] (+ lengths [B], default all T) -> (packed ids [N], cu_seqlens list)."""
+    b, t = token_ids.shape
+    lens = [t] * b if lengths is None else [int(x) for x in (lengths.tolist() if isinstance(lengths, torch.Tensor)
+                                                             else lengths)]
+    if len(lens) != b or any(not 0 <= n <= t for n in lens):
+        raise ValueError(f"lengths must hold {b} values in [0, {t}], got {lens}")
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return torch.cat([token_ids[i, :n] for i, n in enumerate(lens)]), cu
+
+
+class TrainableModel:
+    """See the module doc. `source`: a detinfer LLM, LLMEngine, or a models.Transformer."""
+
+    def __init__(self, source, mode: str = "deterministic", *, master_weights: bool | None = None,
+                 block_size: int = 16):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        self.model, self.runner, self._engine = _resolve(source)
+        self.mode, self.block_size = mode, block_size
+        cfg = self.model.config
+        self.scale = cfg.softmax_scale
+        if mode == "deterministic":
+            base = self.model.ops.replace(mode="deterministic")  # the same device/dtype rule as the engine
+            runner = self.runner if (self.runner is not None and self.runner.config.mode == "deterministic") \
+                else None
+            self.attend, self.write = attention_functions(self.model, runner)
+            self.ops = DifferentiableOps(base)
+        else:
+            self.ops = self.model.ops.replace(mode="fast")
+        self.forward_runner = TrainingForward(self.model, self.ops)
+        # One TrainableModel at a time routes the model's gradients: a new one releases the previous one's
+        # master-weight hooks (two sets would race for each .grad).
+        previous = getattr(self.model, "_detinfer_trainer", None)
+        if previous is not None:
+            previous.close()
+        self.model._detinfer_trainer = self
+        engine_params = list(self.model.parameters())
+        dtype = engine_params[0].dtype
+        self.master_weights = dtype != torch.float32 if master_weights is None else bool(master_weights)
+        self._pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
+        self._hooks = []
+        for p in engine_params:
+            p.requires_grad_(True)
+            if self.master_weights:
+                if hasattr(p, "grad_dtype"):  # torch versions with per-tensor gradient dtypes
+                    p.grad_dtype = torch.float32
+                master = torch.nn.Parameter(p.detach().to(torch.float32).clone())
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._move_grad_hook(master)))
+                self._pairs.append((p, master))
+
+    def close(self) -> None:
+        """Stop routing gradients to this object's master weights (a new TrainableModel does this)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if getattr(self.model, "_detinfer_trainer", None) is self:
+            del self.model._detinfer_trainer
+
+    @staticmethod
+    def _move_grad_hook(master: torch.nn.Parameter):
+        def hook(p: torch.Tensor) -> None:
+            if p.grad is None:
+                return
+            g = p.grad.to(torch.float32)
+            if master.grad is None:
+                master.grad = g
+            else:
+                master.grad.add_(g)  # one add per backward, in backward order: deterministic
+            p.grad = None
+        return hook
+
+    # -- parameters ----------------------------------------------------------------------------------
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        if self.master_weights:
+            return iter([m for _, m in self._pairs])
+        return self.model.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        names = [n for n, _ in self.model.named_parameters()]
+        return iter(zip(names, self.parameters()))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in list(self.parameters()) + list(self.model.parameters()):
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    @torch.no_grad()
+    def push_weights(self) -> None:
+        """Call after every optimizer.step(): copies the fp32 master weights (if any) into the engine's
+        tensors, and, when built from an engine, drops the engine's prefix cache, whose KV blocks were
+        computed with the old weights (a later request reusing them would get stale logprobs)."""
+        if self.runner is not None:
+            engine_unfinished = self._engine_unfinished()
+            if engine_unfinished:
+                raise RuntimeError(f"push_weights: the engine has {engine_unfinished} unfinished requests "
+                                   "whose KV cache holds the old weights' keys and values; finish or abort "
+                                   "them before updating the weights")
+        for p, master in self._pairs:
+            p.copy_(master)
+        if self.runner is not None:
+            self._engine.reset_prefix_cache()
+
+    def _engine_unfinished(self) -> int:
+        return self._engine.get_num_unfinished_requests() if self._engine is not None else 0
+
+    # -- scoring -------------------------------------------------------------------------------------
+    def score(self, token_ids: torch.Tensor, cu_seqlens=None, targets: torch.Tensor | None = None, *,
+              lengths=None) -> torch.Tensor:
+        """Logprobs of the next tokens, with autograd.
+
+        Packed: token_ids [N] with cu_seqlens [S+1] (list or tensor; default one sequence) -> [N] fp32,
+        entry i = log p(targets[i] | the tokens of its sequence up to i). targets default to each
+        sequence's next token; a sequence's last position has no next token and gets 0.0 (no gradient).
+        Padded: token_ids [B, T] (right padding) with lengths [B] -> [B, T], padding positions 0.0.
+        """
+        if not isinstance(token_ids, torch.Tensor) or token_ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError("token_ids must be an int32/int64 tensor")
+        if token_ids.dim() == 2:
+            if cu_seqlens is not None:
+                raise ValueError("a padded [B, T] batch takes lengths=, not cu_seqlens")
+            b, t = token_ids.shape
+            ids, cu = pack_padded(token_ids, lengths)
+            tg = None if targets is None else pack_padded(targets, lengths)[0]
+            lp = self.score(ids, cu, tg)
+            out = lp.new_zeros((b, t))
+            for i in range(b):
+                out[i, : cu[i + 1] - cu[i]] = lp[cu[i]:cu[i + 1]]
+            return out
+        if token_ids.dim() != 1:
+            raise ValueError(f"token_ids must be [N] (packed) or [B, T] (padded), got {tuple(token_ids.shape)}")
+        if lengths is not None:
+            raise ValueError("lengths= is for a padded [B, T] batch; packed input takes cu_seqlens")
+        n = token_ids.shape[0]
+        cu = _cu_list([0, n] if cu_seqlens is None else cu_seqlens, n)
+        return self._score_packed(token_ids, cu, targets)
+
+    @torch.no_grad()
+    def distributions(self, token_ids: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
+        """[N, V] fp32 log-probabilities of the next token at every position of packed token_ids (no
+        autograd): the full distributions behind `score`, e.g. to measure KL between two modes."""
+        n = token_ids.shape[0]
+        cu = _cu_list([0, n] if cu_seqlens is None else cu_seqlens, n)
+        ids = token_ids.to(device=self.model.embed_tokens.device, dtype=torch.int64)
+        _, logits = self._forward(ids, cu)
+        log_softmax = self.ops.log_softmax if self.mode == "deterministic" else torch.log_softmax
+        return log_softmax(logits, dim=-1)
+
+    def _forward(self, ids: torch.Tensor, cu: list[int]):
+        dev = ids.device
+        positions = torch.cat([torch.arange(b - a, dtype=torch.int64) for a, b in zip(cu[:-1], cu[1:])]) \
+            .to(dev) if ids.numel() else ids.new_zeros(0)
+        if self.mode == "deterministic":
+            attn = PackedPagedAttention(self.attend, self.write, cu, self.scale, self.block_size, dev)
+        else:
+            attn = SDPAAttention(cu, self.scale)
+        return self.forward_runner.run(ids, positions, attn)
+
+    def _score_packed(self, token_ids: torch.Tensor, cu: list[int], targets) -> torch.Tensor:
+        dev = self.model.embed_tokens.device
+        vocab = self.model.config.vocab_size
+        ids = token_ids.to(device=dev, dtype=torch.int64)
+        n = ids.shape[0]
+        if n and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise ValueError(f"token ids must be in [0, {vocab})")
+        has_target = torch.ones(n, dtype=torch.bool, device=dev)
+        if targets is None:
+            tg = torch.zeros_like(ids)
+            if n > 1:
+                tg[:-1] = ids[1:]
+            ends = [b - 1 for a, b in zip(cu[:-1], cu[1:]) if b > a]
+            has_target[ends] = False
+            tg[ends] = 0
+        else:
+            tg = targets.to(device=dev, dtype=torch.int64).reshape(-1)
+            if tg.shape[0] != n or (n and (int(tg.min()) < 0 or int(tg.max()) >= vocab)):
+                raise ValueError(f"targets must hold {n} token ids in [0, {vocab})")
+        _, logits = self._forward(ids, cu)
+        if self.mode == "deterministic":
+            lp = LogprobFn.apply(logits, tg, self.ops.log_softmax) if logits.requires_grad else \
+                self.ops.log_softmax(logits, dim=-1).gather(1, tg[:, None])[:, 0]
+        else:
+            lp = torch.log_softmax(logits, dim=-1).gather(1, tg[:, None])[:, 0]
+        return torch.where(has_target, lp, torch.zeros_like(lp))

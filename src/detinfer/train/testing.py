@@ -1,0 +1,101 @@
+"""Helpers shared by the training tests and benchmarks: random models of real shapes, sampling with the
+engine while other requests arrive, and comparing a trainer's logprobs with the sampler's."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from detinfer.models.config import ModelConfig
+from detinfer.models.families import preset_hf_config
+from detinfer.models.transformer import Transformer
+from detinfer.ops import Ops
+
+SHAPES: dict[str, dict] = {
+    "qwen3-8b": preset_hf_config("qwen3-8b"),
+    "smollm2-135m": dict(architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576,
+                         intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+                         max_position_embeddings=8192, tie_word_embeddings=True, eos_token_id=2),
+}
+
+
+@torch.no_grad()
+def random_model(shape: str, *, layers: int | None = None, mode: str = "deterministic",
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
+                 seed: int = 0) -> tuple[Transformer, ModelConfig]:
+    """A Transformer of a named shape (`SHAPES`), optionally truncated to `layers`, seeded random weights
+    (linear ~ N(0, 1/in), norms ~ N(1, 0.1)) drawn on `device` in fp32 and cast to `dtype`."""
+    cfg = dict(SHAPES[shape])
+    if layers is not None:
+        cfg["num_hidden_layers"] = layers
+    config = ModelConfig.from_dict(cfg)
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = Transformer(config, Ops(mode, device, dtype, head_dim=config.head_dim))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        t = torch.empty(tuple(p.shape), device=device, dtype=torch.float32)
+        if name.endswith("norm.weight"):
+            t.normal_(1.0, 0.1, generator=gen)
+        elif name.endswith(".bias"):
+            t.normal_(0.0, 0.1, generator=gen)
+        else:
+            t.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=gen)
+        *path, leaf = name.split(".")
+        owner = model
+        for part in path:
+            owner = getattr(owner, part)
+        setattr(owner, leaf, torch.nn.Parameter(t.to(dtype), requires_grad=False))
+    model.rotary.reset_parameters(device)
+    model.eval()
+    return model, config
+
+
+def sample_under_load(engine, prompts: Sequence[Sequence[int]], params: Sequence, *, arrive_every: int = 1):
+    """Add request i at engine step i * arrive_every (so prompts prefill while others decode), step to the
+    end. Returns [(token ids of prompt + completion, expected [len - 1] fp32 logprobs)] in prompt order:
+    the engine's prompt logprobs (if asked) then its output logprobs."""
+    pending = list(enumerate(zip(prompts, params)))
+    final, step = {}, 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] * arrive_every <= step:
+            i, (p, sp) = pending.pop(0)
+            engine.add_request(f"r{i}", list(p), sp)
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        step += 1
+    result = []
+    for i in range(len(prompts)):
+        o = final[f"r{i}"]
+        seq = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+        lps = [e.logprob for e in o.prompt_logprobs[1:]] if o.prompt_logprobs is not None else []
+        lps += [e.logprob for e in o.outputs[0].logprobs]
+        result.append((seq, torch.tensor(lps, dtype=torch.float32)))
+    return result
+
+
+def pack(seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:
+    cu = [0]
+    for s in seqs:
+        cu.append(cu[-1] + len(s))
+    return torch.tensor([t for s in seqs for t in s], dtype=torch.int64), cu
+
+
+def mismatch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+    """pairs of (trainer logprobs, sampler logprobs) of the same tokens -> (fraction of tokens that differ,
+    max |difference|)."""
+    got = torch.cat([g.detach().float().cpu() for g, _ in pairs])
+    want = torch.cat([w.detach().float().cpu() for _, w in pairs])
+    if got.numel() == 0:
+        return 0.0, 0.0
+    return (got != want).float().mean().item(), (got - want).abs().max().item()
+
+
+def kl_per_token(logprobs_p: torch.Tensor, logprobs_q: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) of each row of two [N, V] log-distributions, in fp64."""
+    lp, lq = logprobs_p.double(), logprobs_q.double()
+    return (lp.exp() * (lp - lq)).sum(-1)

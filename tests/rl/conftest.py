@@ -1,0 +1,24 @@
+"""Fixtures for the RL tests: the real stories260k checkpoint (next to the repository), one CPU thread."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+STORIES = REPO.parent / "shared" / "models" / "stories260k"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    if not (STORIES / "model.safetensors").is_file():
+        pytest.skip(f"stories260k checkpoint not found at {STORIES} (expected <repo>/../shared/models/stories260k)")
+    return STORIES

@@ -1,0 +1,40 @@
+"""Fixtures for training tests: the real stories260k checkpoint and tiny random Llama / Qwen3 checkpoints
+(head_dim 64, so the engine runs its Triton attention kernel, in Triton's interpreter on CPU)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from detinfer.models.testing import write_tiny_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+STORIES = REPO.parent / "shared" / "models" / "stories260k"
+
+TINY = {
+    # GQA, attention + MLP biases, tied embeddings (the embedding gets gradients from two places)
+    "llama-bias-tied": ("LlamaForCausalLM", dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                                 num_key_value_heads=2, head_dim=64, attention_bias=True,
+                                                 mlp_bias=True, tie_word_embeddings=True)),
+    # q/k norm, MQA
+    "qwen3-mqa": ("Qwen3ForCausalLM", dict(hidden_size=64, intermediate_size=96, num_attention_heads=2,
+                                           num_key_value_heads=1, head_dim=64)),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("train_ckpts")
+    dirs = {name: write_tiny_checkpoint(root / name, arch, seed=i + 11, **kw)
+            for i, (name, (arch, kw)) in enumerate(TINY.items())}
+    if (STORIES / "model.safetensors").is_file():
+        dirs["stories260k"] = STORIES
+    return dirs
