@@ -16,6 +16,28 @@ _COMMANDS = {
 }
 
 
+# Commands whose CPU runs get `cli_util.cpu_thread_policy` (set once here, at the process entry, so that
+# calling a command's main() from Python never changes the caller's torch thread count).
+_CPU_POLICY_COMMANDS = ("generate", "repro", "audit")
+
+
+def _apply_cpu_thread_policy(cmd: str, rest: list[str]) -> None:
+    if any(a in ("-h", "--help") for a in rest) or any(a.startswith("--url") for a in rest):
+        return
+    device = None
+    for i, a in enumerate(rest):
+        if a == "--device" and i + 1 < len(rest):
+            device = rest[i + 1]
+        elif a.startswith("--device="):
+            device = a.split("=", 1)[1]
+    from detinfer.cli_util import cpu_thread_policy
+
+    threads = cpu_thread_policy(device)
+    if threads is not None:
+        print(f"detinfer {cmd}: CPU run, {threads} torch thread(s) (DETINFER_CPU_THREADS=N overrides)",
+              file=sys.stderr)
+
+
 def _usage() -> str:
     lines = ["usage: detinfer <command> [options]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in _COMMANDS.items()]
@@ -34,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import importlib
 
+    if cmd in _CPU_POLICY_COMMANDS:
+        _apply_cpu_thread_policy(cmd, rest)
     module = importlib.import_module(_COMMANDS[cmd][0])
     return int(module.main(rest) or 0)
 

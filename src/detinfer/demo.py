@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import detinfer
+from detinfer.cli_util import Parser
 
 SHUFFLE_VALUES = [1e-10, 1e-5, 1e-2, 1.0, -1e-10, -1e-5, -1e-2, -1.0]
 
@@ -76,8 +77,7 @@ def linear_table(device: torch.device, dtype: torch.dtype, in_f: int, out_f: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="detinfer demo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="detinfer demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--shuffles", type=int, default=10_000, help="shuffles in the sum-order demo")
     args = p.parse_args(argv)

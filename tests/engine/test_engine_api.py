@@ -231,8 +231,9 @@ def test_generate_cli(stories, capsys):
 
 
 def test_failed_forward_aborts_its_batch_and_engine_recovers(model_dir):
-    """A forward pass that raises (e.g. out of memory) must not leak blocks or hang its requests: the batch's
-    requests end with finish_reason "abort", the error reaches the caller, later requests still run."""
+    """A forward pass that raises (e.g. out of memory) must not leak blocks or hang its requests: each request
+    whose share of the batch fails again on its own ends with finish_reason "abort" and the error in its
+    output, and later requests still run."""
     engine = LLMEngine(model_dir, CONFIG, device="cpu")
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     engine.add_request("x", [11, 12, 13], params)
@@ -243,12 +244,12 @@ def test_failed_forward_aborts_its_batch_and_engine_recovers(model_dir):
         raise RuntimeError("simulated device failure")
 
     engine.runner.execute = boom
-    with pytest.raises(RuntimeError, match="simulated device failure"):
-        engine.step()
+    engine.step()
     engine.runner.execute = real
     engine.scheduler.check_invariants()
     final = drain(engine)
     assert {k: o.outputs[0].finish_reason for k, o in final.items()} == {"x": "abort", "y": "abort"}
+    assert all("simulated device failure" in o.error for o in final.values())
     assert engine.stats().kv_blocks_used == 0
     engine.add_request("z", [11, 12, 13], params)
     assert drain(engine)["z"].outputs[0].finish_reason == "length"

@@ -39,24 +39,24 @@ def test_properties():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"n": 0}, r"n must be in \[1, inf\], got 0"),
-    ({"max_tokens": 0}, r"max_tokens must be in \[1, inf\], got 0"),
-    ({"temperature": -0.1}, r"temperature must be in \[0.0, inf\], got -0.1"),
+    ({"n": 0}, r"n must be in \[1, 9223372036854775807\], got 0"),
+    ({"max_tokens": 0}, r"max_tokens must be in \[1, 9223372036854775807\], got 0"),
+    ({"temperature": -0.1}, r"temperature must be in \[0.0, 3.40\d*e\+38\], got -0.1"),
     ({"temperature": float("inf")}, r"temperature must be finite"),
-    ({"top_k": -2}, r"top_k must be in \[-1, inf\], got -2"),
+    ({"top_k": -2}, r"top_k must be in \[-1, 9223372036854775807\], got -2"),
     ({"top_p": 0.0}, r"top_p must be in \(0.0, 1.0\], got 0.0"),
     ({"top_p": 1.01}, r"top_p must be in \(0.0, 1.0\], got 1.01"),
     ({"min_p": -0.5}, r"min_p must be in \[0.0, 1.0\]"),
     ({"min_p": 2}, r"min_p must be in \[0.0, 1.0\], got 2"),
-    ({"repetition_penalty": 0.0}, r"repetition_penalty must be in \(0.0, inf\]"),
+    ({"repetition_penalty": 0.0}, r"repetition_penalty must be in \[1.17\d*e-38, 3.40\d*e\+38\]"),
     ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2.0, 2.0\], got 2.5"),
     ({"frequency_penalty": -3}, r"frequency_penalty must be in \[-2.0, 2.0\], got -3"),
     ({"seed": -1}, r"seed must be in \[0, 9223372036854775807\], got -1"),
     ({"seed": 1 << 63}, r"seed must be in \[0, 9223372036854775807\]"),
     ({"stop": ["ok", ""]}, r"stop must contain non-empty strings only, got ''"),
-    ({"stop_token_ids": [1, -4]}, r"stop_token_ids\[1\] must be in \[0, inf\], got -4"),
-    ({"logprobs": -1}, r"logprobs must be in \[0, inf\]"),
-    ({"prompt_logprobs": -2}, r"prompt_logprobs must be in \[0, inf\]"),
+    ({"stop_token_ids": [1, -4]}, r"stop_token_ids\[1\] must be in \[0, 9223372036854775807\], got -4"),
+    ({"logprobs": -1}, r"logprobs must be in \[0, 9223372036854775807\]"),
+    ({"prompt_logprobs": -2}, r"prompt_logprobs must be in \[0, 9223372036854775807\]"),
 ])
 def test_out_of_range_values_are_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -60,7 +60,8 @@ def test_report_files_exist_and_parse(tmp_path):
     assert len(images) == 4  # histogram + divergence plot per section
     assert all(base64.b64decode(i).startswith(PNG_MAGIC) for i in images)
     assert "http://" not in html and "https://" not in html  # self-contained: no external assets
-    assert "reproducible: 1 unique completion" in html and "2 unique completions" in html
+    assert "deterministic: 1 distinct text and 1 distinct logprob sequence in 4 runs: reproducible" in html
+    assert "2 distinct texts and 2 distinct logprob sequences in 4 runs: not reproducible" in html
 
 
 def test_char_sections_and_duplicate_labels(tmp_path):
@@ -77,3 +78,33 @@ def test_char_sections_and_duplicate_labels(tmp_path):
 def test_write_report_refuses_nothing(tmp_path):
     with pytest.raises(ValueError, match="no sections"):
         write_report(tmp_path, [], {})
+
+
+def _logprob_only_section(n=20, differing=(3, 7, 11)):
+    """Every run the same text; a few runs differ in the first token's logprob bits."""
+    comps = [Completion(r, "abc", tokens=tuple("abc"),
+                        logprobs=(-0.5 - (1e-9 if r in differing else 0.0), -0.25, -0.125),
+                        top_logprobs=None, finish_reason="length") for r in range(n)]
+    return Section("fast", "synthetic", "p", summarize(comps), tuple(comps), 1.0)
+
+
+def test_logprob_only_differences_are_not_reproducible(tmp_path):
+    """Same text in every run but different logprob bits: the HTML, the terminal and --check all say "not
+    reproducible", with the same counts, and position 0 reads "at token 0" (not "0", which reads as none)."""
+    from detinfer.repro import cli
+    from detinfer.repro.report import headline, reproduces, verdict
+
+    fast = _logprob_only_section()
+    det = _logprob_only_section(differing=())
+    assert not reproduces(fast.summary) and reproduces(det.summary)
+    assert not cli.reproduces(fast) and cli.reproduces(det)  # what --check uses
+    assert verdict(fast.summary) == "1 distinct text but 2 distinct logprob sequences in 20 runs: not reproducible"
+    assert headline([fast, det]) == ("fast: 1 distinct text but 2 distinct logprob sequences in 20 runs: not "
+                                     "reproducible; fast: 1 distinct text and 1 distinct logprob sequence in 20 "
+                                     "runs: reproducible.")
+    html = write_report(tmp_path, [fast], {"prompt": "p"})["html"].read_text(encoding="utf-8")
+    assert 'class="bad">1 distinct text but 2 distinct logprob sequences in 20 runs: not reproducible' in html
+    assert "reproducible: 1 unique" not in html and 'class="ok"' not in html
+    assert "at token 0" in html
+    lines = cli.describe(fast)
+    assert "not reproducible" in lines and "the earliest at token 0" in lines

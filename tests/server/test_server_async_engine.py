@@ -16,7 +16,9 @@ from detinfer.server.async_engine import (
     EngineUnavailableError,
     QueueFullError,
     RequestAborted,
+    RequestFailed,
     RequestStream,
+    RequestTooLargeError,
 )
 
 WAIT_S = 10.0
@@ -26,8 +28,8 @@ class FakeEngine:
     """Follows LLMEngine's contract: the prompt is a list of ids, each step appends token 7 to every
     request; a request holds one KV block until it ends; abort frees at once and reports in the next step."""
 
-    def __init__(self, step_seconds: float = 0.0, fail_at_step: int | None = None):
-        self.step_seconds, self.fail_at_step = step_seconds, fail_at_step
+    def __init__(self, step_seconds: float = 0.0, fail_at_step: int | None = None, fail_request: str | None = None):
+        self.step_seconds, self.fail_at_step, self.fail_request = step_seconds, fail_at_step, fail_request
         self.requests: dict[str, dict] = {}
         self.aborted: list[str] = []
         self.steps = 0
@@ -58,9 +60,11 @@ class FakeEngine:
         for rid, r in list(self.requests.items()):
             if not r["aborted"]:
                 r["out"].append(7)
-            reason = "abort" if r["aborted"] else "length" if len(r["out"]) >= r["max"] else None
+            failed = rid == self.fail_request and len(r["out"]) == 2  # LLMEngine's isolation, scripted
+            reason = "abort" if r["aborted"] or failed else "length" if len(r["out"]) >= r["max"] else None
             comp = CompletionOutput(0, "x" * len(r["out"]), tuple(r["out"]), None, None, reason)
-            outs.append(RequestOutput(rid, None, r["prompt"], None, (comp,), reason is not None))
+            outs.append(RequestOutput(rid, None, r["prompt"], None, (comp,), reason is not None,
+                                      "RuntimeError: injected" if failed else None))
             if reason is not None:
                 del self.requests[rid]
         return outs
@@ -235,6 +239,67 @@ def test_cancelled_add_is_undone():
                 break
             await asyncio.sleep(0.01)
         assert ae.num_pending == 0 and "gone" in fake.aborted and not fake.requests
+        await ae.shutdown()
+
+    run(main())
+
+
+def test_requests_of_one_http_request_are_admitted_together():
+    """A request with k prompts reserves k slots at once: all fit, or none starts (429); k above the bound
+    can never fit (RequestTooLargeError -> 400, not "retry later")."""
+    fake = FakeEngine(step_seconds=0.01)
+
+    async def main():
+        ae = await _started(fake, max_pending_requests=4)
+        with pytest.raises(RequestTooLargeError, match="more than this server ever admits"):
+            await ae.add_requests([(f"big{i}", [1], 1) for i in range(5)])
+        held = await ae.add_requests([("a", [1], 50), ("b", [1], 50)])
+        with pytest.raises(QueueFullError):
+            await ae.add_requests([(f"c{i}", [1], 1) for i in range(3)])
+        assert ae.num_pending == 2 and not any(r.startswith(("big", "c")) for r in fake.requests)
+        # one refused prompt: none of the group stays in the engine, and every slot comes back
+        with pytest.raises(ValueError, match="empty"):
+            await ae.add_requests([("d0", [1], 1), ("d1", [], 1)])
+        assert ae.num_pending == 2
+        await asyncio.gather(*map(_collect, await ae.add_requests([("e0", [1], 1), ("e1", [1], 2)])))
+        for s in held:
+            ae.abort(s.request_id)
+        await ae.shutdown()
+        assert ae.num_pending == 0 and "d0" in fake.aborted
+
+    run(main())
+
+
+def test_a_request_failure_ends_only_its_stream():
+    """An output carrying `error` (the engine aborted that request alone) ends its stream with RequestFailed;
+    the engine stays healthy and the other requests run to the end."""
+    async def main():
+        ae = await _started(FakeEngine(fail_request="bad"))
+        good = await ae.add_request("good", [1], 5)
+        bad = await ae.add_request("bad", [1], 5)
+        with pytest.raises(RequestFailed, match="injected"):
+            await _collect(bad)
+        assert (await _collect(good)).outputs[0].finish_reason == "length"
+        assert ae.is_healthy and ae.num_pending == 0
+        await _collect(await ae.add_request("after", [1], 2))
+        await ae.shutdown()
+
+    run(main())
+
+
+def test_an_unexpected_add_failure_is_that_request_s_error():
+    class Exploding(FakeEngine):
+        def add_request(self, request_id, prompt, params):
+            if request_id == "boom":
+                raise KeyError("tokenizer state")
+            super().add_request(request_id, prompt, params)
+
+    async def main():
+        ae = await _started(Exploding())
+        with pytest.raises(RequestFailed, match="could not add"):
+            await ae.add_request("boom", [1], 2)
+        assert ae.is_healthy and ae.num_pending == 0
+        await _collect(await ae.add_request("fine", [1], 2))
         await ae.shutdown()
 
     run(main())

@@ -101,13 +101,15 @@ def test_unknown_route_and_method_are_openai_errors(http):
 
 
 def test_oversized_body_is_413(http):
-    r = http.post(COMPLETIONS, content=b'{"model": "x", "prompt": "' + b"a" * (5 << 20) + b'"}')
+    r = http.post(COMPLETIONS, content=b'{"model": "x", "prompt": "' + b"a" * (5 << 20) + b'"}',
+                  headers={"content-type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["message"]
 
 
 def test_server_keeps_serving_after_bad_requests(http, server):
     for path, body, _, _ in CASES[:10]:
-        http.post(path, content=body if isinstance(body, bytes) else json.dumps(body).encode())
+        http.post(path, content=body if isinstance(body, bytes) else json.dumps(body).encode(),
+                  headers={"content-type": "application/json"})
     r = http.post(COMPLETIONS, json=_ok(temperature=0))
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
     assert http.get("/health").status_code == 200

@@ -9,14 +9,17 @@ import pytest
 
 from detinfer.engine.config import EngineConfig
 from detinfer.server import protocol as P
-from detinfer.server.metrics import ServerMetrics, parse_metrics
-from detinfer.server.serve import (
-    ServerConfig,
-    build_parser,
+from detinfer.server.config import ServerConfig
+from detinfer.server.fingerprint import (
+    DeviceInfo,
+    SoftwareInfo,
     model_files_digest,
     numeric_code_digest,
     system_fingerprint,
 )
+from detinfer.server.logprobs import LOGPROB_FLOOR, TokenFormatter, clamp_logprob
+from detinfer.server.metrics import ServerMetrics, parse_metrics
+from detinfer.server.serve import CLIError, build_parser
 
 
 def _err(model, body) -> P.APIError:
@@ -113,7 +116,7 @@ def test_token_formatter_bytes_rebuild_the_text(tiny_model_dir):
     from detinfer.models.loader import load_tokenizer
 
     tok = load_tokenizer(tiny_model_dir)
-    fmt = P.TokenFormatter(tok)
+    fmt = TokenFormatter(tok)
     for text in ["Hello world", "Déterminisme: naïve café, 東京 🙂\tand\nnewlines", "def add(a, b): return"]:
         ids = tok.encode(text, add_special_tokens=False)
         assert b"".join(fmt.token(i)[1] for i in ids) == tok.decode(ids).encode("utf-8")
@@ -129,8 +132,8 @@ def test_token_formatter_bytes_rebuild_the_text(tiny_model_dir):
 
 
 def test_clamp_logprob():
-    assert P.clamp_logprob(float("-inf")) == P.LOGPROB_FLOOR
-    assert P.clamp_logprob(-1.25) == -1.25
+    assert clamp_logprob(float("-inf")) == LOGPROB_FLOOR
+    assert clamp_logprob(-1.25) == -1.25
 
 
 def test_metrics_text_format_round_trips():
@@ -175,29 +178,42 @@ def test_cli_flags_come_from_the_dataclasses():
     flags = {a for action in parser._actions for a in action.option_strings}
     assert {"--host", "--port", "--served-model-name", "--max-num-seqs", "--gpu-memory-utilization",
             "--max-model-len", "--enable-prefix-caching", "--block-size"} <= flags
-    with pytest.raises(SystemExit):
+    with pytest.raises(CLIError):
         build_parser().parse_args(["/m", "--mode", "sloppy"])
 
 
 def test_serve_refuses_bad_flags_and_missing_model(tmp_path, capsys):
+    """Each error is one line on stderr (no usage dump) and exit status 2."""
     from detinfer.server.serve import main
 
-    with pytest.raises(SystemExit) as info:
-        main([str(tmp_path), "--port", "1"])
-    assert info.value.code == 2 and "no config.json" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as info:  # EngineConfig validation reaches the user as a usage error
-        main([str(tmp_path), "--max-num-seqs", "64", "--max-num-batched-tokens", "8"])
-    assert info.value.code == 2 and "max_num_batched_tokens" in capsys.readouterr().err
+    assert main([str(tmp_path), "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "no config.json" in err and err.count("\n") == 1 and "usage" not in err
+    # EngineConfig validation reaches the user the same way
+    assert main([str(tmp_path), "--max-num-seqs", "64", "--max-num-batched-tokens", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "max_num_batched_tokens" in err and err.count("\n") == 1
+    assert main([str(tmp_path), "--max-num-seq", "8"]) == 2  # no prefix matching of flags
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --max-num-seq" in err and err.count("\n") == 1 and "usage" not in err
+
+
+SOFTWARE = SoftwareInfo(code_digest="c", torch="2.13.0", cuda="13.0", triton="3.9.0")
+H100 = DeviceInfo("cuda", "NVIDIA H100 80GB HBM3", (9, 0))
 
 
 def test_system_fingerprint_tracks_everything_that_changes_numbers(tiny_model_dir, tmp_path):
-    base = dict(weights_digest="w", dtype="float32", mode="deterministic", block_size=16, device="cpu",
-                code_digest="c")
+    base = dict(weights_digest="w", dtype="float32", mode="deterministic", block_size=16, device=H100,
+                software=SOFTWARE)
     fp = system_fingerprint(**base)
     assert fp.startswith("fp_") and fp == system_fingerprint(**base)
     for key, other in [("weights_digest", "w2"), ("dtype", "bfloat16"), ("mode", "fast"), ("block_size", 32),
-                       ("device", "cuda:0"), ("code_digest", "c2")]:
-        assert system_fingerprint(**{**base, key: other}) != fp, key
+                       ("device", DeviceInfo("cpu", "cpu")), ("device", DeviceInfo("cuda", H100.name, (8, 0))),
+                       ("software", SoftwareInfo("c2", "2.13.0", "13.0", "3.9.0")),
+                       ("software", SoftwareInfo("c", "2.12.0", "13.0", "3.9.0")),
+                       ("software", SoftwareInfo("c", "2.13.0", "12.8", "3.9.0")),
+                       ("software", SoftwareInfo("c", "2.13.0", "13.0", "3.8.0"))]:
+        assert system_fingerprint(**{**base, key: other}) != fp, (key, other)
     assert len(numeric_code_digest()) == 64
 
     from detinfer.models.testing import write_tiny_checkpoint
@@ -206,6 +222,21 @@ def test_system_fingerprint_tracks_everything_that_changes_numbers(tiny_model_di
     assert a == model_files_digest(tiny_model_dir)
     other = write_tiny_checkpoint(tmp_path / "other", "LlamaForCausalLM", seed=1)  # same files, other weights
     assert model_files_digest(other) != a
+
+
+def test_deterministic_fingerprint_ignores_the_device_name_fast_mode_keeps_it():
+    """Deterministic mode on an H100 and an H200 (same compute capability, same code) gives the same bits,
+    so the fingerprint must be equal; fast mode lets cuBLAS pick kernels per device, so it must differ."""
+    h200 = DeviceInfo("cuda", "NVIDIA H200", (9, 0))
+    base = dict(weights_digest="w", dtype="bfloat16", block_size=16, software=SOFTWARE)
+    assert (system_fingerprint(**base, mode="deterministic", device=H100)
+            == system_fingerprint(**base, mode="deterministic", device=h200))
+    assert (system_fingerprint(**base, mode="fast", device=H100)
+            != system_fingerprint(**base, mode="fast", device=h200))
+    # the capability (the compiler's target) still counts in deterministic mode
+    a100 = DeviceInfo("cuda", "NVIDIA A100", (8, 0))
+    assert (system_fingerprint(**base, mode="deterministic", device=H100)
+            != system_fingerprint(**base, mode="deterministic", device=a100))
 
 
 def test_engine_config_flags_parse_into_engine_config():

@@ -49,6 +49,15 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
     return device
 
 
+def out_of_memory_message(config: EngineConfig, device: torch.device, error: BaseException) -> str:
+    """What to lower when the model and its KV cache do not fit at start-up."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return (f"out of memory on {device} while loading the model or allocating its KV cache ({first}). Lower "
+            f"--gpu-memory-utilization (now {config.gpu_memory_utilization}), --max-model-len (now "
+            f"{config.max_model_len or 'the model maximum'}), --max-num-seqs (now {config.max_num_seqs}) or "
+            f"--num-kv-blocks (now {config.num_kv_blocks or 'auto'}), or pick a smaller --dtype")
+
+
 @dataclass
 class _Request:
     request_id: str
@@ -58,6 +67,7 @@ class _Request:
     seqs: list[Sequence]
     detokenizers: list  # one IncrementalDetokenizer per sample, or None without a tokenizer
     cumulative_logprobs: list[float] = field(default_factory=list)
+    error: str | None = None  # set when the engine aborted this request alone (see _isolate_failure)
 
 
 class LLMEngine:
@@ -71,8 +81,15 @@ class LLMEngine:
         device = resolve_device(device)
         model_dir = resolve_model_path(model_dir)  # a directory, or a hub id -> its cached snapshot
         dtype = resolve_dtype(config.dtype, ModelConfig.from_dir(model_dir).dtype, device)
-        model, model_config = load_model(model_dir, dtype, device, config.mode, attention=attention_backend)
-        self._setup(model, model_config, config, load_tokenizer(model_dir))
+        try:
+            model, model_config = load_model(model_dir, dtype, device, config.mode, attention=attention_backend)
+            self._setup(model, model_config, config, load_tokenizer(model_dir))
+        except (torch.OutOfMemoryError, MemoryError) as e:
+            raise RuntimeError(out_of_memory_message(config, device, e)) from e
+        except RuntimeError as e:
+            if "can't allocate memory" not in str(e):  # the CPU allocator's out-of-memory message
+                raise
+            raise RuntimeError(out_of_memory_message(config, device, e)) from e
 
     @classmethod
     def from_model(cls, model: Transformer, model_config: ModelConfig, config: EngineConfig | None = None,
@@ -197,10 +214,12 @@ class LLMEngine:
         c["num_preemptions"] += len(batch.preempted)
         if not batch.is_empty:
             try:
-                logits = self.runner.execute(batch)
-                tokens = self._sample(batch, logits)
+                try:
+                    tokens = self._sample(batch, self.runner.execute(batch))
+                except Exception as exc:
+                    batch, tokens = self._isolate_failure(batch, exc)
             except BaseException:
-                # The forward pass failed (e.g. out of memory). The scheduler already committed this batch,
+                # Interrupted (or the isolation itself failed). The scheduler already committed this batch,
                 # so its requests cannot simply be retried: abort them (their blocks are freed and they end
                 # with finish_reason "abort" at the next step) and let the caller see the error. Requests
                 # not in the batch are untouched, so the engine stays usable.
@@ -222,6 +241,37 @@ class LLMEngine:
                         if rid in self._requests]
         self._last_step_seconds = time.perf_counter() - start
         return outputs
+
+    def _isolate_failure(self, batch: ScheduledBatch, exc: Exception) -> tuple[ScheduledBatch, list[int | None]]:
+        """A step failed (forward pass or sampling): find whose. Each request's share of the batch is run
+        again on its own; the requests whose share fails again are aborted with the error (their output
+        carries it), the others' tokens are kept. In deterministic mode every kernel and the sampler are
+        batch-invariant, so the survivors get the same bits they would have got in the whole batch.
+        Nothing of the failed attempt is kept: KV slots are rewritten by the rerun, and the scheduler and
+        the prefix cache only record a step in postprocess()."""
+        groups: dict[str, list[int]] = {}
+        for i, item in enumerate(batch.scheduled):
+            groups.setdefault(item.seq.request_id, []).append(i)
+        tokens: list[int | None] = [None] * len(batch)
+        failed: dict[str, Exception] = {}
+        for rid, rows in groups.items():
+            part = tuple(batch.scheduled[i] for i in rows)
+            if len(groups) == 1:
+                failed[rid] = exc
+                break
+            sub = ScheduledBatch(part, sum(item.query_len for item in part))
+            try:
+                for i, t in zip(rows, self._sample(sub, self.runner.execute(sub))):
+                    tokens[i] = t
+            except Exception as e:
+                failed[rid] = e
+        for rid, e in failed.items():
+            self._requests[rid].error = f"{type(e).__name__}: {e}"
+            self.abort_request(rid)
+        keep = [i for i, item in enumerate(batch.scheduled) if item.seq.request_id not in failed]
+        kept = tuple(batch.scheduled[i] for i in keep)
+        return (ScheduledBatch(kept, sum(item.query_len for item in kept), batch.preempted),
+                [tokens[i] for i in keep])
 
     def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[int | None]:
         """Draw the next token of every sampled chunk; record logprobs (output and prompt) as asked."""
@@ -306,7 +356,8 @@ class LLMEngine:
             for seq in req.seqs:
                 self._seq_detok.pop(seq.seq_id, None)
             self._counters["num_finished_requests"] += 1
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, prompt_lp, tuple(outs), finished)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, prompt_lp, tuple(outs), finished,
+                             req.error if finished else None)
 
     # -- monitoring ----------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -55,6 +55,8 @@ class RequestOutput:
     prompt: the prompt text (None when the request was given token ids). prompt_logprobs: None unless
     requested; else one entry per prompt token, the first None (position 0 has no context).
     outputs: one `CompletionOutput` per sample, by sample index. finished: every sample is done.
+    error: why the engine aborted this request alone (a failure in its own sampling or forward pass; the
+    engine kept serving the others), or None.
     """
 
     request_id: str
@@ -63,6 +65,7 @@ class RequestOutput:
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None
     outputs: tuple[CompletionOutput, ...]
     finished: bool
+    error: str | None = None
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,16 @@ from dataclasses import dataclass, field
 from detinfer.engine.config import MAX_SEED, check_float, check_int
 
 PENALTY_RANGE = 2.0  # presence/frequency penalties live in [-2, 2] (OpenAI's range)
+# Bounds of what the sampler can hold: counts, ids and top_k travel as int64; temperature and the
+# repetition penalty divide float32 logits, so they must be normal, finite float32 numbers.
+INT64_MAX = (1 << 63) - 1
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
+# Temperatures below this sample greedily. Why: the sampler draws argmax(z / T + g) with Gumbel noise g,
+# |g| < 40 for every 52-bit uniform draw, so at T = 1e-5 only tokens whose logits lie within 4e-4 of the
+# best can still be drawn (sampling is already greedy but for near-ties), while much smaller T overflow
+# z / T in float32 (T < ~1e-37 turns logits into inf and NaN, and the draw into garbage).
+MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -18,7 +28,8 @@ class SamplingParams:
 
     n: number of independent samples (each its own sequence, sharing the prompt's KV blocks).
     max_tokens: most output tokens per sample; None: until max_model_len.
-    temperature: 0 means greedy (argmax, ties to the lowest token id); > 0 samples from softmax(z / T).
+    temperature: 0 means greedy (argmax, ties to the lowest token id); > 0 samples from softmax(z / T);
+        below MIN_SAMPLING_TEMPERATURE (1e-5) is greedy too (see its comment).
     top_k: keep the k most likely tokens (ties at the k-th value kept); 0 or -1: off.
     top_p: keep the smallest set of most likely tokens with total probability >= top_p; 1: off.
     min_p: keep tokens with probability >= min_p * (probability of the most likely token); 0: off.
@@ -53,13 +64,13 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __post_init__(self):
-        check_int("n", self.n, minimum=1)
-        check_int("max_tokens", self.max_tokens, minimum=1, optional=True)
-        check_float("temperature", self.temperature, minimum=0.0)
-        check_int("top_k", self.top_k, minimum=-1)
+        check_int("n", self.n, minimum=1, maximum=INT64_MAX)
+        check_int("max_tokens", self.max_tokens, minimum=1, maximum=INT64_MAX, optional=True)
+        check_float("temperature", self.temperature, minimum=0.0, maximum=FLOAT32_MAX)
+        check_int("top_k", self.top_k, minimum=-1, maximum=INT64_MAX)
         check_float("top_p", self.top_p, minimum=0.0, maximum=1.0, min_exclusive=True)
         check_float("min_p", self.min_p, minimum=0.0, maximum=1.0)
-        check_float("repetition_penalty", self.repetition_penalty, minimum=0.0, min_exclusive=True)
+        check_float("repetition_penalty", self.repetition_penalty, minimum=FLOAT32_MIN_NORMAL, maximum=FLOAT32_MAX)
         check_float("presence_penalty", self.presence_penalty, minimum=-PENALTY_RANGE, maximum=PENALTY_RANGE)
         check_float("frequency_penalty", self.frequency_penalty, minimum=-PENALTY_RANGE,
                     maximum=PENALTY_RANGE)
@@ -80,16 +91,16 @@ class SamplingParams:
             raise TypeError(f"stop_token_ids must be a sequence of ints, "
                             f"got {self.stop_token_ids!r}") from None
         for i, t in enumerate(stop_ids):
-            check_int(f"stop_token_ids[{i}]", t, minimum=0)
+            check_int(f"stop_token_ids[{i}]", t, minimum=0, maximum=INT64_MAX)
         object.__setattr__(self, "stop_token_ids", stop_ids)
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        check_int("logprobs", self.logprobs, minimum=0, optional=True)
-        check_int("prompt_logprobs", self.prompt_logprobs, minimum=0, optional=True)
+        check_int("logprobs", self.logprobs, minimum=0, maximum=INT64_MAX, optional=True)
+        check_int("prompt_logprobs", self.prompt_logprobs, minimum=0, maximum=INT64_MAX, optional=True)
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
 
     @property
     def top_k_enabled(self) -> bool:

@@ -8,7 +8,7 @@ reduction length's power-of-two ceiling, never on the other dimensions.
 
 Extra property (used for padded batches): appending zeros to the reduced dimension does not change the
 result, because the first folds then add exact zeros to the lower half. So `fold_sum([a, b, c])` and
-`fold_sum([a, b, c, 0, 0])` are bit-identical. (Only the sign of an all-(-0.0) sum can differ.)
+`fold_sum([a, b, c, 0, 0])` are bit-identical. (Only the sign of a zero result can differ: -0.0 + 0.0 is +0.0.)
 """
 
 from __future__ import annotations
@@ -28,7 +28,12 @@ def fold_sum(t: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Ten
     else:
         p = next_pow2(n)
         if p != n:
-            x = torch.nn.functional.pad(x, (0, p - n))
+            # The first fold of the zero-padded vector, without materialising the padding: entries whose
+            # upper partner is a padding zero stay as they are (x + 0 == x), the others get their partner.
+            p //= 2
+            head = x[..., :p].clone()
+            head[..., : n - p] += x[..., p:n]
+            x = head
         while p > 1:
             p //= 2
             x = x[..., :p] + x[..., p:]

@@ -58,10 +58,17 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         scale: float, *, sliding_window: int | None = None, max_q_len: int | None = None,
                         max_kv_len: int | None = None, validate: bool | None = None, **_ignored
                         ) -> torch.Tensor:
-    """`paged_attention` in pure torch (any float dtype, any device; host loop over sequences).
+    """`paged_attention` in pure torch (any float dtype, any device).
 
     Same signature as `paged_attention`; the hints and split/schedule keywords are accepted and ignored.
     Metadata values are always checked (the function reads them on the host anyway).
+
+    The step's single-query sequences (decode) are attended together (a host loop per sequence made a
+    decode step of a 20-sequence batch cost hundreds of tiny ops per layer): every such row gathers its own
+    sequence's keys, padded with zeros to the longest of them and masked. Same bits as attending each
+    sequence alone (`attend_ref`): a masked key's probability is an exact 0, its padded value an exact 0,
+    and `fold_sum` ignores trailing zeros, so the padding length never reaches a result. Multi-query
+    sequences (prefill chunks) go one at a time, their rows sharing one copy of the keys.
     """
     from detinfer.kernels._launch import check_step_metadata
 
@@ -75,20 +82,79 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     check_step_metadata(cu_q_lens, kv_lens, block_tables, block_size=k_cache.shape[1],
                         num_blocks=k_cache.shape[0], num_tokens=q.shape[0], max_kv_len=max_kv_len,
                         op="paged_attention_ref")
-    bs = k_cache.shape[1]
-    cu, kvl, tables = cu_q_lens.tolist(), kv_lens.tolist(), block_tables.cpu()
     out = torch.zeros_like(q)
-    for s, kv_len in enumerate(kvl):
+    cu, kvl = cu_q_lens.tolist(), kv_lens.tolist()
+    singles = [s for s in range(len(kvl)) if cu[s + 1] - cu[s] == 1]
+    if singles:  # decode rows: one batch, keys padded to the longest of them
+        keys, values = _gather_padded(k_cache, v_cache, block_tables[singles], [kvl[s] for s in singles])
+        rows = torch.tensor([cu[s] for s in singles], device=q.device)
+        pos = torch.tensor([kvl[s] - 1 for s in singles], device=q.device)
+        out[rows] = _attend_chunked(q[rows], keys, values, pos, scale, sliding_window)
+    for s, kv_len in enumerate(kvl):  # prefill chunks: one sequence at a time, its keys shared by its rows
         q0, q1 = cu[s], cu[s + 1]
-        if q1 == q0:
-            continue
-        slots = tables[s, : -(-kv_len // bs)].to(torch.int64)[:, None] * bs + torch.arange(bs)
-        slots = slots.reshape(-1)[:kv_len].to(k_cache.device)
-        k = k_cache.reshape(-1, *k_cache.shape[2:])[slots]
-        v = v_cache.reshape(-1, *v_cache.shape[2:])[slots]
-        pos = torch.arange(kv_len - (q1 - q0), kv_len, device=q.device)
-        out[q0:q1] = attend_ref(q[q0:q1], k, v, pos, scale, sliding_window)
+        if q1 - q0 > 1:
+            keys, values = _gather_padded(k_cache, v_cache, block_tables[s:s + 1], [kv_len])
+            pos = torch.arange(kv_len - (q1 - q0), kv_len, device=q.device)
+            out[q0:q1] = _attend_chunked(q[q0:q1], keys, values, pos, scale, sliding_window)
     return out
+
+
+def _attend_chunked(q, keys, values, pos, scale, sliding_window):
+    """`_attend_rows` over memory-bounded chunks of rows (rows are independent: chunking changes no bit).
+    keys / values: [r, L, Hkv, D] (one sequence per row) or [1, L, Hkv, D] (one shared by every row)."""
+    n, hq, d = q.shape
+    out = torch.empty_like(q)
+    rows = max(1, _CHUNK_ELEMS // max(1, hq * keys.shape[1] * d))
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        k, v = (keys, values) if keys.shape[0] == 1 else (keys[r0:r1], values[r0:r1])
+        out[r0:r1] = _attend_rows(q[r0:r1], k, v, pos[r0:r1], scale, sliding_window)
+    return out
+
+
+def _gather_padded(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, kvl: list[int]):
+    """Each sequence's keys and values in position order, [S, Lmax, Hkv, D], exact zeros past its length."""
+    bs = k_cache.shape[1]
+    lmax = max(kvl)
+    pos = torch.arange(lmax, device=k_cache.device)
+    tables = block_tables.to(device=k_cache.device, dtype=torch.int64)
+    cols = (pos // bs).clamp(max=max(tables.shape[1] - 1, 0))
+    slots = tables[:, cols] * bs + pos % bs  # [S, Lmax]; entries past a sequence's length are masked below
+    valid = pos[None, :] < torch.tensor(kvl, device=k_cache.device)[:, None]
+    slots = torch.where(valid, slots, torch.zeros_like(slots))
+    flat_k = k_cache.reshape(-1, *k_cache.shape[2:])
+    flat_v = v_cache.reshape(-1, *v_cache.shape[2:])
+    zero = valid[:, :, None, None]
+    return (torch.where(zero, flat_k[slots], torch.zeros((), dtype=k_cache.dtype, device=k_cache.device)),
+            torch.where(zero, flat_v[slots], torch.zeros((), dtype=v_cache.dtype, device=v_cache.device)))
+
+
+def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
+                 sliding_window: int | None) -> torch.Tensor:
+    """Query rows q [r, Hq, D] at positions q_pos [r], each with its own keys/values k, v [r, L, Hkv, D]
+    (zeros past its sequence's end), or all with the same ones ([1, L, Hkv, D]). The arithmetic of
+    `attend_ref`, op for op."""
+    acc = _acc_dtype(q.dtype)
+    r, hq, d = q.shape
+    hkv = k.shape[2]
+    group = hq // hkv
+    kf = k.to(acc).permute(0, 2, 1, 3)[:, :, None]  # [r, Hkv, 1, L, D]
+    vf = v.to(acc).permute(0, 2, 1, 3)[:, :, None]  # [r, Hkv, 1, L, D]
+    qf = q.to(acc).view(r, hkv, group, 1, d)
+    keys = torch.arange(k.shape[1], device=q.device)
+    pos = q_pos[:, None]
+    visible = keys[None, :] <= pos
+    if sliding_window is not None:
+        visible &= keys[None, :] > pos - sliding_window
+    s = fold_sum(qf * kf, -1).reshape(r, hq, -1) * scale  # [r, Hq, L]
+    s = s.masked_fill(~visible[:, None, :], float("-inf"))
+    m = s.amax(-1, keepdim=True) if s.shape[-1] else s.new_zeros(s.shape[:-1] + (1,))
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(s - m)  # masked keys: exp(-inf) = 0 exactly
+    l = fold_sum(p, -1)  # [r, Hq]
+    o = fold_sum(p.view(r, hkv, group, -1)[..., None] * vf, -2).reshape(r, hq, d)  # [r, Hq, D]
+    safe_l = torch.where(l == 0, torch.ones_like(l), l)
+    return torch.where(l[..., None] == 0, 0.0, o / safe_l[..., None]).to(q.dtype)
 
 
 def attention_contiguous_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_start: torch.Tensor,

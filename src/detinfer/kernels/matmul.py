@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from detinfer.kernels._exact_dot import exact_linear_fp32, rounded_weight
 from detinfer.kernels._fold import fold_sum
 from detinfer.kernels._launch import KERNEL_DTYPES, check_kernel_inputs, interpreting, sm_count
 from detinfer.kernels.matmul_configs import MatmulConfig, select_config
@@ -439,5 +440,27 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     _check_ref_inputs("linear_ref", x, weight, bias)
     _check_linear_shapes("linear_ref", x, weight, bias)
     n, k = weight.shape
-    y = _ref_bnk(x.reshape(1, math.prod(x.shape[:-1]), k), weight.unsqueeze(0), bias)
+    x2 = x.reshape(math.prod(x.shape[:-1]), k)
+    wq = rounded_weight(weight) if x.dtype != torch.float64 and x2.shape[0] and n else None
+    if wq is None:  # float64 (the accuracy reference), a weight with inf/NaN, or an empty product
+        y = _ref_bnk(x2.unsqueeze(0), weight.unsqueeze(0), bias)[0]
+    else:
+        y = _linear_exact(x2, weight, wq, bias)
     return y.reshape(tuple(x.shape[:-1]) + (n,))
+
+
+def _linear_exact(x2: torch.Tensor, weight: torch.Tensor, wq: torch.Tensor, bias: torch.Tensor | None):
+    """The exact-chunk-sum path (`_exact_dot`). A row holding an inf or a NaN has no grid: such rows (and
+    only they, so a row's path never depends on its neighbours) take the fold path."""
+    acc = exact_linear_fp32(x2, wq)
+    if acc is None:
+        finite = torch.isfinite(x2).all(-1)
+        acc = torch.empty((x2.shape[0], weight.shape[0]), dtype=torch.float32, device=x2.device)
+        ok = finite.nonzero().squeeze(-1)
+        bad = (~finite).nonzero().squeeze(-1)
+        if ok.numel():
+            acc[ok] = exact_linear_fp32(x2[ok], wq)
+        acc[bad] = _ref_bnk(x2[bad].unsqueeze(0), weight.unsqueeze(0), None)[0].to(torch.float32)
+    if bias is not None:
+        acc += bias.to(torch.float32)  # after the reduction, in float32 (as the kernel does)
+    return acc.to(x2.dtype)

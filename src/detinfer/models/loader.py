@@ -3,7 +3,9 @@ model.safetensors.index.json.
 
 Everything is checked before any weight is read: tensor names against what the config implies (missing,
 unexpected), shapes, and stored dtypes (floating point only: quantized or integer checkpoints are refused,
-not silently cast).
+not silently cast). A file that is not a complete safetensors file (a truncated download) and a weight that
+holds NaN or Inf (after the cast to the target dtype) are refused too, each error naming the file and the
+tensor.
 """
 
 from __future__ import annotations
@@ -26,6 +28,29 @@ _IGNORABLE_SUFFIXES = (".rotary_emb.inv_freq",)
 INDEX_FILE = "model.safetensors.index.json"
 
 
+def _open(path: Path):
+    """safe_open, with a corrupt or truncated file reported as a ValueError naming it."""
+    try:
+        return safe_open(path, framework="pt")
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError) for unreadable files
+        raise ValueError(f"{path}: not a readable safetensors file ({e}); it may be truncated or corrupt "
+                         "(download it again)") from None
+
+
+def _read_tensor(f, path: Path, name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    try:
+        t = f.get_tensor(name).to(device=device, dtype=dtype)
+    except (torch.OutOfMemoryError, MemoryError):
+        raise
+    except Exception as e:
+        raise ValueError(f"{path}: cannot read tensor {name} ({e}); the file may be truncated or corrupt") from None
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = "NaN" if bool(torch.isnan(t).any()) else "Inf"
+        raise ValueError(f"{path}: tensor {name} holds {bad} values (as {str(dtype).removeprefix('torch.')}); "
+                         "the checkpoint is corrupt or does not fit this dtype")
+    return t
+
+
 def safetensors_files(model_dir: str | Path) -> dict[str, Path]:
     """Map each tensor name to the file that holds it (single file or index-listed shards)."""
     model_dir = Path(model_dir)
@@ -45,7 +70,7 @@ def safetensors_files(model_dir: str | Path) -> dict[str, Path]:
         return shards
     single = model_dir / "model.safetensors"
     if single.is_file():
-        with safe_open(single, framework="pt") as f:
+        with _open(single) as f:
             return {name: single for name in f.keys()}
     weight_suffixes = (".safetensors", ".bin", ".pt", ".gguf")
     others = sorted(p.name for p in model_dir.iterdir() if p.suffix in weight_suffixes)
@@ -73,7 +98,7 @@ def check_checkpoint(model_dir: str | Path, config: ModelConfig) -> dict[str, Pa
         if name in files:
             by_file.setdefault(files[name], []).append(name)
     for path, names in by_file.items():
-        with safe_open(path, framework="pt") as f:
+        with _open(path) as f:
             stored = set(f.keys())
             for name in names:
                 if name not in stored:
@@ -82,9 +107,10 @@ def check_checkpoint(model_dir: str | Path, config: ModelConfig) -> dict[str, Pa
                 sl = f.get_slice(name)
                 shape, dt = tuple(sl.get_shape()), sl.get_dtype()
                 if shape != expected[name]:
-                    problems.append(f"{name} has shape {list(shape)}, config implies {list(expected[name])}")
+                    problems.append(f"{name} has shape {list(shape)}, config implies {list(expected[name])} "
+                                    f"(in {path.name})")
                 if dt not in STORED_FLOAT_DTYPES:
-                    problems.append(f"{name} is stored as {dt}; supported stored dtypes: "
+                    problems.append(f"{name} is stored as {dt} (in {path.name}); supported stored dtypes: "
                                     f"{', '.join(STORED_FLOAT_DTYPES)} (quantized checkpoints are not)")
     if problems:
         raise ValueError(f"checkpoint in {model_dir} does not match its config.json "
@@ -104,9 +130,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str | None = None,
     to_load = check_checkpoint(model_dir, config)
     hf: dict[str, torch.Tensor] = {}
     for path in dict.fromkeys(to_load.values()):
-        with safe_open(path, framework="pt") as f:
+        with _open(path) as f:
             for name in (n for n, p in to_load.items() if p == path):
-                hf[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                hf[name] = _read_tensor(f, path, name, device, dtype)
     with torch.device("meta"):
         model = Transformer(config, ops)
     model.load_state_dict(config.family.state_dict_from_hf(config, hf), strict=True, assign=True)

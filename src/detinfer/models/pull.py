@@ -120,7 +120,7 @@ def _sha256(path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="detinfer pull", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="detinfer pull", description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("name", nargs="?", help=f"model name ({', '.join(sorted(REGISTRY))})")
     parser.add_argument("--cache", help="cache root (default: $DETINFER_CACHE or ~/.cache/detinfer)")
     parser.add_argument("--force", action="store_true", help="download and convert again")

@@ -11,6 +11,8 @@ for `detinfer.repro.report.write_report`.
 from __future__ import annotations
 
 import gc
+import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -77,9 +79,16 @@ def repro_offline(model_dir: str | Path | None, prompt: str, cfg: ReproConfig, *
         raise ValueError(f"modes must be distinct values of {ENGINE_MODES}, got {modes!r}")
     engine_config = EngineConfig() if engine_config is None else engine_config
     sections = []
-    for mode in modes:
+    for i, mode in enumerate(modes):
+        started = time.perf_counter()
+        if progress:
+            print(f"[{i + 1}/{len(modes)}] {mode} mode: loading {model_dir or random_model} ...", file=sys.stderr,
+                  flush=True)
         engine, tok, decode, text_of, what = _engine_for(mode, model_dir, random_model, engine_config, device,
                                                           random_seed)
+        if progress:
+            print(f"[{i + 1}/{len(modes)}] {mode} mode: loaded in {time.perf_counter() - started:.1f} s; "
+                  f"{cfg.n} runs of up to {cfg.max_tokens} tokens under load", file=sys.stderr, flush=True)
         try:
             ids = prompt_ids_for(tok, prompt, cfg.chat)
             encode = tok.encode if tok is not None else encode_bytes

@@ -19,10 +19,12 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
 
+from detinfer.cli_util import Parser, add_model_argument, model_path
 from detinfer.engine.config import EngineConfig, add_dataclass_args, check_int, from_args
 
 SCENARIOS = ("alone again", "batch", "chunked")
@@ -202,8 +204,9 @@ def _compare(ref: dict, got: dict, order: list[str], prompt: int, scenario: str)
     return Finding(prompt, scenario)
 
 
-def audit(runner, vocab: int, cfg: AuditConfig) -> list[Finding]:
-    """Run every scenario for K random prompts on `runner` (an engine ModelRunner)."""
+def audit(runner, vocab: int, cfg: AuditConfig, on_finding=None) -> list[Finding]:
+    """Run every scenario for K random prompts on `runner` (an engine ModelRunner). on_finding(finding) is
+    called as each scenario completes (progress)."""
     rng = random.Random(cfg.seed)
     recorder, stepper = _Recorder(runner.model), _Stepper(runner, vocab)
     findings = []
@@ -225,19 +228,23 @@ def audit(runner, vocab: int, cfg: AuditConfig) -> list[Finding]:
                     ref, ref_order = got, order
                 else:
                     findings.append(_compare(ref, got, ref_order, p, kind))
+                    if on_finding is not None:
+                        on_finding(findings[-1])
     finally:
         recorder.close()
     return findings
 
 
-def report(findings: list[Finding], label: str) -> str:
-    lines = []
-    for f in findings:
-        verdict = "invariant" if f.name is None else (
-            f"DIFFERS first at {f.name}" + ("" if f.token is None else
-                                            f" (prompt token {f.token}; {f.num_diff}/{f.numel} elements, "
-                                            f"max |diff| {f.max_abs_diff:.3g})"))
-        lines.append(f"  [{label}] prompt {f.prompt} {f.scenario:<12} {verdict}")
+def finding_line(f: Finding, label: str) -> str:
+    verdict = "invariant" if f.name is None else (
+        f"DIFFERS first at {f.name}" + ("" if f.token is None else
+                                        f" (prompt token {f.token}; {f.num_diff}/{f.numel} elements, "
+                                        f"max |diff| {f.max_abs_diff:.3g})"))
+    return f"  [{label}] prompt {f.prompt} {f.scenario:<12} {verdict}"
+
+
+def report(findings: list[Finding], label: str, lines_too: bool = True) -> str:
+    lines = [finding_line(f, label) for f in findings] if lines_too else []
     bad = [f for f in findings if f.name is not None]
     lines.append(f"{label}: {len(findings) - len(bad)}/{len(findings)} scenarios bit-identical to the prompt alone")
     return "\n".join(lines)
@@ -260,14 +267,18 @@ def build_runner(model_dir, random_model, mode: str, engine_config: EngineConfig
     return engine.runner, engine.model_config.vocab_size
 
 
-def main(argv: list[str] | None = None) -> int:
+# On a CPU a 135M-parameter model's audit with the GPU-sized defaults took a quarter of an hour; these keep
+# it under a minute on 2 cores while still covering alone-again, batch and chunked scenarios.
+CPU_DEFAULTS = {"prompts": 2, "max_len": 24, "max_others": 3, "batches": 1, "chunkings": 1}
+
+
+def build_parser() -> Parser:
     from detinfer.models.families import preset_names
 
-    p = argparse.ArgumentParser(prog="detinfer audit", conflict_handler="resolve",
-                                description="Check that a model's logits for random prompts are bit-identical "
-                                            "alone, in random batches and in random chunkings; name the first "
-                                            "module whose output differs.")
-    p.add_argument("model_dir", nargs="?", help="HF-format model directory or Hugging Face hub id")
+    p = Parser(prog="detinfer audit", conflict_handler="resolve",
+               description="Check that a model's logits for random prompts are bit-identical alone, in random "
+                           "batches and in random chunkings; name the first module whose output differs.")
+    add_model_argument(p, "HF-format model directory or Hugging Face hub id")
     p.add_argument("--random-model", help=f"a random-weight preset instead ({', '.join(preset_names())})")
     p.add_argument("--random-seed", type=int, default=0, help="seed of --random-model's weights")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available)")
@@ -275,9 +286,33 @@ def main(argv: list[str] | None = None) -> int:
     add_dataclass_args(p, EngineConfig)
     p.add_argument("--mode", choices=("deterministic", "fast", "both"), default="deterministic",
                    help="ops to audit; both: fast, then deterministic (default: deterministic)")
+    p.set_defaults(**{k: None for k in CPU_DEFAULTS})  # None: not given, filled in by device in main
+    for action in p._actions:
+        if action.dest in CPU_DEFAULTS:
+            gpu = getattr(AuditConfig, action.dest)
+            action.help = f"{action.help.rstrip('.')} (default: {gpu}; {CPU_DEFAULTS[action.dest]} on a CPU)."
+    return p
+
+
+def _fill_defaults(ns: argparse.Namespace) -> None:
+    import torch
+
+    cpu = (str(ns.device).startswith("cpu") if ns.device is not None else not torch.cuda.is_available())
+    left_out = [k for k in CPU_DEFAULTS if getattr(ns, k) is None]
+    for k in left_out:
+        setattr(ns, k, CPU_DEFAULTS[k] if cpu else getattr(AuditConfig, k))
+    if cpu and left_out:
+        print("detinfer audit: no GPU: CPU-sized defaults " + " ".join(
+            f"--{k.replace('_', '-')} {getattr(ns, k)}" for k in left_out), file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     ns = p.parse_args(argv)
-    if (ns.model_dir is None) == (ns.random_model is None):
-        p.error("give a model directory or --random-model NAME (one of them)")
+    model_dir = model_path(p, ns)
+    if (model_dir is None) == (ns.random_model is None):
+        p.error("give a model directory (MODEL_DIR or --model DIR) or --random-model NAME (one of them)")
+    _fill_defaults(ns)
     modes = ("fast", "deterministic") if ns.mode == "both" else (ns.mode,)
     try:
         cfg = from_args(AuditConfig, ns)
@@ -286,10 +321,17 @@ def main(argv: list[str] | None = None) -> int:
             engine_config = engine_config.replace(max_model_len=max(2 * cfg.max_len, 64) + 16)
         failed = False
         for mode in modes:
-            runner, vocab = build_runner(ns.model_dir, ns.random_model, mode, engine_config, ns.device,
+            started = time.perf_counter()
+            print(f"{mode}: loading {model_dir or ns.random_model} ...", flush=True)
+            runner, vocab = build_runner(model_dir, ns.random_model, mode, engine_config, ns.device,
                                          ns.random_seed)
-            findings = audit(runner, vocab, cfg)
-            print(report(findings, mode))
+            total = cfg.prompts * (1 + cfg.batches + cfg.chunkings)
+            print(f"{mode}: loaded in {time.perf_counter() - started:.1f} s; {total} scenarios "
+                  f"({cfg.prompts} prompts x (alone again + {cfg.batches} batch + {cfg.chunkings} chunked))",
+                  flush=True)
+            findings = audit(runner, vocab, cfg, on_finding=lambda f, mode=mode: print(
+                finding_line(f, mode), flush=True))
+            print(report(findings, mode, lines_too=False) + f" ({time.perf_counter() - started:.1f} s)")
             failed |= mode == "deterministic" and any(f.name is not None for f in findings)
             del runner
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:

@@ -2,6 +2,7 @@
 completions came back, where they diverge, and why (logprobs).
 
     detinfer repro --model DIR --prompt "Tell me about Richard Feynman" --mode both --n 1000
+    detinfer repro DIR --prompt "Tell me about Richard Feynman" --mode both     (DIR or --model DIR: the same)
     detinfer repro --url http://127.0.0.1:8000 --prompt-file prompt.txt --n 200
     detinfer repro --random-model qwen3-8b --prompt "Tell me about Richard Feynman" --mode both
 
@@ -19,6 +20,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from detinfer.cli_util import Parser, add_model_argument, model_path
 from detinfer.engine.config import EngineConfig, add_dataclass_args, from_args
 from detinfer.repro.experiment import ReproConfig
 
@@ -26,12 +28,12 @@ MODES = ("deterministic", "fast", "both")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="detinfer repro", conflict_handler="resolve",
         description="Run one prompt N times while random background requests are in flight; report the "
                     "number of unique completions, where they diverge, and plots (HTML + JSON).")
     target = p.add_argument_group("target (one of)")
-    target.add_argument("--model", help="HF-format model directory for the offline engine")
+    add_model_argument(target, "HF-format model directory for the offline engine")
     from detinfer.models.families import preset_names
 
     target.add_argument("--random-model", help="build a model of this shape with random weights in-process "
@@ -57,7 +59,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", default=None, help="server: the `model` to request (default: the first "
                    "one GET /v1/models lists)")
     p.add_argument("--api-key", default=None, help="server: bearer token")
+    # --n and --max-tokens default by device (see CPU_DEFAULTS): None here means "not given".
+    p.set_defaults(n=None, max_tokens=None)
+    for action in p._actions:
+        if action.dest == "n":
+            action.help = (f"Runs of the prompt (default: {GPU_DEFAULTS['n']} on a GPU, {CPU_DEFAULTS['n']} on a "
+                           "CPU).")
+        elif action.dest == "max_tokens":
+            action.help = (f"Most tokens per completion (default: {GPU_DEFAULTS['max_tokens']} on a GPU, "
+                           f"{CPU_DEFAULTS['max_tokens']} on a CPU).")
     return p
+
+
+# Sized so that a 135M-parameter model's run (both modes) takes minutes, not hours, on a 2-core CPU.
+CPU_DEFAULTS = {"n": 20, "max_tokens": 64}
+GPU_DEFAULTS = {"n": 1000, "max_tokens": 256}
+
+
+def _on_cpu(ns: argparse.Namespace) -> bool:
+    if ns.url:
+        return False
+    if ns.device is not None:
+        return str(ns.device).startswith("cpu")
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def _size_defaults(ns: argparse.Namespace) -> None:
+    """Fill --n / --max-tokens left out with the device's defaults; say so on a CPU."""
+    cpu = _on_cpu(ns)
+    sizes = CPU_DEFAULTS if cpu else GPU_DEFAULTS
+    left_out = [k for k in ("n", "max_tokens") if getattr(ns, k) is None]
+    for k in left_out:
+        setattr(ns, k, sizes[k])
+    if cpu and left_out:
+        print(f"detinfer repro: no GPU: CPU-sized defaults --n {ns.n} --max-tokens {ns.max_tokens} (a GPU run "
+              f"defaults to --n {GPU_DEFAULTS['n']} --max-tokens {GPU_DEFAULTS['max_tokens']})", file=sys.stderr)
 
 
 def _engine_config(ns: argparse.Namespace) -> EngineConfig:
@@ -81,37 +119,41 @@ def _read_prompt(ns: argparse.Namespace) -> str:
 
 
 def describe(section) -> str:
-    """A few lines summarising one section for the terminal."""
+    """A few lines summarising one section for the terminal (same verdict as the HTML and --check)."""
+    from detinfer.repro.report import at_unit, verdict
+
     s = section.summary
-    lines = [f"{section.label}: {s.num_unique} unique completion(s) of {s.n} runs "
-             f"(most common: {s.most_common_count})"
-             + (f"; {s.num_unique_logprobs} distinct logprob sequence(s)" if s.num_unique_logprobs else "")]
+    lines = [f"{section.label}: {verdict(s)} (most common completion: {s.most_common_count} runs)"]
     if s.agreed_prefix is not None:
         lines.append(f"  all runs agree for {s.agreed_prefix} {s.unit}s")
     if s.logprob_divergence:
         lines.append(f"  {len(s.logprob_divergence)} run(s) differ from run {s.reference_run} in logprob bits, "
-                     f"the earliest at {s.unit} {min(s.logprob_divergence)}")
+                     f"the earliest {at_unit(s.unit, min(s.logprob_divergence))}")
     if s.pairs:
         p = s.pairs[0]
-        lines.append(f"  #{p.a} vs #{p.b} diverge at {s.unit} {p.index}: ...{p.prefix[-40:]!r} -> "
+        lines.append(f"  #{p.a} vs #{p.b} diverge {at_unit(s.unit, p.index)}: ...{p.prefix[-40:]!r} -> "
                      f"{p.a_text[:30]!r} ({p.a_count} runs) vs {p.b_text[:30]!r} ({p.b_count} runs)")
     return "\n".join(lines)
 
 
 def reproduces(section) -> bool:
-    s = section.summary
-    return s.num_unique == 1 and (s.num_unique_logprobs in (None, 1))
+    from detinfer.repro.report import reproduces as summary_reproduces
+
+    return summary_reproduces(section.summary)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    ns.model = model_path(parser, ns)
     targets = [ns.model is not None, ns.random_model is not None, bool(ns.url)]
     if sum(targets) != 1:
-        parser.error("give exactly one target: --model DIR, --random-model NAME or --url URL")
+        parser.error("give exactly one target: a model directory (MODEL_DIR or --model DIR), --random-model "
+                     "NAME or --url URL")
     if ns.url and ns.mode is not None:
         parser.error("--mode applies to the offline engine; a server runs in its own mode (compare servers "
                      "by repeating --url)")
+    _size_defaults(ns)
     try:
         cfg = from_args(ReproConfig, ns)
         prompt = _read_prompt(ns)
@@ -135,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError, RuntimeError, ImportError) as e:
         print(f"detinfer repro: error: {e}", file=sys.stderr)
         return 2
+    from detinfer.repro.report import headline
+
+    print(headline(sections))
     for s in sections:
         print(describe(s))
     print(f"report: {paths['html']}  (raw completions: {paths['json']})")

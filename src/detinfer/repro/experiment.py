@@ -149,7 +149,11 @@ def run_offline(engine, prompt_ids: Sequence[int], cfg: ReproConfig, *,
     runs_at: dict[str, Event] = {}
     done: dict[int, Completion] = {}
     step, i, start = 0, 0, time.perf_counter()
-    bar = tqdm(total=cfg.n, desc=label or "runs", unit="run", disable=not progress)
+    # Progress in generated tokens of the N runs (a bar counting finished runs sat at 0 for minutes on a CPU):
+    # the total is N * max_tokens; a run that stops early is topped up to max_tokens when it finishes.
+    bar = tqdm(total=cfg.n * cfg.max_tokens, desc=label or "runs", unit="tok", disable=not progress,
+               postfix={"runs done": f"0/{cfg.n}"})
+    shown: dict[str, int] = {}
     try:
         while i < len(plan) or engine.has_unfinished_requests():
             if not engine.has_unfinished_requests() and plan[i].step > step:
@@ -169,6 +173,10 @@ def run_offline(engine, prompt_ids: Sequence[int], cfg: ReproConfig, *,
                                          "--background-prompt-words / --background-max-tokens") from None
                 i += 1
             for out in engine.step():
+                if progress and out.request_id in runs_at:
+                    have = cfg.max_tokens if out.finished else len(out.outputs[0].token_ids)
+                    bar.update(have - shown.get(out.request_id, 0))
+                    shown[out.request_id] = have
                 if out.finished and out.request_id in runs_at:
                     ev, arrived, in_flight = runs_at.pop(out.request_id)
                     meta = {"arrival_step": arrived, "finish_step": step, "in_flight_at_arrival": in_flight,
@@ -177,7 +185,7 @@ def run_offline(engine, prompt_ids: Sequence[int], cfg: ReproConfig, *,
                     if text_of is not None:
                         c = _with_text(c, text_of(c))
                     done[ev.run] = completion_from_engine(ev.run, c, meta)
-                    bar.update(1)
+                    bar.set_postfix({"runs done": f"{len(done)}/{cfg.n}"}, refresh=False)
             step += 1
     finally:
         bar.close()

@@ -39,6 +39,38 @@ class Section:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def reproduces(summary: Summary) -> bool:
+    """The one verdict every output uses (HTML, terminal, `--check`): a run set reproduces when its N runs
+    gave one completion and, when logprobs were requested, one logprob sequence bit for bit."""
+    return summary.num_unique == 1 and summary.num_unique_logprobs in (None, 1)
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
+
+
+def verdict(summary: Summary) -> str:
+    """One section in words, e.g. "1 text but 6 different logprob sequences in 20 runs: not reproducible"."""
+    sm = summary
+    texts = _count(sm.num_unique, "distinct text" if sm.unit == "token" else "distinct completion")
+    if sm.num_unique_logprobs is None:
+        what = texts
+    else:
+        joint = "and" if (sm.num_unique_logprobs == 1) == (sm.num_unique == 1) else "but"
+        what = f"{texts} {joint} {_count(sm.num_unique_logprobs, 'distinct logprob sequence')}"
+    return f"{what} in {sm.n} runs: " + ("reproducible" if reproduces(sm) else "not reproducible")
+
+
+def headline(sections: Sequence[Section]) -> str:
+    """The report's one-sentence summary: every section's verdict, side by side."""
+    return "; ".join(f"{s.label}: {verdict(s.summary)}" for s in sections) + "."
+
+
+def at_unit(unit: str, index: int | None) -> str:
+    """A position in words: "at token 0" (position 0 is the first token, not "no difference")."""
+    return "none" if index is None else f"at {unit} {index}"
+
+
 # --- JSON ------------------------------------------------------------------------------------------
 
 
@@ -100,7 +132,7 @@ def _draw_histogram(ax, s: Section) -> None:
     from matplotlib.ticker import MaxNLocator
 
     groups = s.summary.groups[:MAX_BARS]
-    color, light = ("#4c72b0", "#9db4d8") if len(s.summary.groups) == 1 else ("#dd8452", "#f0bfa0")
+    color, light = ("#4c72b0", "#9db4d8") if reproduces(s.summary) else ("#dd8452", "#f0bfa0")
     for x, g in enumerate(groups):
         segments = g.variant_counts if len(g.variant_counts) > 1 else (g.count,)
         bottom = 0
@@ -121,7 +153,8 @@ def _draw_histogram(ax, s: Section) -> None:
                   + (f"\n({rest} more, {max(counts[MAX_BARS:])} run(s) or fewer each, not shown)" if rest else ""),
                   fontsize=9)
     ax.set_ylabel("runs")
-    title = f"{s.label}: {s.summary.num_unique} unique of {s.summary.n}"
+    title = f"{s.label}: {s.summary.num_unique} unique of {s.summary.n}" + ("" if reproduces(s.summary) else
+                                                                          " (not reproducible)")
     if s.summary.num_unique_logprobs not in (None, s.summary.num_unique):
         title += f"\n({s.summary.num_unique_logprobs} distinct when logprob bits count: segments)"
     ax.set_title(title, fontsize=10)
@@ -222,21 +255,21 @@ def _variants(g) -> str:
 
 def _section_html(s: Section, pngs: tuple[bytes, bytes]) -> str:
     sm = s.summary
-    verdict = ('<span class="ok">reproducible: 1 unique completion</span>' if sm.num_unique == 1 else
-               f'<span class="bad">{sm.num_unique} unique completions</span>')
+    verdict_html = f'<span class="{"ok" if reproduces(sm) else "bad"}">{_e(verdict(sm))}</span>'
     rows = [("runs", sm.n), ("unique completions", sm.num_unique), ("most common completion", sm.most_common_count),
             ("unique incl. logprob bits", sm.num_unique_logprobs),
             (f"{sm.unit}s shared by all runs", "all" if sm.agreed_prefix is None else sm.agreed_prefix),
-            ("earliest logprob difference", min(sm.logprob_divergence, default=None) if sm.num_unique_logprobs
-             else None),
+            ("first logprob difference from the reference run",
+             at_unit(sm.unit, min(sm.logprob_divergence, default=None)) if sm.num_unique_logprobs else None),
             ("wall time", f"{s.elapsed_s:.1f} s")] + [(k, v) for k, v in s.extra.items()]
-    parts = [f"<div class=col><h2>{_e(s.label)}</h2><p class=muted>{_e(s.target)}</p><p>{verdict}</p>",
+    parts = [f"<div class=col><h2>{_e(s.label)}</h2><p class=muted>{_e(s.target)}</p><p>{verdict_html}</p>",
              "<table>" + "".join(f"<tr><th>{_e(k)}</th><td>{_e(_fmt(v))}</td></tr>" for k, v in rows) + "</table>",
              _img(pngs[0], f"{s.label} histogram"), _img(pngs[1], f"{s.label} divergence positions"),
-             "<h3>Distinct completions</h3><table><tr><th>#</th><th>runs</th><th>diverges at</th>"
+             "<h3>Distinct completions</h3><table><tr><th>#</th><th>runs</th><th>diverges from #0</th>"
              "<th>logprob variants</th><th>text</th></tr>"]
     for g, d in list(zip(sm.groups, sm.divergence_from_mode))[:MAX_BARS]:
-        parts.append(f"<tr><td>{g.rank}</td><td>{g.count}</td><td>{_fmt(d)}</td><td>{_variants(g)}"
+        at = "—" if d is None else _e(at_unit(sm.unit, d))
+        parts.append(f"<tr><td>{g.rank}</td><td>{g.count}</td><td>{at}</td><td>{_variants(g)}"
                      f"</td><td><pre>{_e(g.completion.text)}</pre></td></tr>")
     parts.append("</table>")
     if len(sm.groups) > MAX_BARS:
@@ -249,10 +282,10 @@ def _section_html(s: Section, pngs: tuple[bytes, bytes]) -> str:
             lp = (f"#{p.a}: {_fmt(p.a_logprob)} / {_fmt(p.a_logprob_of_b_token)}<br>"
                   f"#{p.b}: {_fmt(p.b_logprob)} / {_fmt(p.b_logprob_of_a_token)}") if p.logprob_window else "—"
             first = ("none before the divergence" if p.first_logprob_diff is None else
-                     f"at {p.first_logprob_diff} (max |Δ| {p.max_prefix_logprob_diff:.3g})") \
+                     f"{at_unit(sm.unit, p.first_logprob_diff)} (max |Δ| {p.max_prefix_logprob_diff:.3g})") \
                 if p.logprob_window else "—"
             parts.append(
-                f"<tr><td>#{p.a} ({p.a_count}) vs #{p.b} ({p.b_count})</td><td>{p.index}</td>"
+                f"<tr><td>#{p.a} ({p.a_count}) vs #{p.b} ({p.b_count})</td><td>{_e(at_unit(sm.unit, p.index))}</td>"
                 f"<td><pre>…{_e(p.prefix)}</pre></td><td><pre class=a>{_e(p.a_text or '⟨end⟩')}</pre>"
                 f"<pre class=b>{_e(p.b_text or '⟨end⟩')}</pre></td><td>{lp}</td><td>{_e(first)}</td></tr>")
         parts.append("</table>")
@@ -271,8 +304,9 @@ def report_html(sections: Sequence[Section], experiment: dict[str, Any],
                              if k != "command" and not isinstance(v, (dict, list))) + "</p>"
     if cmd:
         info += f"<p>command: <code>{_e(cmd)}</code></p>"
+    summary = f"<p><b>{_e(headline(sections))}</b></p>"
     body = "<div class=cols>" + "".join(_section_html(s, p) for s, p in zip(sections, pngs)) + "</div>"
-    return head + info + body + "<p class=muted>every raw completion: report.json</p></body></html>\n"
+    return head + summary + info + body + "<p class=muted>every raw completion: report.json</p></body></html>\n"
 
 
 def _slug(label: str) -> str:

@@ -1,10 +1,14 @@
 """OpenAI-compatible HTTP server over the engine (`detinfer serve MODEL_DIR`).
 
-* `serve`: the command line (`ServerConfig` + `EngineConfig` flags), the system fingerprint, uvicorn.
-* `app`: the FastAPI app factory and the routes.
-* `async_engine`: the engine loop thread and the per-request asyncio streams.
-* `protocol`: OpenAI-shaped request/response models, errors and logprob formatting.
-* `metrics`: Prometheus text-format metrics.
+* `serve`: the command line, start-up (bind, load, run uvicorn). `config`: `ServerConfig`.
+* `app`: the FastAPI app factory and the small routes; `completions` and `chat`: the generation handlers,
+  `handling`: what they share; `context`: the state they read (`ServerState`, `ServedModel`).
+* `sampling`: a request's sampling fields -> `SamplingParams`; `prompts`: prompts -> checked token ids.
+* `request_io`: reading bodies and the door guards (Content-Type, Host, API key).
+* `async_engine`: the engine loop thread and the per-request asyncio streams; `generation`: the engine
+  requests behind one HTTP request.
+* `protocol`: OpenAI-shaped request/response models and errors; `logprobs`: logprob formatting.
+* `fingerprint`: `system_fingerprint`. `metrics`: Prometheus text-format metrics.
 
 Nothing is imported here so that `detinfer serve --help` does not pay for FastAPI, uvicorn or torch.
 """

@@ -2,19 +2,22 @@
 
 `LLMEngine.step()` is synchronous and compute-bound, so it must never run on the event loop. One thread owns
 the engine: it is the only code that touches it. Each iteration it takes every command queued since the
-previous step (add / abort / stop), applies them, runs one step and hands each request's output to that
-request's `RequestStream`, an asyncio queue living on the event loop. New requests therefore join the
-running batch at the next step (continuous batching), and an abort frees its KV blocks before the next step.
+previous step (`AddRequests` / `Abort` / `AbortAll` / `Stop`), applies them, runs one step and hands each
+request's output to that request's `RequestStream`, an asyncio queue living on the event loop. New requests
+therefore join the running batch at the next step (continuous batching), and an abort frees its KV blocks
+before the next step.
 
 Crossing threads: the event loop puts commands on a `queue.SimpleQueue`; the engine thread answers with
 `loop.call_soon_threadsafe`. Nothing else is shared except plain snapshots (`stats`) that are replaced
 whole, never mutated, so readers need no lock.
 
-Admission is bounded (`max_pending_requests`): past the bound `add_request` raises `QueueFullError` (a 429)
-instead of letting the queue, and every client's latency, grow without limit.
+Admission is bounded (`max_pending_requests`, counted in engine requests: one per prompt). The requests
+behind one HTTP request are reserved together: all fit (or the HTTP request gets 429 and nothing starts), and
+a request with more prompts than the bound can never fit (`RequestTooLargeError`, a 400, not "retry later").
 
-`Generation` groups the engine requests behind one HTTP request (one per prompt), merges their streams and
-aborts them together; `ChoiceTracker` turns cumulative outputs into the deltas a stream sends.
+Failure isolation: a failure the engine can pin on one request (`RequestOutput.error`) ends that request's
+stream with `RequestFailed`; the engine and every other request carry on. Only a step that fails as a whole
+(the engine cannot tell whose fault it is) stops the engine.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import queue
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from detinfer.server.metrics import ServerMetrics
@@ -38,6 +41,10 @@ class QueueFullError(Exception):
     """Too many requests in flight; retry later (429)."""
 
 
+class RequestTooLargeError(Exception):
+    """The request needs more pending slots than the server ever has (400: retrying cannot help)."""
+
+
 class EngineUnavailableError(Exception):
     """The engine is shutting down or has failed (503)."""
 
@@ -46,8 +53,44 @@ class RequestAborted(Exception):
     """The request was aborted (server shutdown, or abort() by its owner) before it finished."""
 
 
+class RequestFailed(Exception):
+    """The engine failed on this request alone (it was aborted; the engine keeps serving the others)."""
+
+
 class ClientDisconnected(Exception):
     """The HTTP client went away before its answer was ready."""
+
+
+# -- commands from the event loop to the engine thread -----------------------------------------------------
+@dataclass(frozen=True)
+class NewRequest:
+    request_id: str
+    prompt: Any
+    params: Any
+    stream: RequestStream
+
+
+@dataclass(frozen=True)
+class AddRequests:
+    """Add these requests together: all are accepted, or none stays (`accepted` gets the error)."""
+
+    requests: tuple[NewRequest, ...]
+    accepted: asyncio.Future
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class AbortAll:
+    """End the drain's grace period: abort everything still in flight."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Abort everything and end the engine thread."""
 
 
 class RequestStream:
@@ -96,8 +139,11 @@ def _normalize_stats(raw: Any) -> dict[str, float]:
 
 
 class AsyncEngine:
+    """Drives an engine with LLMEngine's interface (add_request, abort_request, step,
+    has_unfinished_requests, stats) from its own thread; see the module docstring."""
+
     def __init__(self, engine: Any, *, max_pending_requests: int = 1024, metrics: ServerMetrics | None = None):
-        self.engine = engine
+        self._engine = engine
         self.max_pending_requests = max_pending_requests
         self.metrics = metrics or ServerMetrics()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -105,7 +151,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._num_pending = 0  # event-loop side only
         self._closing = False
-        self.error: BaseException | None = None  # set by the engine thread when a step raised
+        self.error: BaseException | None = None  # set by the engine thread when a whole step failed
         self.stats: dict[str, float] = {}
 
     # -- lifecycle (event loop) ----------------------------------------------------------------------
@@ -129,14 +175,14 @@ class AsyncEngine:
             return
         self._closing = True
         log.info("draining: %d request(s) in flight get %.1f s to finish", self._num_pending, grace_seconds)
-        self._loop.call_later(grace_seconds, self._commands.put, ("abort_all",))
+        self._loop.call_later(grace_seconds, self._commands.put, AbortAll())
 
     async def shutdown(self) -> None:
         """Abort whatever is still in flight (each stream ends with RequestAborted) and stop the thread."""
         self._closing = True
         if self._thread is None:
             return
-        self._commands.put(("stop",))
+        self._commands.put(Stop())
         await asyncio.to_thread(self._thread.join)
         self._thread = None
         self.metrics.engine_alive.set(0)
@@ -151,45 +197,59 @@ class AsyncEngine:
 
     # -- requests (event loop) -----------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: Any, params: Any) -> RequestStream:
-        """Queue a request; returns once the engine accepted it. Raises the engine's ValueError/TypeError
-        for input it refuses, QueueFullError past max_pending_requests, EngineUnavailableError when
+        """One request; see `add_requests`."""
+        (stream,) = await self.add_requests([(request_id, prompt, params)])
+        return stream
+
+    async def add_requests(self, requests: list[tuple[str, Any, Any]]) -> list[RequestStream]:
+        """Queue requests (request_id, prompt, params) together; returns their streams once the engine
+        accepted all of them. Raises the engine's ValueError/TypeError for input it refuses (then none was
+        added), RequestFailed for any other failure to add, RequestTooLargeError when they could never fit
+        in max_pending_requests, QueueFullError when they do not fit now, EngineUnavailableError when
         shutting down or failed."""
         if self._closing or self._thread is None:
             raise EngineUnavailableError("the server is shutting down")
         if self.error is not None:
             raise EngineUnavailableError(f"the engine failed: {self.error!r}")
-        if self._num_pending >= self.max_pending_requests:
+        k = len(requests)
+        if k > self.max_pending_requests:
+            raise RequestTooLargeError(f"this request needs {k} engine requests (one per prompt), more than "
+                                       f"this server ever admits at once ({self.max_pending_requests}, "
+                                       "--max-pending-requests); send fewer prompts per request")
+        if self._num_pending + k > self.max_pending_requests:
             self.metrics.rejected.inc(reason="queue_full")
-            raise QueueFullError(f"too many requests in flight ({self._num_pending}); retry later")
-        stream = RequestStream(request_id)
+            raise QueueFullError(f"too many requests in flight ({self._num_pending} of "
+                                 f"{self.max_pending_requests}); retry later")
+        new = tuple(NewRequest(rid, prompt, params, RequestStream(rid)) for rid, prompt, params in requests)
         accepted = self._loop.create_future()
-        self._num_pending += 1
+        self._num_pending += k
         self.metrics.pending.set(self._num_pending)
-        self._commands.put(("add", request_id, prompt, params, stream, accepted))
+        self._commands.put(AddRequests(new, accepted))
         try:
             await asyncio.shield(accepted)
         except asyncio.CancelledError:
             # The caller went away while the engine thread was busy. Undo the add once its fate is known:
-            # accepted -> abort it (its stream's final item releases the slot); refused -> release here.
+            # accepted -> abort them (each stream's final item releases its slot); refused -> release here.
             def undo(fut: asyncio.Future) -> None:
                 if fut.exception() is None:
-                    self.abort(request_id)
+                    for r in new:
+                        self.abort(r.request_id)
                 else:
-                    self._release()
+                    self._release(k)
 
             accepted.add_done_callback(undo)
             raise
         except BaseException:
-            self._release()  # refused: it never became pending in the engine
+            self._release(k)  # refused: none became pending in the engine
             raise
-        return stream
+        return [r.stream for r in new]
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it already finished). Its stream ends with RequestAborted."""
-        self._commands.put(("abort", request_id))
+        self._commands.put(Abort(request_id))
 
-    def _release(self) -> None:
-        self._num_pending -= 1
+    def _release(self, k: int = 1) -> None:
+        self._num_pending -= k
         self.metrics.pending.set(self._num_pending)
 
     # -- engine thread -------------------------------------------------------------------------------
@@ -214,7 +274,7 @@ class AsyncEngine:
         while True:
             # Block for commands only while there is nothing to step. (An aborted request still counts:
             # the engine reports its end in the next step, and that step releases its bookkeeping.)
-            busy = self.error is None and (bool(streams) or self.engine.has_unfinished_requests())
+            busy = self.error is None and (bool(streams) or self._engine.has_unfinished_requests())
             commands = [] if busy else [self._commands.get()]
             while True:
                 try:
@@ -222,68 +282,80 @@ class AsyncEngine:
                 except queue.Empty:
                     break
             for cmd in commands:
-                if cmd[0] == "stop":
+                if isinstance(cmd, Stop):
                     self._abort_all(streams, RequestAborted("the server is shutting down"))
                     for late in commands:  # adds queued behind the stop get an answer, not silence
-                        if late[0] == "add":
-                            self._call(_resolve, late[5], EngineUnavailableError("the server is shutting down"))
+                        if isinstance(late, AddRequests):
+                            self._call(_resolve, late.accepted,
+                                       EngineUnavailableError("the server is shutting down"))
                     return
-                if cmd[0] == "add":
-                    self._apply_add(streams, *cmd[1:])
-                elif cmd[0] == "abort":
-                    self._apply_abort(streams, cmd[1])
-                elif cmd[0] == "abort_all":
+                if isinstance(cmd, AddRequests):
+                    self._apply_add(streams, cmd)
+                elif isinstance(cmd, Abort):
+                    self._apply_abort(streams, cmd.request_id)
+                elif isinstance(cmd, AbortAll):
                     if streams:
                         log.info("aborting %d request(s) still in flight at shutdown", len(streams))
                     self._abort_all(streams, RequestAborted("the server is shutting down"))
-            if self.error is None and self.engine.has_unfinished_requests():
+            if self.error is None and self._engine.has_unfinished_requests():
                 self._step(streams)
             self._snapshot_stats()
 
-    def _apply_add(self, streams, request_id, prompt, params, stream, accepted) -> None:
+    def _apply_add(self, streams: dict[str, RequestStream], cmd: AddRequests) -> None:
         if self.error is not None:
-            self._call(_resolve, accepted, EngineUnavailableError(f"the engine failed: {self.error!r}"))
+            self._call(_resolve, cmd.accepted, EngineUnavailableError(f"the engine failed: {self.error!r}"))
             return
-        if request_id in streams:
-            self._call(_resolve, accepted, ValueError(f"request id {request_id!r} is already running"))
-            return
+        added: list[str] = []
         try:
-            self.engine.add_request(request_id, prompt, params)
-        except (ValueError, TypeError) as e:
-            self._call(_resolve, accepted, e)
+            for r in cmd.requests:
+                if r.request_id in streams:
+                    raise ValueError(f"request id {r.request_id!r} is already running")
+                self._engine.add_request(r.request_id, r.prompt, r.params)
+                added.append(r.request_id)
+        except Exception as e:
+            for request_id in added:  # all or none: their abort outputs go to no stream
+                self._engine_abort(request_id)
+            if not isinstance(e, (ValueError, TypeError)):
+                log.error("adding request %s failed:\n%s", cmd.requests[len(added)].request_id,
+                          traceback.format_exc())
+                e = RequestFailed(f"the engine could not add this request: {e!r}")
+            self._call(_resolve, cmd.accepted, e)
             return
-        streams[request_id] = stream
-        self._call(_resolve, accepted, None)
+        for r in cmd.requests:
+            streams[r.request_id] = r.stream
+        self._call(_resolve, cmd.accepted, None)
+
+    def _engine_abort(self, request_id: str) -> None:
+        try:
+            self._engine.abort_request(request_id)
+        except Exception:
+            log.exception("abort_request(%s) failed", request_id)
 
     def _apply_abort(self, streams, request_id) -> None:
         stream = streams.pop(request_id, None)
         if stream is None:
             return  # finished already (or never added)
         self.metrics.aborted.inc()
-        try:
-            self.engine.abort_request(request_id)
-        finally:
-            self._call(self._deliver, stream, RequestAborted(f"request {request_id} aborted"), True)
+        self._engine_abort(request_id)
+        self._call(self._deliver, stream, RequestAborted(f"request {request_id} aborted"), True)
 
     def _abort_all(self, streams, exc: BaseException) -> None:
         for request_id in list(streams):
             stream = streams.pop(request_id)
             self.metrics.aborted.inc()
             if self.error is None:
-                try:
-                    self.engine.abort_request(request_id)
-                except Exception:
-                    log.exception("abort_request(%s) failed during shutdown", request_id)
+                self._engine_abort(request_id)
             self._call(self._deliver, stream, exc, True)
         self._snapshot_stats()
 
     def _step(self, streams) -> None:
         t0 = time.perf_counter()
         try:
-            outputs = self.engine.step()
+            outputs = self._engine.step()
         except Exception as e:
-            # The engine's state is unknown after a failed step: fail everything in flight (500s, not
-            # hangs) and refuse new work (503) rather than risk serving wrong numbers.
+            # The engine isolates failures it can pin on one request (see RequestOutput.error); a step that
+            # still raises failed as a whole, and the engine's state is unknown: fail everything in flight
+            # (500s, not hangs) and refuse new work (503) rather than risk serving wrong numbers.
             log.error("engine step failed; refusing further requests:\n%s", traceback.format_exc())
             self.error = e
             self.metrics.engine_alive.set(0)
@@ -302,12 +374,17 @@ class AsyncEngine:
             stream = streams.get(out.request_id)
             if stream is None:
                 continue
+            if out.error is not None:  # the engine aborted this request alone; its output is final
+                del streams[out.request_id]
+                log.error("request %s failed (aborted; the engine keeps serving): %s", out.request_id, out.error)
+                batch.append((stream, RequestFailed(out.error), True))
+                continue
             if out.finished:
                 del streams[out.request_id]
             batch.append((stream, out, out.finished))
         if batch:
             self._call(self._deliver_batch, batch)
-        if streams and not self.engine.has_unfinished_requests():
+        if streams and not self._engine.has_unfinished_requests():
             # Should not happen: the engine reports every request as finished. Never leave a client hanging.
             for request_id in list(streams):
                 log.error("engine dropped request %s without finishing it", request_id)
@@ -316,102 +393,9 @@ class AsyncEngine:
 
     def _snapshot_stats(self) -> None:
         try:
-            stats = _normalize_stats(self.engine.stats())
+            stats = _normalize_stats(self._engine.stats())
         except Exception:
             log.exception("engine.stats() failed")
             return
         self.stats = stats
         self.metrics.update_engine_stats(stats)
-
-
-class ChoiceTracker:
-    """Per-choice progress of a streamed request: what was already sent, to emit only the new part."""
-
-    def __init__(self, n: int):
-        self.n = n
-        self.text_sent: dict[int, int] = {}
-        self.tokens_sent: dict[int, int] = {}
-        self.finished: dict[int, str] = {}
-
-    def deltas(self, prompt_index: int, out: Any):
-        """(choice index, new text, new logprob entries or None, finish_reason newly reached or None)."""
-        for o in out.outputs:
-            c = prompt_index * self.n + o.index
-            if c in self.finished:
-                continue
-            t0, k0 = self.text_sent.get(c, 0), self.tokens_sent.get(c, 0)
-            text, new_lp = o.text[t0:], (o.logprobs[k0:] if o.logprobs is not None else None)
-            self.text_sent[c], self.tokens_sent[c] = len(o.text), len(o.token_ids)
-            if o.finish_reason is not None:
-                self.finished[c] = o.finish_reason
-            if text or new_lp or o.finish_reason is not None:
-                yield c, text, new_lp, o.finish_reason
-
-
-class Generation:
-    """The engine requests behind one HTTP request: one per prompt, each with the request's n samples.
-    Whatever way its user exits, `abort()` (idempotent) must run: it frees whatever is still running."""
-
-    def __init__(self, engine: AsyncEngine, request_id: str, prompts: list[list[int]], params: Any):
-        self.engine, self.request_id, self.prompts, self.params = engine, request_id, prompts, params
-        self.streams: list = []
-        self.latest: list[Any] = [None] * len(prompts)
-
-    async def start(self) -> None:
-        """Add every prompt's request; on any failure (AsyncEngine.add_request's errors) none stays."""
-        try:
-            for i, ids in enumerate(self.prompts):
-                self.streams.append(await self.engine.add_request(f"{self.request_id}-{i}", ids, self.params))
-        finally:
-            if len(self.streams) < len(self.prompts):
-                self.abort()
-
-    def abort(self) -> None:
-        for s in self.streams:
-            if not s.finished:
-                self.engine.abort(s.request_id)
-
-    async def updates(self) -> AsyncIterator[tuple[int, Any]]:
-        """(prompt index, latest RequestOutput) as they come, until every prompt's request finished."""
-        pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(self.streams)}
-        try:
-            while pending:
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    i = pending.pop(task)
-                    try:
-                        out = task.result()
-                    except StopAsyncIteration:
-                        continue
-                    self.latest[i] = out
-                    yield i, out
-                    if not out.finished:
-                        pending[asyncio.ensure_future(anext(self.streams[i]))] = i
-        finally:
-            for task in pending:
-                task.cancel()
-
-    async def run_to_end(self, client_gone: Callable[[], Awaitable[Any]]) -> list[Any]:
-        """Every prompt's final output. If `client_gone()` completes first, aborts everything and raises
-        ClientDisconnected; RequestAborted / EngineUnavailableError from the streams propagate."""
-
-        async def consume():
-            async for _ in self.updates():
-                pass
-
-        work, watch = asyncio.ensure_future(consume()), asyncio.ensure_future(client_gone())
-        try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():  # nobody is left to answer; the finally below aborts the requests
-                raise ClientDisconnected(self.request_id)
-            work.result()
-            return self.latest
-        finally:
-            work.cancel()
-            watch.cancel()
-            self.abort()
-
-    def token_counts(self) -> tuple[int, int]:
-        """(prompt tokens, completion tokens) so far, over every prompt and sample."""
-        completion = sum(len(o.token_ids) for out in self.latest if out is not None for o in out.outputs)
-        return sum(len(p) for p in self.prompts), completion

@@ -17,7 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 MAX_PROMPTS_PER_REQUEST = 64  # a completions `prompt` list is a batch; bound it like any other input
 MAX_STOP_SEQUENCES = 16
-LOGPROB_FLOOR = -9999.0  # JSON has no -inf; a -inf logprob is reported as this (as vLLM does)
+# JSON integers are unbounded; the engine holds them as int64 (token ids, counts, seeds, top_k). Every integer
+# field is bounded by this, so an oversized value is a 400 naming it, never an overflow inside the engine.
+INT64_MAX = (1 << 63) - 1
 
 
 class APIError(Exception):
@@ -94,15 +96,15 @@ class _SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, plus vLLM's extras)."""
 
     model: str
-    n: int | None = Field(None, ge=1)
+    n: int | None = Field(None, ge=1, le=INT64_MAX)
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
-    seed: int | None = Field(None, ge=0, le=(1 << 63) - 1)
+    seed: int | None = Field(None, ge=0, le=INT64_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -128,8 +130,8 @@ class _SamplingRequest(_Strict):
     @field_validator("stop_token_ids")
     @classmethod
     def _check_stop_ids(cls, v):
-        if v is not None and any(t < 0 for t in v):
-            raise ValueError("stop_token_ids must be non-negative token ids")
+        if v is not None and any(not 0 <= t <= INT64_MAX for t in v):
+            raise ValueError("stop_token_ids must be token ids (non-negative, at most 2**63 - 1)")
         return v
 
     @field_validator("logit_bias")
@@ -142,10 +144,10 @@ class _SamplingRequest(_Strict):
 
 class CompletionRequest(_SamplingRequest):
     prompt: Any
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
+    logprobs: int | None = Field(None, ge=0, le=INT64_MAX)
     echo: bool | None = False
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, le=INT64_MAX)
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -217,10 +219,10 @@ class ResponseFormat(_Strict):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=0, le=INT64_MAX)
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Literal["none"] | None = None
@@ -347,90 +349,3 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-# ---------------------------------------------------------------------------------------------------
-# logprobs
-
-def _byte_level_decoder() -> dict[str, int]:
-    """Inverse of the byte-level BPE alphabet (every byte drawn as a printable character): printable
-    Latin-1 bytes stand for themselves, the rest are shifted to code points 256 and up, in byte order."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {chr(b): b for b in keep}
-    shifted = (b for b in range(256) if b not in table.values())
-    table.update({chr(256 + i): b for i, b in enumerate(shifted)})
-    return table
-
-
-class TokenFormatter:
-    """Token ids as OpenAI shows them in logprobs: the token's UTF-8 bytes, and its text (or, for a token
-    that is only part of a UTF-8 character, `bytes:\\xNN...` as OpenAI writes such tokens)."""
-
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
-        backend = getattr(tokenizer, "backend", None)
-        self._byte_level = type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
-        self._decoder = _byte_level_decoder() if self._byte_level else {}
-        self._special = set(getattr(tokenizer, "all_special_ids", ()))
-        self._cache: dict[int, tuple[str, bytes]] = {}
-
-    def token(self, token_id: int) -> tuple[str, bytes]:
-        hit = self._cache.get(token_id)
-        if hit is None:
-            raw = self._token_bytes(token_id)
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-            hit = self._cache[token_id] = (text, raw)
-        return hit
-
-    def _token_bytes(self, token_id: int) -> bytes:
-        piece = self.tokenizer.id_to_token(token_id)
-        if piece is None:
-            return b""
-        if token_id in self._special:
-            return piece.encode("utf-8")
-        if self._byte_level and all(c in self._decoder for c in piece):
-            return bytes(self._decoder[c] for c in piece)
-        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # byte-fallback pieces
-            try:
-                return bytes([int(piece[3:5], 16)])
-            except ValueError:
-                pass
-        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
-
-    def completion_logprobs(self, entries: Any, text_offset: int) -> tuple[CompletionLogprobs, int]:
-        """Legacy /v1/completions logprobs for `entries` (TokenLogprob, or a bare token id for a position
-        without a logprob); returns them and the text offset after them."""
-        out = CompletionLogprobs()
-        for e in entries:
-            if isinstance(e, int):  # a prompt token without context (position 0): no logprob
-                text, raw = self.token(e)
-                out.tokens.append(text)
-                out.token_logprobs.append(None)
-                out.top_logprobs.append(None)
-                out.text_offset.append(text_offset)
-                text_offset += len(raw.decode("utf-8", errors="ignore"))
-                continue
-            text, raw = self.token(e.token_id)
-            out.tokens.append(text)
-            out.token_logprobs.append(clamp_logprob(e.logprob))
-            out.top_logprobs.append({self.token(t)[0]: clamp_logprob(lp) for t, lp in e.top_logprobs.items()})
-            out.text_offset.append(text_offset)
-            text_offset += len(raw.decode("utf-8", errors="ignore"))
-        return out, text_offset
-
-    def chat_logprobs(self, entries: Any) -> ChatLogprobs:
-        content = []
-        for e in entries:
-            text, raw = self.token(e.token_id)
-            top = [TopLogprob(token=self.token(t)[0], logprob=clamp_logprob(lp), bytes=list(self.token(t)[1]))
-                   for t, lp in e.top_logprobs.items()]
-            content.append(TokenLogprob(token=text, logprob=clamp_logprob(e.logprob), bytes=list(raw),
-                                        top_logprobs=top))
-        return ChatLogprobs(content=content)
-
-
-def clamp_logprob(x: float) -> float:
-    return x if x >= LOGPROB_FLOOR else LOGPROB_FLOOR

@@ -1,183 +1,181 @@
-"""`detinfer serve MODEL_DIR`: run the OpenAI-compatible server (FastAPI under uvicorn) over an LLMEngine.
+"""`detinfer serve MODEL` (or `--model MODEL`; a directory or a Hugging Face hub id): the OpenAI-compatible
+server (FastAPI under uvicorn) over an LLMEngine.
 
-Flags come from two frozen dataclasses: `ServerConfig` below and the engine's `EngineConfig` (`--mode`,
-`--dtype`, `--max-num-seqs`, ...), so the CLI, the defaults and the validation cannot drift apart.
+Flags come from two frozen dataclasses, `ServerConfig` and the engine's `EngineConfig` (`--mode`, `--dtype`,
+`--max-num-seqs`, ...), so the CLI, the defaults and the validation cannot drift apart.
 
-`system_fingerprint` hashes everything that can change the numbers a request gets back: the weights, the
-config and tokenizer files, dtype, mode, the KV block size, the source of the numeric code (kernels, ops,
-model, sampler), torch/triton versions and the device. Equal fingerprints mean two answers are comparable
-bit for bit; it deliberately ignores what cannot change the numbers in deterministic mode (batch limits,
-the port, ...), so servers tuned differently still compare equal.
+Start-up order: check the flags, bind the port (a busy port fails at once, not after the model loaded),
+load the model, start the engine and the HTTP server, and only then print "serving on http://...". Every
+error is one line on stderr (no usage dump) and a non-zero exit.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
+import errno
 import logging
+import os
 import signal
+import socket
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from detinfer.engine.config import EngineConfig, add_dataclass_args, check_float, check_int, from_args
+from detinfer.engine.config import EngineConfig, add_dataclass_args, from_args
+from detinfer.server.config import ServerConfig
 
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-# Subpackages whose code computes the numbers; their source is part of the fingerprint.
-NUMERIC_PACKAGES = ("kernels", "ops", "models", "engine", "cache")
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """How the HTTP server listens and what it admits. Validated on construction."""
-
-    host: str = field(default="127.0.0.1", metadata={"help": "Address to bind (0.0.0.0: every interface)."})
-    port: int = field(default=8000, metadata={"help": "TCP port to listen on."})
-    served_model_name: str | None = field(default=None, metadata={
-        "help": "Model name clients send in `model`; default: the model directory's name."})
-    api_key: str | None = field(default=None, metadata={
-        "help": "If set, require `Authorization: Bearer <key>` on /v1 routes."})
-    max_pending_requests: int = field(default=1024, metadata={
-        "help": "Most generation requests in flight (queued or running); beyond it requests get HTTP 429."})
-    max_n: int = field(default=16, metadata={"help": "Largest `n` (samples per prompt) a request may ask for."})
-    max_logprobs: int = field(default=20, metadata={
-        "help": "Largest `logprobs` / `top_logprobs` a request may ask for."})
-    max_request_bytes: int = field(default=4 << 20, metadata={"help": "Largest request body, in bytes (413)."})
-    timeout_graceful_shutdown: float = field(default=30.0, metadata={
-        "help": "On SIGINT/SIGTERM, seconds to let in-flight requests finish before aborting them."})
-    uvicorn_log_level: str = field(default="info", metadata={"help": "uvicorn's log level.",
-                                                             "choices": LOG_LEVELS})
-    device: str | None = field(default=None, metadata={
-        "help": "Torch device for the engine (cuda, cuda:1, cpu); default: cuda if available, else cpu."})
-    gil_switch_interval_ms: float = field(default=20.0, metadata={
-        "help": "Python's thread switch interval in ms (sys.setswitchinterval). The engine thread and the HTTP "
-                "event loop share the GIL: a longer interval lets one engine step issue its kernels without being "
-                "preempted by per-token streaming work. Measured on an H100 (8B model, 64 streams): 5 ms (Python's "
-                "default) 2120 output tok/s, 20 ms 2235, 50 ms 2252."})
-
-    def __post_init__(self):
-        if not isinstance(self.host, str) or not self.host:
-            raise ValueError(f"host must be a non-empty string, got {self.host!r}")
-        check_int("port", self.port, minimum=0, maximum=65535)
-        for name in ("served_model_name", "api_key", "device"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"{name} must be a non-empty string or None, got {value!r}")
-        check_int("max_pending_requests", self.max_pending_requests, minimum=1)
-        check_int("max_n", self.max_n, minimum=1)
-        check_int("max_logprobs", self.max_logprobs, minimum=0)
-        check_int("max_request_bytes", self.max_request_bytes, minimum=1024)
-        check_float("timeout_graceful_shutdown", self.timeout_graceful_shutdown, minimum=0.0)
-        check_float("gil_switch_interval_ms", self.gil_switch_interval_ms, minimum=0.0, min_exclusive=True)
-        if self.uvicorn_log_level not in LOG_LEVELS:
-            raise ValueError(f"uvicorn_log_level must be one of {LOG_LEVELS}, got {self.uvicorn_log_level!r}")
+SHUTDOWN_MARGIN_S = 5.0
+LISTEN_BACKLOG = 2048
 
 
-def _hash_file(h: Any, path: Path) -> None:
-    h.update(path.name.encode() + b"\0")
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
+class CLIError(Exception):
+    """A start-up failure reported as one line (exit status `status`)."""
+
+    def __init__(self, message: str, status: int = 1):
+        super().__init__(message)
+        self.status = status
 
 
-def model_files_digest(model_dir: str | Path) -> str:
-    """sha256 over the weights, config and tokenizer files of a model directory (names and contents)."""
-    model_dir = Path(model_dir)
-    h = hashlib.sha256()
-    for path in sorted(model_dir.iterdir()):
-        if path.is_file() and (path.suffix in (".safetensors", ".json", ".jinja", ".model")):
-            _hash_file(h, path)
-    return h.hexdigest()
-
-
-def numeric_code_digest() -> str:
-    """sha256 of detinfer's numeric source files: any edit there may change results, so it counts."""
-    import detinfer
-
-    root = Path(detinfer.__file__).parent
-    h = hashlib.sha256(detinfer.__version__.encode())
-    for pkg in NUMERIC_PACKAGES:
-        for path in sorted((root / pkg).rglob("*.py")):
-            h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
-    return h.hexdigest()
-
-
-def system_fingerprint(*, weights_digest: str, dtype: str, mode: str, block_size: int, device: str,
-                       code_digest: str | None = None) -> str:
-    """`fp_` + 16 hex digits identifying everything that determines the numbers (see the module doc)."""
-    import torch
-
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "none"
-    device_name = device
-    if device.startswith("cuda") and torch.cuda.is_available():
-        device_name = f"{torch.cuda.get_device_name(device)} sm{torch.cuda.get_device_capability(device)}"
-    parts = [f"weights={weights_digest}", f"dtype={dtype}", f"mode={mode}", f"block_size={block_size}",
-             f"code={code_digest or numeric_code_digest()}", f"torch={torch.__version__}",
-             f"cuda={torch.version.cuda}", f"triton={triton_version}", f"device={device_name}"]
-    return "fp_" + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise CLIError(f"{message} (see `detinfer serve --help`)", status=2)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="detinfer serve", description="OpenAI-compatible HTTP server "
-                                     "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).")
-    parser.add_argument("model_dir", help="HF-format model directory (config.json, *.safetensors, tokenizer).")
+    parser = _OneLineParser(prog="detinfer serve", allow_abbrev=False,
+                            description="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+                                        "/v1/models, /health, /metrics).")
+    parser.add_argument("model_dir", nargs="?", metavar="MODEL_DIR",
+                        help="HF-format model directory (config.json, *.safetensors, tokenizer).")
+    parser.add_argument("--model", dest="model_flag", metavar="MODEL_DIR", help="The same, as a flag.")
     add_dataclass_args(parser, ServerConfig)
     add_dataclass_args(parser, EngineConfig)
     return parser
 
 
+def resolve_model_dir(positional: str | None, flag: str | None) -> tuple[Path, str]:
+    """(local model directory, default served name) from either spelling: a directory (`~` expanded) or a
+    Hugging Face hub id (see detinfer.models.hub); both spellings must agree if both are given."""
+    from detinfer.models.hub import resolve_model_path
+
+    if positional is None and flag is None:
+        raise CLIError("a model directory is required: detinfer serve MODEL_DIR (or --model MODEL_DIR)", 2)
+    given = {os.path.expanduser(p) for p in (positional, flag) if p is not None}
+    if len(given) > 1:
+        raise CLIError(f"two different models given: {positional!r} and --model {flag!r}", 2)
+    model = given.pop()
+    try:
+        model_dir = resolve_model_path(model)
+    except (FileNotFoundError, ValueError, TypeError) as e:
+        raise CLIError(str(e), 2) from None
+    if not (model_dir / "config.json").is_file():
+        raise CLIError(f"{model_dir} is not a model directory (no config.json)", 2)
+    name = model_dir.resolve().name if Path(model).is_dir() else model  # a hub id names itself
+    return model_dir, name
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port; CLIError naming the problem if it cannot be had."""
+    try:
+        family, type_, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                           flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise CLIError(f"cannot listen on {host}:{port}: cannot resolve the host ({e.strerror})") from None
+    sock = socket.socket(family, type_, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(LISTEN_BACKLOG)  # listening now: nobody else can take the port while the model loads
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise CLIError(f"cannot listen on {host}:{port}: the address is already in use (is another server "
+                           "running there? pick another --port)") from None
+        raise CLIError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    ns = parser.parse_args(argv)
+    try:
+        return _main(argv)
+    except CLIError as e:
+        print(f"detinfer serve: error: {e}", file=sys.stderr, flush=True)
+        return e.status
+
+
+def _main(argv: list[str] | None) -> int:
+    ns = build_parser().parse_args(argv)
     try:
         server_config = from_args(ServerConfig, ns)
         engine_config = from_args(EngineConfig, ns)
     except (ValueError, TypeError) as e:
-        parser.error(str(e))
-    model_dir = Path(ns.model_dir)
-    if not (model_dir / "config.json").is_file():
-        parser.error(f"{model_dir} is not a model directory (no config.json)")
+        raise CLIError(str(e), 2) from None
+    model_dir, default_name = resolve_model_dir(ns.model_dir, ns.model_flag)
+    sock = bind_socket(server_config.host, server_config.port)
+    port = sock.getsockname()[1]
+    name = server_config.served_model_name or default_name
+    try:
+        return _serve(model_dir, name, server_config, engine_config, sock, _url(server_config.host, port))
+    finally:
+        sock.close()
 
+
+def _load_engine(model_dir: Path, engine_config: EngineConfig, device: str | None):
+    from detinfer.engine.llm_engine import LLMEngine
+
+    try:
+        return LLMEngine(model_dir, engine_config, device=device)
+    except (ValueError, TypeError, OSError, KeyError, RuntimeError) as e:
+        # Load errors (a malformed checkpoint, out of memory, ...) already say what is wrong and where.
+        raise CLIError(f"cannot load the model in {model_dir}: {e}") from None
+
+
+def uvicorn_config(app, server_config: ServerConfig):
+    """uvicorn's settings: its fast parser and loop when installed (the `server` extra brings httptools and
+    uvloop), keep-alive timeout, connection limit, and a shutdown timeout longer than our drain."""
     import uvicorn
 
-    from detinfer.engine.llm_engine import LLMEngine
+    # uvicorn cancels whatever still runs after its own timeout; ours (the drain) must fire first so that
+    # aborted streams still get their final "abort" chunk and [DONE] out before the sockets close.
+    return uvicorn.Config(app, log_level=server_config.uvicorn_log_level, http="auto", loop="auto",
+                          timeout_graceful_shutdown=server_config.timeout_graceful_shutdown + SHUTDOWN_MARGIN_S,
+                          timeout_keep_alive=server_config.timeout_keep_alive,
+                          limit_concurrency=server_config.limit_concurrency)
+
+
+def _serve(model_dir: Path, name: str, server_config: ServerConfig, engine_config: EngineConfig,
+           sock: socket.socket, url: str) -> int:
     from detinfer.server.app import create_app
     from detinfer.server.async_engine import AsyncEngine
+    from detinfer.server.context import ServedModel
+    from detinfer.server.fingerprint import model_files_digest, system_fingerprint
 
     sys.setswitchinterval(server_config.gil_switch_interval_ms / 1000.0)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine(model_dir, engine_config, device=server_config.device)
+    engine = _load_engine(model_dir, engine_config, server_config.device)
     resolved = engine.config  # max_model_len resolved from the model
     device, dtype = str(engine.device), str(engine.dtype).removeprefix("torch.")
     fingerprint = system_fingerprint(weights_digest=model_files_digest(model_dir), dtype=dtype,
                                      mode=resolved.mode, block_size=resolved.block_size, device=device)
-    name = server_config.served_model_name or model_dir.resolve().name
     async_engine = AsyncEngine(engine, max_pending_requests=server_config.max_pending_requests)
-    app = create_app(async_engine, server_config, model_name=name, fingerprint=fingerprint)
-    print(f"detinfer serve: model {name!r} ({resolved.mode}, {dtype}, {device}, max_model_len "
-          f"{resolved.max_model_len}), fingerprint {fingerprint}, on http://{server_config.host}:"
-          f"{server_config.port}", flush=True)
+    app = create_app(async_engine, server_config, ServedModel.from_engine(engine, name, fingerprint))
     grace = server_config.timeout_graceful_shutdown
-    # uvicorn cancels whatever still runs after its own timeout; ours (the drain) must fire first so that
-    # aborted streams still get their final "abort" chunk and [DONE] out before the sockets close.
-    uv_config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
-                               log_level=server_config.uvicorn_log_level,
-                               timeout_graceful_shutdown=grace + SHUTDOWN_MARGIN_S)
-    server = _draining_server_class()(uv_config, on_exit=lambda: async_engine.request_drain(grace))
+    uv_config = uvicorn_config(app, server_config)
+
+    def ready() -> None:
+        print(f"detinfer serve: model {name!r} ({resolved.mode}, {dtype}, {device}, max_model_len "
+              f"{resolved.max_model_len}), fingerprint {fingerprint}: serving on {url}", flush=True)
+
+    server = _draining_server_class()(uv_config, on_exit=lambda: async_engine.request_drain(grace), on_ready=ready)
     # uvicorn re-raises the signal that stopped it once it is done; exit 0 then instead of dying by it.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit_cleanly)
-    server.run()
+    server.run(sockets=[sock])
     return 0
-
-
-SHUTDOWN_MARGIN_S = 5.0
 
 
 def _exit_cleanly(_sig, _frame):
@@ -188,11 +186,17 @@ def _draining_server_class():
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
-        """uvicorn.Server that also tells the engine to drain when a shutdown signal arrives."""
+        """uvicorn.Server that tells the engine to drain when a shutdown signal arrives, and reports
+        readiness once the engine runs and the socket accepts connections."""
 
-        def __init__(self, config, on_exit):
+        def __init__(self, config, on_exit, on_ready):
             super().__init__(config)
-            self._on_exit = on_exit
+            self._on_exit, self._on_ready = on_exit, on_ready
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets=sockets)
+            if not self.should_exit:
+                self._on_ready()
 
         def handle_exit(self, sig, frame):
             first = not self.should_exit

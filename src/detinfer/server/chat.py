@@ -1,0 +1,84 @@
+"""POST /v1/chat/completions: the messages go through the model's chat template into one engine request
+with the request's `n` samples."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import Request
+
+from detinfer.server import protocol as P
+from detinfer.server.generation import ChoiceTracker, Generation
+from detinfer.server.handling import (
+    check_model,
+    count_finishes,
+    json_response,
+    run_to_end,
+    start_generation,
+    state_of,
+    stream_response,
+    usage,
+)
+from detinfer.server.request_io import check_auth, read_json
+from detinfer.server.sampling import chat_logprobs_count, sampling_params
+
+
+async def chat_completions(request: Request):
+    state = state_of(request)
+    check_auth(request, state.config.api_key)
+    req = P.parse_request(P.ChatCompletionRequest,
+                          await read_json(request, state.config.max_request_bytes, state.config.body_timeout))
+    check_model(state, req.model)
+    logprobs = chat_logprobs_count(req, state.limits)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = sampling_params(req, state.limits, max_tokens=max_tokens, logprobs=logprobs)
+    ids = await state.prompts.chat(req.template_messages(), req.add_generation_prompt)
+    state.prompts.check_length(ids, max_tokens, "messages")
+    gen = await start_generation(state, [ids], params, "chatcmpl")  # from here on, every exit must abort it
+    created = int(time.time())
+
+    if req.stream:
+        return _stream(state, req, gen, created, logprobs)
+    (out,) = await run_to_end(gen, request)
+    fmt = state.formatter
+    choices = [P.ChatChoice(index=o.index, message=P.AssistantMessage(content=o.text),
+                            logprobs=fmt.chat_logprobs(o.logprobs) if logprobs is not None else None,
+                            finish_reason=o.finish_reason) for o in out.outputs]
+    count_finishes(state, [c.finish_reason for c in choices])
+    return json_response(P.ChatCompletionResponse(id=gen.request_id, created=created, model=state.model.name,
+                                                  system_fingerprint=state.model.fingerprint, choices=choices,
+                                                  usage=usage(gen)))
+
+
+def _stream(state, req: P.ChatCompletionRequest, gen: Generation, created: int, logprobs: int | None):
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    started: set[int] = set()
+
+    def chunk(choices) -> P.ChatCompletionChunk:
+        return P.ChatCompletionChunk(id=gen.request_id, created=created, model=state.model.name,
+                                     system_fingerprint=state.model.fingerprint, choices=choices)
+
+    def emit(tracker: ChoiceTracker, i: int, out: Any):
+        for c, text, entries, finish in tracker.deltas(i, out):
+            if c not in started:  # OpenAI opens each choice with the role
+                started.add(c)
+                yield chunk([P.ChatChunkChoice(index=c, delta=P.DeltaMessage(role="assistant", content=""))])
+            lp = state.formatter.chat_logprobs(entries) if entries and logprobs is not None else None
+            if text or lp:
+                yield chunk([P.ChatChunkChoice(index=c, delta=P.DeltaMessage(content=text), logprobs=lp)])
+            if finish is not None:
+                count_finishes(state, [finish])
+                yield chunk([P.ChatChunkChoice(index=c, delta=P.DeltaMessage(), finish_reason=finish)])
+        if include_usage and gen.latest[0] is not None and gen.latest[0].finished:
+            u = chunk([])
+            u.usage = usage(gen)
+            yield u
+
+    def final(tracker: ChoiceTracker):
+        open_ = [c for c in range(gen.params.n) if c not in tracker.finished]
+        count_finishes(state, ["abort"] * len(open_))
+        for c in open_:
+            yield chunk([P.ChatChunkChoice(index=c, delta=P.DeltaMessage(), finish_reason="abort")])
+
+    return stream_response(gen, emit, final)

@@ -1,0 +1,111 @@
+"""What both generation routes do around the engine: start a Generation, wait for it or stream it, and map
+the engine front end's exceptions to HTTP answers."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import Request
+
+from detinfer.server import protocol as P
+from detinfer.server.async_engine import (
+    ClientDisconnected,
+    EngineUnavailableError,
+    QueueFullError,
+    RequestAborted,
+    RequestFailed,
+    RequestTooLargeError,
+)
+from detinfer.server.context import ServerState
+from detinfer.server.generation import ChoiceTracker, Generation
+from detinfer.server.request_io import AbortingStream, sse
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def check_model(state: ServerState, name: str) -> None:
+    if name != state.model.name:
+        raise P.APIError(404, f"model {name!r} does not exist; this server serves {state.model.name!r}",
+                         param="model", code="model_not_found")
+
+
+def _failed(e: RequestFailed) -> P.APIError:
+    return P.APIError(500, f"this request failed in the engine and was aborted (the server keeps serving "
+                      f"other requests): {e}", code="request_failed")
+
+
+async def start_generation(state: ServerState, prompts: list[list[int]], params: Any, prefix: str) -> Generation:
+    gen = Generation(state.engine, f"{prefix}-{uuid.uuid4().hex}", prompts, params)
+    try:
+        await gen.start()
+    except QueueFullError as e:
+        raise P.APIError(429, str(e), code="queue_full") from None
+    except RequestTooLargeError as e:
+        raise P.bad_request(str(e), param="prompt") from None
+    except EngineUnavailableError as e:
+        raise P.APIError(503, str(e)) from None
+    except RequestFailed as e:
+        raise _failed(e) from None
+    except (ValueError, TypeError) as e:  # refused by the engine (the server checks most of it first)
+        raise P.bad_request(str(e), param="prompt") from None
+    return gen
+
+
+async def run_to_end(gen: Generation, request: Request) -> list[Any]:
+    async def client_gone():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    try:
+        return await gen.run_to_end(client_gone)
+    except ClientDisconnected:  # nobody reads this answer; the status is for the logs and metrics
+        raise P.APIError(499, "client disconnected", code="client_closed_request") from None
+    except RequestAborted as e:
+        raise P.APIError(503, f"request aborted: {e}") from None
+    except RequestFailed as e:
+        raise _failed(e) from None
+    except EngineUnavailableError as e:
+        raise P.APIError(500, str(e)) from None
+
+
+def usage(gen: Generation) -> P.Usage:
+    prompt, completion = gen.token_counts()
+    return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def count_finishes(state: ServerState, reasons: list[str | None]) -> None:
+    for reason in reasons:
+        state.engine.metrics.finished.inc(finish_reason=reason or "abort")
+
+
+def stream_response(gen: Generation, emit: Callable, final: Callable) -> AbortingStream:
+    """SSE: `emit(tracker, prompt index, output)` yields chunks as outputs come; `final(tracker)` closes
+    every open choice with "abort" if the server shuts down; ends with [DONE] in every case."""
+
+    async def body():
+        choices = ChoiceTracker(gen.params.n)
+        try:
+            async for i, out in gen.updates():
+                for chunk in emit(choices, i, out):
+                    yield sse(chunk)
+        except RequestAborted:  # server shutdown: close every open choice with "abort"
+            for chunk in final(choices):
+                yield sse(chunk)
+        except RequestFailed as e:
+            yield sse(_failed(e).body())
+        except EngineUnavailableError as e:
+            yield sse(P.APIError(500, str(e)).body())
+        yield b"data: [DONE]\n\n"
+
+    return AbortingStream(body(), on_close=gen.abort, media_type="text/event-stream",
+                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def json_response(model: Any):
+    from fastapi.responses import Response
+
+    return Response(model.model_dump_json(), media_type="application/json")

@@ -1,0 +1,70 @@
+"""An OpenAI-shaped request's sampling fields -> the engine's `SamplingParams` (a pure function).
+
+Every value is checked here, at the boundary, against the server's limits (`--max-n`, `--max-logprobs`,
+`--max-temperature`) and, through `SamplingParams`, against what the engine can hold (int64 counts, float32
+temperatures and penalties), so a value that passed validation cannot fail inside an engine step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from detinfer.engine.sampling_params import SamplingParams
+from detinfer.server.protocol import APIError, bad_request
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The server's per-request limits (from ServerConfig)."""
+
+    max_n: int = 16
+    max_logprobs: int = 20
+    max_temperature: float = 2.0
+
+
+def check_limit(value: int | float | None, limit: int | float, param: str) -> None:
+    if value is not None and value > limit:
+        raise bad_request(f"{param} must be at most {limit}, got {value}", param=param)
+
+
+def _default(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def sampling_params(req: Any, limits: RequestLimits, *, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    """`req`: a parsed CompletionRequest or ChatCompletionRequest. Raises APIError(400) naming the field."""
+    n = req.n or 1
+    check_limit(n, limits.max_n, "n")
+    temperature = _default(req.temperature, 1.0)
+    check_limit(temperature, limits.max_temperature, "temperature")
+    stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    fields = dict(n=n, temperature=temperature, top_p=_default(req.top_p, 1.0), top_k=_default(req.top_k, 0),
+                  min_p=_default(req.min_p, 0.0), presence_penalty=_default(req.presence_penalty, 0.0),
+                  frequency_penalty=_default(req.frequency_penalty, 0.0),
+                  repetition_penalty=_default(req.repetition_penalty, 1.0), seed=req.seed, stop=tuple(stop),
+                  stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+                  max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    try:
+        return SamplingParams(**fields)
+    except (ValueError, TypeError) as e:  # the message starts with the field's name
+        param = str(e).split(" ", 1)[0].split("[", 1)[0]
+        raise bad_request(str(e), param=param if param in fields else None) from None
+
+
+def completion_logprobs_count(req: Any, limits: RequestLimits) -> int | None:
+    check_limit(req.logprobs, limits.max_logprobs, "logprobs")
+    return req.logprobs
+
+
+def chat_logprobs_count(req: Any, limits: RequestLimits) -> int | None:
+    """`logprobs: true` + `top_logprobs: k` -> k alternatives per token (None: no logprobs)."""
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
+    check_limit(req.top_logprobs, limits.max_logprobs, "top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+__all__ = ["APIError", "RequestLimits", "chat_logprobs_count", "check_limit", "completion_logprobs_count",
+           "sampling_params"]
