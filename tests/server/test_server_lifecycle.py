@@ -64,12 +64,14 @@ def _stream(url: str, body: dict, events: list, first_chunk: threading.Event) ->
 
 
 def test_graceful_shutdown_finishes_or_aborts_cleanly(start_server, tmp_path):
-    # A model with a long context, so that the long requests cannot finish within the grace period on any
-    # machine (2000 tokens), while the short one (40 tokens) finishes well within it.
+    # A model with a long context, so that the long requests cannot finish within the grace period (2000
+    # tokens: >= 8 s at the ~4 ms/step this tiny model decodes on an idle 2-core CPU), while the short one
+    # (12 tokens, ~0.1 s alone) finishes well within it even on a loaded machine (a 2 s grace and 40 tokens
+    # failed there).
     from detinfer.models.testing import write_tiny_checkpoint
 
     model_dir = write_tiny_checkpoint(tmp_path / "long-context", "LlamaForCausalLM", max_position_embeddings=2048)
-    server = start_server("--timeout-graceful-shutdown", "2.0", model_dir=model_dir)
+    server = start_server("--timeout-graceful-shutdown", "5.0", model_dir=model_dir)
     long = {**LONG, "max_tokens": 2000}
     long_events, short_events, started = [], [], threading.Event()
     t_long = threading.Thread(target=_stream, args=(server.url, long, long_events, started))
@@ -89,7 +91,7 @@ def test_graceful_shutdown_finishes_or_aborts_cleanly(start_server, tmp_path):
     while server.metrics()["detinfer_requests_pending"] < 2:
         time.sleep(0.01)
     short_started = threading.Event()
-    t_short = threading.Thread(target=_stream, args=(server.url, {**LONG, "max_tokens": 40}, short_events,
+    t_short = threading.Thread(target=_stream, args=(server.url, {**LONG, "max_tokens": 12}, short_events,
                                                      short_started))
     t_short.start()
     assert short_started.wait(30)  # its first chunk: it is running; SIGTERM now
