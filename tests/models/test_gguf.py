@@ -35,6 +35,20 @@ def gguf_name(hf_name):
     return f"blk.{i}.{LAYER['.'.join(mid)]}.{kind}"
 
 
+def stack_experts(tensors, cfg):
+    """HF per-expert tensors -> llama.cpp's blk.N.ffn_{gate,up,down}_exps [E, out, in] and ffn_gate_inp."""
+    out = {n: t for n, t in tensors.items() if ".mlp.experts." not in n and not n.endswith("mlp.gate.weight")}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}.mlp."
+        if p + "gate.weight" not in tensors:
+            continue
+        out[f"blk.{i}.ffn_gate_inp.weight"] = tensors[p + "gate.weight"]
+        for stem, proj in (("ffn_gate_exps", "gate_proj"), ("ffn_up_exps", "up_proj"), ("ffn_down_exps", "down_proj")):
+            out[f"blk.{i}.{stem}.weight"] = torch.stack([tensors[f"{p}experts.{e}.{proj}.weight"]
+                                                         for e in range(cfg["num_experts"])])
+    return out
+
+
 def to_llamacpp_rows(w, n_heads):
     """llama.cpp's Llama converter: within a head, row 2i + j of the GGUF takes HF row j * D/2 + i."""
     d = w.shape[0] // n_heads
@@ -73,14 +87,20 @@ def write_gguf(path, hf_dir, qtypes=None, pre="gpt2", tokenizer_model="gpt2", ar
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
     w.add_chat_template(tok_cfg["chat_template"])
+    tensors = load_file(hf_dir / "model.safetensors")
+    if cfg.get("num_experts"):  # Qwen3-MoE as llama.cpp writes it: expert sizes as metadata, experts stacked
+        w.add_expert_count(cfg["num_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        tensors = stack_experts(tensors, cfg)
     stored = {}
-    for name, t in load_file(hf_dir / "model.safetensors").items():
+    for name, t in tensors.items():
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             t = to_llamacpp_rows(t, cfg["num_key_value_heads" if "k_proj" in name else "num_attention_heads"])
         qtype = (qtypes or {}).get(name, Q.F32)
         data = gguf.quants.quantize(t.numpy().astype(np.float32), qtype)
         stored[name] = torch.from_numpy(gguf.quants.dequantize(data, qtype).copy()).reshape(t.shape)
-        w.add_tensor(gguf_name(name), data, raw_dtype=qtype)
+        w.add_tensor(name if name.startswith("blk.") else gguf_name(name), data, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -171,6 +191,28 @@ def test_qwen3_gguf_is_not_permuted(tmp_path):
     assert original.keys() == converted.keys()
     assert all(torch.equal(original[n], converted[n]) for n in original)
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+def test_qwen3_moe_gguf_round_trips_bitwise(tmp_path):
+    """llama.cpp's stacked experts are split back into HF's per-expert tensors; sizes come from metadata."""
+    hf_dir = write_tiny_checkpoint(tmp_path / "hf", "Qwen3MoeForCausalLM", head_dim=32, extra=dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True))
+    write_gguf(tmp_path / "moe.gguf", hf_dir, arch="qwen3moe")
+    out = convert_gguf(tmp_path / "moe.gguf", tmp_path / "conv")
+    original, converted = load_file(hf_dir / "model.safetensors"), load_file(out / "model.safetensors")
+    assert original.keys() == converted.keys()
+    assert all(torch.equal(original[n], converted[n]) for n in original)
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]) == (4, 2, 24)
+    assert load_model(out, mode="fast")[1].moe_layers == (0, 1)
+
+
+def test_mixtral_style_gguf_is_refused(tmp_path, tiny_llama):
+    hf_dir = write_tiny_checkpoint(tmp_path / "hf", "Qwen3MoeForCausalLM", head_dim=32, extra=dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24))
+    write_gguf(tmp_path / "mixtral.gguf", hf_dir, arch="llama")
+    with pytest.raises(ValueError, match="Mixtral-style GGUF"):
+        convert_gguf(tmp_path / "mixtral.gguf", tmp_path / "conv")
 
 
 def test_unsupported_gguf_inputs(tmp_path, tiny_llama):

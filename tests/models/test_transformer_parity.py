@@ -68,7 +68,7 @@ def test_rotary_frequencies_match_hf(tiny_checkpoints, variant):
         assert not torch.equal(inverse_frequencies(replace(config, rope_scaling=None)), hf_inv)
 
 
-@pytest.mark.parametrize("variant", ["qwen3-headdim32", "llama-odd-sizes"])
+@pytest.mark.parametrize("variant", ["qwen3-headdim32", "llama-odd-sizes", "qwen3-moe-mlp-only", "mixtral"])
 def test_deterministic_packing_is_bitwise_invariant(tiny_checkpoints, variant):
     """A sequence's logits are the same bits whether it runs alone or packed with other sequences."""
     model, config = load_model(tiny_checkpoints[variant], mode="deterministic")

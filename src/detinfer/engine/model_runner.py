@@ -99,7 +99,10 @@ class ModelRunner:
         spec = KVCacheSpec(self.num_kv_blocks, self.block_size, model_config.num_key_value_heads,
                            model_config.head_dim, self.dtype)
         self.kv_cache = allocate_kv_cache(spec, model_config.num_hidden_layers, self.device)
-        self.use_graphs = self.device.type == "cuda" and not config.enforce_eager and self.backend == "kernel"
+        # An MoE layer on a host-syncing path (fast mode's stock loop) cannot be captured: eager steps then.
+        moe_ok = not model_config.num_experts or ops.moe_graph_safe
+        self.use_graphs = (self.device.type == "cuda" and not config.enforce_eager and self.backend == "kernel"
+                           and moe_ok)
         self.graph_sizes = graph_batch_sizes(config.max_num_seqs) if self.use_graphs else []
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.use_graphs:

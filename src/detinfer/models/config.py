@@ -74,6 +74,13 @@ class ModelConfig:
     o_bias: bool = False  # bias on the attention output projection
     mlp_bias: bool = False  # biases on gate/up/down
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before rotary
+    # Mixture of experts (0 experts: a dense model). `moe_layers`: the layers whose MLP is the sparse block
+    # (the rest keep the dense MLP of intermediate_size); `norm_topk_prob`: renormalise the top-k weights.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     pad_token_id: int | None = None
@@ -100,6 +107,7 @@ class ModelConfig:
         for name in ("tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias", "qk_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        self._check_moe()
         for name in ("bos_token_id", "pad_token_id"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and 0 <= value < self.vocab_size):
@@ -110,6 +118,29 @@ class ModelConfig:
                              f"got {self.eos_token_ids!r}")
         if self.torch_dtype is not None and self.torch_dtype not in DTYPES:
             raise ValueError(f"torch_dtype must be one of {sorted(DTYPES)} or None, got {self.torch_dtype!r}")
+
+    def _check_moe(self) -> None:
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ValueError(f"norm_topk_prob must be a bool, got {self.norm_topk_prob!r}")
+        layers = self.moe_layers
+        if not (isinstance(layers, tuple) and all(isinstance(i, int) and 0 <= i < self.num_hidden_layers
+                                                  for i in layers) and list(layers) == sorted(set(layers))):
+            raise ValueError(f"moe_layers must be an ascending tuple of layer indices in "
+                             f"[0, {self.num_hidden_layers}), got {layers!r}")
+        if self.num_experts == 0:
+            if layers:
+                raise ValueError(f"moe_layers {layers} given but num_experts is 0")
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                             f"got {self.num_experts_per_tok}")
+        if self.moe_intermediate_size < 1:
+            raise ValueError(f"moe_intermediate_size must be positive for an MoE model, got "
+                             f"{self.moe_intermediate_size}")
 
     @property
     def family(self) -> ModelFamily:
@@ -179,6 +210,7 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             **family.flags(cfg),
+            **(family.moe_from_hf(cfg) if family.moe_from_hf is not None else {}),
             bos_token_id=bos,
             eos_token_ids=tuple(eos),
             pad_token_id=cfg.get("pad_token_id"),

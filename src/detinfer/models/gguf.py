@@ -77,7 +77,8 @@ def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str], dtype: str
     cfg: dict[str, Any] = {
         "architectures": [family.architectures[0]], "model_type": family.model_type, "hidden_act": "silu",
         "vocab_size": int(vocab), "hidden_size": key("embedding_length"),
-        "intermediate_size": key("feed_forward_length"), "num_hidden_layers": key("block_count"),
+        "intermediate_size": key("feed_forward_length", meta.get(f"{arch}.expert_feed_forward_length")),
+        "num_hidden_layers": key("block_count"),
         "num_attention_heads": heads, "num_key_value_heads": key("attention.head_count_kv", heads),
         "head_dim": key("attention.key_length", key("embedding_length") // heads),
         "max_position_embeddings": key("context_length"),
@@ -87,6 +88,13 @@ def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str], dtype: str
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"), "torch_dtype": dtype,
     }
+    experts = meta.get(f"{arch}.expert_count")
+    if experts:  # a mixture of experts: llama.cpp stores the expert sizes as metadata
+        if family.moe_from_hf is None:
+            raise ValueError(f"GGUF architecture {arch!r} with {experts} experts is not supported (a "
+                             f"Mixtral-style GGUF); mixture-of-experts GGUFs supported: qwen3moe")
+        cfg.update(num_experts=int(experts), num_experts_per_tok=int(key("expert_used_count")),
+                   moe_intermediate_size=int(key("expert_feed_forward_length")))
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": _f32(key("rope.scaling.factor"))}
@@ -115,6 +123,9 @@ def hf_tensors_from_gguf(reader, cfg: dict[str, Any], dtype: torch.dtype) -> dic
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
         values = gguf.quants.dequantize(t.data, t.tensor_type)  # float32 numpy
         w = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)  # a writable copy
+        if "{expert}" in name:  # llama.cpp stacks a layer's experts into one [E, out, in] tensor
+            out.update({name.format(expert=e): w[e].to(dtype).contiguous() for e in range(shape[0])})
+            continue
         proj = name.split(".")[-2]
         if family.gguf_rotary_permuted and name.startswith("model.layers.") and proj in ("q_proj", "k_proj"):
             kv = proj == "k_proj"

@@ -69,10 +69,11 @@ def tiny_config_dict(architecture: str = "LlamaForCausalLM", *, vocab_size: int 
                      attention_bias: bool = False, mlp_bias: bool = False, rope_theta: float = 10000.0,
                      rope_scaling: dict[str, Any] | None = None, rope_style: str = "legacy",
                      max_position_embeddings: int = 256, rms_norm_eps: float = 1e-6,
-                     dtype: str = "float32") -> dict[str, Any]:
+                     dtype: str = "float32", extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """A HF config.json dict. rope_style "legacy" writes rope_theta/rope_scaling (transformers 4),
     "parameters" writes one rope_parameters dict (transformers 5). The family's module adds its own fields
-    (attention_bias / mlp_bias where its config.json has such switches)."""
+    (attention_bias / mlp_bias where its config.json has such switches; MoE sizes, which `extra`, family
+    fields such as {"num_experts": 4}, overrides)."""
     family = family_for_architecture(architecture)
     if rope_style not in ("legacy", "parameters"):
         raise ValueError(f"rope_style must be 'legacy' or 'parameters', got {rope_style!r}")
@@ -87,6 +88,7 @@ def tiny_config_dict(architecture: str = "LlamaForCausalLM", *, vocab_size: int 
     }
     if head_dim is not None:
         cfg["head_dim"] = head_dim
+    cfg.update(extra or {})
     cfg.update(family.hf_config_fields(cfg, attention_bias=attention_bias, mlp_bias=mlp_bias))
     if rope_style == "legacy":
         cfg["rope_theta"] = rope_theta

@@ -1,4 +1,5 @@
-"""One decoder-only transformer for Llama, Qwen2 and Qwen3 (differences are config flags).
+"""One decoder-only transformer for Llama, Qwen2, Qwen3 and their mixture-of-experts relatives (Qwen3-MoE,
+Mixtral): differences are config flags, and MoE layers swap the dense MLP for `SparseMoE`.
 
 It runs on a packed batch: the tokens of many sequences concatenated into one [T] vector with their
 positions, no batch dimension and no padding (vLLM / gpt-fast style). Attention is the only op that mixes
@@ -101,13 +102,31 @@ class MLP(nn.Module):
         return self.down_proj(ops.silu_mul(gate, up), ops)  # [T, hidden]
 
 
+class SparseMoE(nn.Module):
+    """Mixture-of-experts SwiGLU block: a router [E, hidden] picks each token's top-k experts, whose
+    outputs are summed with the (renormalised, per config) softmax weights. Expert weights are stacked:
+    gate_up_proj [E, 2 I, hidden] (each expert's gate rows, then its up rows), down_proj [E, hidden, I]."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        E, H, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
+        self.router = nn.Parameter(torch.empty(E, H), requires_grad=False)
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inter, H), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(E, H, inter), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        # one backend op: routing, every expert and the combine (deterministic: batch-invariant as a whole)
+        return ops.moe(x, self.router, self.gate_up_proj, self.down_proj, self.top_k, self.renormalize)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = SparseMoE(config) if layer_idx in config.moe_layers else MLP(config)
 
     def forward(self, h, residual, positions, rotary, attn, ops: Ops):
         """Pre-norm block with the residual carried separately (so the add fuses into the norm):

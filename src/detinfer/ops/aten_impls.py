@@ -106,6 +106,27 @@ class AtenImpls:
     def baddbmm(self, base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
         return _scale_add(base, self.bmm(a, b), beta, alpha)
 
+    def grouped_mm(self, a: torch.Tensor, b: torch.Tensor, offs=None, bias=None, out_dtype=None) -> torch.Tensor:
+        """aten::_grouped_mm, the MoE grouped GEMM (transformers 5's default "grouped_mm" experts): 2-D a
+        [S, K] cut into groups at `offs` against b [G, K, N], one invariant mm per group, so a row's result
+        does not depend on its group's size; 3-D a with 3-D b is a bmm. Reads offs on the host (a sync: not
+        for CUDA-graph capture). Other layouts, a bias or another out_dtype are refused."""
+        if bias is not None or (out_dtype is not None and out_dtype != a.dtype) or _is_int(a, b):
+            raise NotBatchInvariantError("_grouped_mm with a bias, an out_dtype or integer operands has no "
+                                         "batch-invariant implementation")
+        if a.dim() == 3 and b.dim() == 3 and offs is None:
+            return self.bmm(a, b)
+        if not (a.dim() == 2 and b.dim() == 3 and offs is not None):
+            raise NotBatchInvariantError(f"_grouped_mm of {a.dim()}-D x {b.dim()}-D operands has no "
+                                         "batch-invariant implementation (2-D x 3-D with offs, 3-D x 3-D are)")
+        out = a.new_zeros(a.shape[0], b.shape[2])
+        start = 0
+        for group, end in enumerate(offs.tolist()):
+            if end > start:
+                out[start:end] = self.mm(a[start:end], b[group])
+            start = end
+        return out
+
     def mv(self, a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.mm(a, v.unsqueeze(-1)).squeeze(-1)
 
@@ -165,6 +186,7 @@ class AtenImpls:
         """aten op (overload) -> implementation with the same schema, for every dispatch key."""
         return {
             "mm": self.mm, "addmm": self.addmm, "bmm": self.bmm, "baddbmm": self.baddbmm, "mv": self.mv,
+            "_grouped_mm": self.grouped_mm,
             "dot": self.dot, "_softmax": self.softmax, "_log_softmax": self.log_softmax,
             "sum.dim_IntList": self.sum_dim, "sum": self.sum_all, "mean.dim": self.mean_dim,
             "mean": self.mean_all, "cumsum": self.cumsum, "rms_norm": self.rms_norm,

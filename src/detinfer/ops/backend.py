@@ -25,7 +25,9 @@ Selection rule (`Ops.__post_init__`, from mode, device, dtype, head_dim and two 
 - RoPE, and the sampler's reductions (`fold_sum`, `cumsum`), are the same in both modes: elementwise or
   fixed-order, so batch-invariant on any device.
 
-Adding an op (a trainer's backward, an MoE router): one method here (plus its kernel/ref in kernels/).
+Adding an op (a trainer's backward): one method here (plus its kernel/ref in kernels/), as `moe` did:
+deterministic -> kernels/moe.py's fused kernel (CUDA) or its ref (CPU); fast -> its M-tuned variant with
+stock routing (CUDA) or the stock HF-style loop (CPU).
 """
 
 from __future__ import annotations
@@ -209,6 +211,26 @@ class Ops:
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] @ weight[vocab, hidden]^T -> logits [S, vocab] fp32."""
         return self.linear(hidden, weight).float()
+
+    def moe(self, x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+            top_k: int, renormalize: bool) -> torch.Tensor:
+        """Mixture-of-experts SwiGLU layer (router, top-k, experts, combine), x [T, H] -> [T, H]; weights as in
+        kernels.moe. Deterministic: the batch-invariant fused kernel (or its ref); fast: the grouped GEMMs with
+        an M-chosen config and stock routing (`moe_fast`) where the kernels run, else the stock loop."""
+        from detinfer.kernels import moe
+
+        kernel = self._kernel(x, router_weight, w_gate_up, w_down)
+        if not self.deterministic:
+            fn = moe.moe_fast if kernel else moe.moe_stock
+        else:
+            fn = moe.fused_moe if kernel else moe.fused_moe_ref
+        return fn(x, router_weight, w_gate_up, w_down, top_k, renormalize)
+
+    @property
+    def moe_graph_safe(self) -> bool:
+        """Whether `moe` on this backend's dtype runs without host syncs (CUDA-graph capturable): the Triton
+        paths only (the ref and the stock loop iterate on the host over the experts that were hit)."""
+        return self.dtype in self.dense_kernel_dtypes
 
     def sum_dim(self, x: torch.Tensor, dims: list[int], keepdim: bool = False, dtype=None) -> torch.Tensor:
         """Sum over `dims` into a float result (an integer x needs a float dtype); the kernel only for a

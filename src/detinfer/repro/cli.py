@@ -34,8 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "number of unique completions, where they diverge, and plots (HTML + JSON).")
     target = p.add_argument_group("target (one of)")
     add_model_argument(target, "HF-format model directory for the offline engine")
+    from detinfer.models.families import preset_names
+
     target.add_argument("--random-model", help="build a model of this shape with random weights in-process "
-                        "(qwen3-8b, qwen3-0.6b, llama-3.1-8b, tiny)")
+                        f"({', '.join(preset_names())})")
     target.add_argument("--url", action="append", help="base URL of an OpenAI-compatible server; repeat to "
                         "compare several side by side")
     prompt = p.add_argument_group("prompt (one of)")

@@ -93,6 +93,13 @@ class DifferentiableOps:
     def softmax(self, x, dim=-1, dtype=torch.float32):
         return self.base.softmax(x, dim=dim, dtype=dtype)
 
+    def moe(self, x, router_weight, w_gate_up, w_down, top_k, renormalize):
+        """Forward only: mixture-of-experts layers have no fixed-order backward yet."""
+        if _needs_grad(x, router_weight, w_gate_up, w_down):
+            raise NotImplementedError("gradients through mixture-of-experts layers are not implemented (the "
+                                      "engine's MoE op is inference-only); score under torch.no_grad()")
+        return self.base.moe(x, router_weight, w_gate_up, w_down, top_k, renormalize)
+
 
 class _Rope:
     """The backend's rotation as RotaryFn takes it: `rope(positions, q, k)` with its `inv_freq`."""

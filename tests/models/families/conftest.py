@@ -18,7 +18,12 @@ def transformers_weight_shapes():
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(cfg)
         assert type(model).__name__ == hf_config["architectures"][0]
-        out = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        # transformers 5 keeps MoE experts fused in memory; its save_pretrained reverts them to the per-expert
+        # checkpoint names, which is what files hold.
+        from transformers.modeling_utils import revert_weight_conversion
+
+        state = revert_weight_conversion(model, model.state_dict())
+        out = {name: tuple(t.shape) for name, t in state.items()}
         if cfg.tie_word_embeddings:
             out.pop("lm_head.weight")
         return out

@@ -27,13 +27,16 @@ from detinfer.models.testing import tiny_config_dict, write_tiny_checkpoint
 from detinfer.repro.random_model import build_random_model
 
 # Public models' parameter counts (their model cards / safetensors index total sizes).
-PUBLIC_PARAMETER_COUNTS = {"llama-3.1-8b": 8_030_261_248, "qwen3-8b": 8_190_735_360, "qwen3-0.6b": 596_049_920}
+PUBLIC_PARAMETER_COUNTS = {"llama-3.1-8b": 8_030_261_248, "qwen3-8b": 8_190_735_360, "qwen3-0.6b": 596_049_920,
+                           "qwen3-30b-a3b": 30_532_122_624, "mixtral-8x7b": 46_702_792_704}
 
 
 def test_the_builtin_families_are_registered():
-    assert [f.model_type for f in families()] == ["llama", "qwen2", "qwen3"]
-    assert supported_architectures() == ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-    assert {"qwen3-8b", "qwen3-0.6b", "llama-3.1-8b", "tiny"} <= set(preset_names())
+    assert [f.model_type for f in families()] == ["llama", "mixtral", "qwen2", "qwen3", "qwen3_moe"]
+    assert supported_architectures() == ("LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
+                                         "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+    assert {"qwen3-8b", "qwen3-0.6b", "llama-3.1-8b", "tiny", "qwen3-30b-a3b", "tiny-qwen3-moe",
+            "mixtral-8x7b", "tiny-mixtral"} <= set(preset_names())
 
 
 @pytest.mark.parametrize("family", families(), ids=lambda f: f.model_type)
@@ -56,9 +59,10 @@ def test_every_family_has_an_hf_parity_variant(tiny_checkpoints):
 
 
 def test_unknown_names_are_refused_naming_the_supported_ones():
-    with pytest.raises(ValueError, match="unsupported architecture 'MixtralForCausalLM'; supported: "
-                                         "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
-        family_for_architecture("MixtralForCausalLM")
+    with pytest.raises(ValueError, match="unsupported architecture 'Qwen2MoeForCausalLM'; supported: "
+                                         "LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, "
+                                         "Qwen3ForCausalLM, Qwen3MoeForCausalLM"):
+        family_for_architecture("Qwen2MoeForCausalLM")
     with pytest.raises(ValueError, match="unsupported architecture None"):
         family_for_architecture(None)
     with pytest.raises(ValueError, match="unsupported GGUF architecture 'gemma'; supported: llama, qwen2, qwen3"):

@@ -36,6 +36,9 @@ class ModelFamily:
     hf_name_from_gguf: Callable[[str], str] | None = None  # GGUF tensor name -> HF tensor name
     # llama.cpp's converter permutes q/k rows of this family (rotary pairs made adjacent); undone on load.
     gguf_rotary_permuted: bool = False
+    # Mixture of experts: HF config.json dict -> the ModelConfig MoE fields (`num_experts`,
+    # `num_experts_per_tok`, `moe_intermediate_size`, `norm_topk_prob`, `moe_layers`); None: a dense family.
+    moe_from_hf: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
     # random-model name -> HF config.json fields of a public model's shape (`architectures` is added).
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 

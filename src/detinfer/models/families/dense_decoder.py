@@ -1,7 +1,8 @@
 """The Llama-style dense decoder's tensor names, shared by the Llama, Qwen2 and Qwen3 families: HF
 checkpoint names and shapes, their mapping onto `detinfer.models.transformer.Transformer`'s parameters, and
 llama.cpp's GGUF names for the same tensors. Which optional tensors exist (biases, q/k norms) follows the
-`ModelConfig` flags, so one layout serves every family whose checkpoints differ only in those.
+`ModelConfig` flags, so one layout serves every family whose checkpoints differ only in those. Layers listed in
+`config.moe_layers` get no dense MLP tensors here: moe_decoder.py adds their experts.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def hf_weight_shapes(config) -> dict[str, tuple[int, ...]]:
         if config.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (D,)
             shapes[p + "self_attn.k_norm.weight"] = (D,)
+        if i in config.moe_layers:  # a sparse block instead (see moe_decoder.py)
+            continue
         for name, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
             shapes[p + f"mlp.{name}.weight"] = shape
             if config.mlp_bias:
@@ -65,7 +68,7 @@ def state_dict_from_hf(config, hf: dict[str, torch.Tensor]) -> dict[str, torch.T
         if config.qk_norm:
             sd[o + "self_attn.q_norm.weight"] = hf[p + "self_attn.q_norm.weight"]
             sd[o + "self_attn.k_norm.weight"] = hf[p + "self_attn.k_norm.weight"]
-        for kind in ("weight", "bias") if config.mlp_bias else ("weight",):
+        for kind in () if i in config.moe_layers else ("weight", "bias") if config.mlp_bias else ("weight",):
             sd[o + f"mlp.gate_up_proj.{kind}"] = torch.cat(
                 [hf[p + f"mlp.gate_proj.{kind}"], hf[p + f"mlp.up_proj.{kind}"]], dim=0)
             sd[o + f"mlp.down_proj.{kind}"] = hf[p + f"mlp.down_proj.{kind}"]

@@ -1,0 +1,326 @@
+"""Batch-invariant fused mixture-of-experts (MoE) layer: router, top-k, grouped expert GEMMs, combine.
+
+    out[t] = sum_r w[t, r] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = ids[t, r],  r = 0 .. top_k - 1
+
+Contract (asserted bitwise in tests/kernels/test_moe.py): for fixed weights, out[t] depends only on x[t],
+not on how many tokens there are, where t sits, or which experts the other tokens chose. That takes four
+things a stock MoE does not do:
+
+- Routing in fp32 with a stable tie-break. Router logits are an fp32 matmul (the invariant `linear`), the
+  softmax is the invariant one, and top-k is a stable descending sort: equal scores go to the lower expert
+  id. (`torch.topk` leaves the order of ties unspecified, and its algorithm changes with the tensor size;
+  bf16 logits one ULP apart would flip routing, fp32 logits of a fixed reduction order cannot.)
+  Renormalisation (`renormalize`, HF's `norm_topk_prob`) adds the k chosen probabilities in rank order.
+- Grouped GEMMs whose reduction order does not depend on an expert's row count. The (token, rank) pairs
+  are grouped by expert and padded to whole BLOCK_M tiles (one expert per tile); every tile walks K upward
+  into one fp32 accumulator with a launch config that is a function of (N, K, dtype) only
+  (`expert_config`), never of M or of how many rows an expert received. A pair's output row therefore has
+  the same bits whether its expert got 1 row or 2000.
+- The combine in routing-rank order: out[t] accumulates w[t, 0] * y[t, 0], then w[t, 1] * y[t, 1], ...
+  in fp32 (elementwise ops, no atomics, no index_add in arrival order), then rounds once to x's dtype.
+- No host syncs on the kernel path (grouping is sort / scatter / cumsum / searchsorted on the device), so
+  a decode step that runs it can be captured in a CUDA graph.
+
+`fused_moe` is the Triton path (CUDA, or fp32/fp16 CPU tensors under TRITON_INTERPRET=1). `fused_moe_ref`
+is the CPU path: the same routing and combine, each expert's rows through the invariant `linear_ref` (a
+row's result does not depend on how many rows are gathered). Fast mode: `moe_fast` on a GPU (stock routing,
+the same grouped GEMMs with a tile height chosen from the rows per expert, a stock weighted sum; no host
+sync), `moe_stock` elsewhere and as the benchmark's baseline (the HF-style loop: router in x's dtype,
+torch.topk, F.linear per hit expert, index_add_; batch-variant and host-syncing).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from detinfer.kernels._launch import KERNEL_DTYPES, check_kernel_inputs
+
+__all__ = ["ExpertConfig", "expert_config", "expert_outputs", "fused_moe", "fused_moe_ref", "moe_experts",
+           "moe_experts_ref", "moe_fast", "moe_stock", "route", "route_ref"]
+
+
+# --------------------------------------------------------------------------------------------- routing
+def _check_moe_inputs(op: str, x, router_weight, w_gate_up, w_down, top_k: int) -> None:
+    for name, t, nd in (("x", x, 2), ("router_weight", router_weight, 2), ("w_gate_up", w_gate_up, 3),
+                        ("w_down", w_down, 3)):
+        if not isinstance(t, torch.Tensor) or t.dim() != nd:
+            raise ValueError(f"{op}: {name} must be a {nd}-D tensor, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    E, H = router_weight.shape
+    _, two_i, _ = w_gate_up.shape
+    if x.shape[1] != H or w_gate_up.shape != (E, two_i, H) or two_i % 2 or w_down.shape != (E, H, two_i // 2):
+        raise ValueError(f"{op}: shapes do not fit: x {tuple(x.shape)}, router_weight [E, H] "
+                         f"{tuple(router_weight.shape)}, w_gate_up [E, 2I, H] {tuple(w_gate_up.shape)}, "
+                         f"w_down [E, H, I] {tuple(w_down.shape)}")
+    if not (isinstance(top_k, int) and 1 <= top_k <= E):
+        raise ValueError(f"{op}: top_k must be an int in [1, {E}] (the number of experts), got {top_k!r}")
+    if len({x.dtype, w_gate_up.dtype, w_down.dtype}) > 1 or not x.dtype.is_floating_point:
+        raise TypeError(f"{op}: x, w_gate_up and w_down must share one floating dtype, got "
+                        f"{x.dtype}, {w_gate_up.dtype}, {w_down.dtype}")
+
+
+def _topk_stable(probs: torch.Tensor, top_k: int, renormalize: bool):
+    """Top-k of each row of probs [T, E]: higher score first, ties to the lower expert id (a stable sort of
+    the scores keeps equal ones in id order). Renormalised weights sum the k values in rank order."""
+    values, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    values, ids = values[:, :top_k], ids[:, :top_k]
+    if renormalize:
+        total = values[:, 0]
+        for r in range(1, top_k):
+            total = total + values[:, r]
+        values = values / total[:, None]
+    return values, ids
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def route_ref(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool):
+    """(weights [T, k] fp32, expert ids [T, k] int64) by the fixed-order references (CPU path)."""
+    from detinfer.kernels.matmul import linear_ref
+    from detinfer.kernels.softmax import softmax_ref
+
+    acc = _acc_dtype(x.dtype)
+    logits = linear_ref(x.to(acc), router_weight.to(acc))
+    return _topk_stable(softmax_ref(logits, dim=-1), top_k, renormalize)
+
+
+def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool):
+    """`route_ref` with the invariant Triton matmul and softmax (fp32 in, fp32 out)."""
+    from detinfer.kernels.matmul import linear
+    from detinfer.kernels.softmax import softmax
+
+    logits = linear(x.float(), router_weight.float())  # fp32 logits: one bf16 ULP would flip routing
+    return _topk_stable(softmax(logits, dim=-1), top_k, renormalize)
+
+
+def _combine(weights: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """sum_r weights[t, r] * y[t, r] in routing-rank order (y [T, k, H]), accumulated in fp32."""
+    acc_dt = _acc_dtype(dtype)
+    acc = weights[:, 0, None].to(acc_dt) * y[:, 0].to(acc_dt)
+    for r in range(1, y.shape[1]):
+        acc = acc + weights[:, r, None].to(acc_dt) * y[:, r].to(acc_dt)
+    return acc.to(dtype)
+
+
+# ------------------------------------------------------------------------------------- reference path
+def _silu(x: torch.Tensor) -> torch.Tensor:
+    # exp and a division: torch's vectorized CPU SiLU rounds a tensor's SIMD tail differently.
+    return x / (1 + torch.exp(-x))
+
+
+def moe_experts_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+                    w_down: torch.Tensor) -> torch.Tensor:
+    """The experts and combine for given routing, through `linear_ref` per expert (batch-invariant: a
+    gathered row's result does not depend on how many rows are gathered with it)."""
+    from detinfer.kernels.matmul import linear_ref
+
+    T, k = ids.shape
+    inter = w_down.shape[2]
+    y = x.new_zeros(T * k, x.shape[1])
+    flat = ids.reshape(-1)
+    for e in torch.unique(flat).tolist():  # the CPU path: a host loop over the hit experts is fine
+        pairs = (flat == e).nonzero().squeeze(1)
+        gate, up = linear_ref(x[pairs // k], w_gate_up[e]).split(inter, dim=-1)
+        y[pairs] = linear_ref(_silu(gate) * up, w_down[e])
+    return _combine(weights, y.view(T, k, -1), x.dtype)
+
+
+def fused_moe_ref(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                  top_k: int, renormalize: bool) -> torch.Tensor:
+    """Pure-torch `fused_moe` (any float dtype). Batch-invariant by construction."""
+    _check_moe_inputs("fused_moe_ref", x, router_weight, w_gate_up, w_down, top_k)
+    if x.shape[0] == 0:
+        return x.new_zeros(x.shape)
+    weights, ids = route_ref(x, router_weight, top_k, renormalize)
+    return moe_experts_ref(x, weights, ids, w_gate_up, w_down)
+
+
+# --------------------------------------------------------------------------------------------- fast mode
+def moe_stock(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+              top_k: int, renormalize: bool) -> torch.Tensor:
+    """Fast mode: the HF-style loop (router in x's dtype, torch.topk, F.linear per hit expert with that
+    expert's row count as M, index_add_ in expert order). Batch-variant; syncs with the host."""
+    probs = torch.softmax(F.linear(x, router_weight), dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for e in torch.unique(ids).tolist():
+        token, rank = torch.where(ids == e)
+        gate, up = F.linear(x[token], w_gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w_down[e]) * weights[token, rank, None]
+        out.index_add_(0, token, y.to(x.dtype))
+    return out
+
+
+def moe_fast(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+             top_k: int, renormalize: bool) -> torch.Tensor:
+    """Fast mode on a GPU: stock routing (router GEMM in x's dtype through cuBLAS, torch.topk, torch.sum)
+    and the grouped expert GEMMs with a tile height picked from the rows per expert, as tuned fused-MoE
+    kernels pick theirs; a stock weighted sum over the k slots. No host sync (CUDA-graph capturable),
+    unlike `moe_stock`, whose per-expert loop costs ~10 launches and a sync per hit expert and layer."""
+    _check_moe_inputs("moe_fast", x, router_weight, w_gate_up, w_down, top_k)
+    if x.shape[0] == 0:
+        return x.new_zeros(x.shape)
+    probs = torch.softmax(F.linear(x, router_weight), dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    rows_per_expert = x.shape[0] * top_k / router_weight.shape[0]
+
+    def config_for(n, k, dtype, device):  # chosen from M: exactly what the deterministic path must not do
+        if device.type != "cuda":
+            return expert_config(n, k, dtype, device)
+        if rows_per_expert <= 16:
+            return ExpertConfig((16, 64, 128, 4, 4))
+        return ExpertConfig((32, 64, 64, 4, 4)) if rows_per_expert <= 48 else expert_config(n, k, dtype, device)
+
+    y = expert_outputs(x, ids, w_gate_up, w_down, config_for)  # [T, k, H]
+    return (y.float() * weights[:, :, None]).sum(dim=1).to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------- kernel
+class ExpertConfig(tuple):
+    """(block_m, block_n, block_k, num_warps, num_stages) of the grouped expert GEMMs."""
+
+    block_m = property(lambda s: s[0])
+    block_n = property(lambda s: s[1])
+    block_k = property(lambda s: s[2])
+    num_warps = property(lambda s: s[3])
+    num_stages = property(lambda s: s[4])
+
+
+def expert_config(n: int, k: int, dtype: torch.dtype, device: torch.device) -> ExpertConfig:
+    """The one launch config of an expert GEMM of output width n and reduction length k. Deliberately NOT
+    a function of M (tokens, or rows per expert): in Triton's CPU interpreter BLOCK_K is part of the
+    reduction order, and on a GPU a config picked from M is how stock fused-MoE kernels become
+    batch-variant (a tuned table keyed by M, split-K for small M). A 64-row tile is a compromise: decode
+    (a few rows per expert) is bound by reading the expert weights, which does not depend on BLOCK_M;
+    prefill (~M * top_k / E rows per expert) gets 64 rows of reuse per weight tile."""
+    if device.type != "cuda":
+        # The interpreter's tl.dot is numpy's matmul (BLAS), whose result for a row depends on the row's
+        # position in the block: one row per tile there (as the matmul kernel's interpreter config does).
+        return ExpertConfig((1, 64, 32, 4, 1))
+    if dtype == torch.float32:
+        return ExpertConfig((64, 64, 32, 4, 3))
+    return ExpertConfig((64, 64, 64, 4, 3))
+
+
+@triton.jit
+def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, pair_ptr, tile_expert_ptr, N, K, top_k,
+                        stride_am, stride_we, stride_wn, stride_om,
+                        GATHER_TOKENS: tl.constexpr, SWIGLU: tl.constexpr, PRECISION: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One BLOCK_M x BLOCK_N tile of one expert: out[pair] = a[row(pair)] @ w[e]^T over K ascending into
+    one fp32 accumulator (two with SWIGLU: gate rows n and up rows N + n, then silu(gate) * up)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(tile_expert_ptr + pid_m)
+    if expert < 0:  # a spare tile of the fixed-size grid
+        return
+    pair = tl.load(pair_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # -1: padding row
+    valid = pair >= 0
+    if GATHER_TOKENS:
+        row = tl.where(valid, pair // top_k, 0).to(tl.int64)
+    else:
+        row = tl.where(valid, pair, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        a = tl.load(a_ptr + row[:, None] * stride_am + kk[None, :], mask=valid[:, None] & (kk[None, :] < K),
+                    other=0.0)
+        w_mask = (offs_n[None, :] < N) & (kk[:, None] < K)
+        b = tl.load(w_base + offs_n[None, :].to(tl.int64) * stride_wn + kk[:, None], mask=w_mask, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if SWIGLU:
+            bu = tl.load(w_base + (offs_n[None, :] + N).to(tl.int64) * stride_wn + kk[:, None], mask=w_mask,
+                         other=0.0)
+            acc_up = tl.dot(a, bu, acc_up, input_precision=PRECISION)
+    if SWIGLU:
+        # round gate and up to the output dtype first, as the stock path's separate linear does
+        g = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        u = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+        acc = g / (1.0 + tl.exp(-g)) * u
+    out_rows = tl.where(valid, pair, 0).to(tl.int64)
+    tl.store(out_ptr + out_rows[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & (offs_n[None, :] < N))
+
+
+def _group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int):
+    """(pair ids [tiles * block_m] int32, -1 = padding; expert of each tile [tiles] int32, -1 = spare) for
+    ids [T, k]: pairs (t * k + r) grouped by expert in ascending pair order, each expert's group padded to
+    whole tiles. All on the device (no host sync); the grid size depends on T * k only."""
+    dev = ids.device
+    flat = ids.reshape(-1)
+    P = flat.numel()
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    group_start = torch.cumsum(counts, 0) - counts
+    sorted_e = flat[order]
+    dest = (padded_end - padded)[sorted_e] + torch.arange(P, device=dev) - group_start[sorted_e]
+    max_tiles = -(-P // block_m) + min(num_experts, P)  # each expert adds at most one partial tile
+    pair_ids = torch.full((max_tiles * block_m,), -1, dtype=torch.int32, device=dev)
+    pair_ids[dest] = order.to(torch.int32)
+    tile_start = torch.arange(max_tiles, device=dev, dtype=torch.int64) * block_m
+    tile_expert = torch.searchsorted(padded_end, tile_start, right=True)
+    tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1).to(torch.int32)
+    return pair_ids, tile_expert, max_tiles
+
+
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+                w_down: torch.Tensor) -> torch.Tensor:
+    """The experts and combine for given routing on the Triton grouped GEMMs (see the module doc)."""
+    return _combine(weights, expert_outputs(x, ids, w_gate_up, w_down), x.dtype)
+
+
+def expert_outputs(x: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                   config_for=None) -> torch.Tensor:
+    """y [T, k, H]: y[t, r] = expert ids[t, r] applied to x[t], on the Triton grouped GEMMs.
+    `config_for(n, k, dtype, device)`: the launch config (default `expert_config`; fast mode passes one
+    that looks at M)."""
+    T, k = ids.shape
+    E, two_i, H = w_gate_up.shape
+    inter = two_i // 2
+    x = x.contiguous()
+    w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # "tf32" is ignored for 16-bit inputs
+    config_for = expert_config if config_for is None else config_for
+    cfg_up = config_for(inter, H, x.dtype, x.device)
+    cfg_down = config_for(H, inter, x.dtype, x.device)
+    act = torch.empty(T * k, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(T * k, H, dtype=x.dtype, device=x.device)
+    groups = {}  # block_m -> grouping (both GEMMs share one when their tile heights agree)
+    for cfg, a, w, out, n, kdim, gather in ((cfg_up, x, w_gate_up, act, inter, H, True),
+                                            (cfg_down, act, w_down, y, H, inter, False)):
+        if cfg.block_m not in groups:
+            groups[cfg.block_m] = _group_by_expert(ids, E, cfg.block_m)
+        pair_ids, tile_expert, tiles = groups[cfg.block_m]
+        grid = (tiles, triton.cdiv(n, cfg.block_n))
+        _expert_gemm_kernel[grid](a, w, out, pair_ids, tile_expert, n, kdim, k, a.stride(0), w.stride(0),
+                                  w.stride(1), out.stride(0), GATHER_TOKENS=gather, SWIGLU=gather,
+                                  PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                                  BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y.view(T, k, H)
+
+
+def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+              top_k: int, renormalize: bool) -> torch.Tensor:
+    """Batch-invariant MoE layer on Triton kernels. x [T, H]; router_weight [E, H]; w_gate_up [E, 2I, H]
+    (gate rows then up rows, HF's fused layout); w_down [E, H, I]. Returns [T, H] in x's dtype."""
+    _check_moe_inputs("fused_moe", x, router_weight, w_gate_up, w_down, top_k)
+    check_kernel_inputs("fused_moe", x, router_weight, w_gate_up, w_down, dtypes=KERNEL_DTYPES)
+    if x.shape[0] == 0:
+        return x.new_zeros(x.shape)
+    weights, ids = route(x, router_weight, top_k, renormalize)
+    return moe_experts(x, weights, ids, w_gate_up, w_down)
