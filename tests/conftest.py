@@ -35,6 +35,19 @@ if not HAS_CUDA:
     torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_cpu_thread_per_module():
+    """Every module starts with one intra-op thread (see above), also after a test that ran a CLI entry point,
+    which picks its own thread count from the machine's idle cores. Results never depend on it."""
+    if HAS_CUDA:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return

@@ -10,7 +10,6 @@ are both covered. Floats are compared through float.hex, so even -0.0 vs 0.0 wou
 import random
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,15 +18,6 @@ from detinfer.models.testing import write_tiny_checkpoint
 
 VOCAB = 320
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Thousands of tiny CPU ops: thread-pool hand-offs cost more than they save on a 2-core runner.
-    # Results do not depend on it (every deterministic CPU op is a fixed-order fold).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

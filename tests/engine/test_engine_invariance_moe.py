@@ -6,19 +6,10 @@ state or preemption. Here which tokens reach which expert, and how many, changes
 import random
 
 import pytest
-import torch
 from test_engine_invariance import ALONE, assert_all_match_alone, greedy, prompt, run, sampled
 
 from detinfer.engine import EngineConfig, LLMEngine
 from detinfer.models.testing import write_tiny_checkpoint
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

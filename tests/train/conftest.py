@@ -4,7 +4,6 @@
 from pathlib import Path
 
 import pytest
-import torch
 
 from detinfer.models.testing import write_tiny_checkpoint
 
@@ -21,13 +20,6 @@ TINY = {
                                            num_key_value_heads=1, head_dim=64)),
 }
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
