@@ -1,12 +1,25 @@
 """Engine-level batch invariance of a mixture-of-experts model (Qwen3-MoE: 8 experts, top-2, one dense
-layer) in deterministic mode, asserted bitwise with the harness of test_engine_invariance.py: a request's
+layer) in deterministic mode, asserted bitwise with the scenarios of test_engine_invariance.py: a request's
 outputs are identical alone or among others, whatever the token budget (chunked prefill), prefix-cache
 state or preemption. Here which tokens reach which expert, and how many, changes from step to step."""
 
 import random
 
 import pytest
-from test_engine_invariance import ALONE, assert_all_match_alone, greedy, prompt, run, sampled
+
+# The dense module's scenarios, collected here again: pytest resolves their `model_dir` (and `alone`) fixtures
+# in this module, so they run against the MoE checkpoint below.
+from test_engine_invariance import (  # noqa: F401
+    ALONE,
+    alone,
+    greedy,
+    prompt,
+    run,
+    sampled,
+    test_mixed_batch_equals_alone_per_budget,
+    test_preemption_keeps_every_bit,
+    test_prefix_cache_hot_and_shared_system_prefix,
+)
 
 from detinfer.engine import EngineConfig, LLMEngine
 from detinfer.models.testing import write_tiny_checkpoint
@@ -21,67 +34,15 @@ def model_dir(tmp_path_factory):
                                      norm_topk_prob=True, mlp_only_layers=[1]))
 
 
-@pytest.fixture(scope="module")
-def alone(model_dir):
-    cache = {}
-
-    def get(p, params):
-        key = (tuple(p), params)
-        if key not in cache:
-            cache[key] = run(model_dir, [(0, "alone", list(p), params)], **ALONE)[0]["alone"]
-        return cache[key]
-
-    return get
-
-
 def test_model_is_moe(model_dir):
     engine = LLMEngine(model_dir, EngineConfig(num_kv_blocks=8), device="cpu")
     assert engine.model_config.moe_layers == (0,) and engine.model_config.num_experts == 8
 
 
-@pytest.mark.parametrize("budget", [16, 512])
-def test_mixed_batch_equals_alone_per_budget(model_dir, alone, budget):
-    rng = random.Random(budget + 1)
-    requests = [
-        (0, "greedy-long", prompt(rng, 33), greedy(5)),
-        (0, "sampled", prompt(rng, 17), sampled(5, seed=11)),
-        (1, "greedy-short", prompt(rng, 3), greedy(6)),
-        (2, "sampled-late", prompt(rng, 21), sampled(4, seed=5, prompt_logprobs=1)),
-    ]
-    results, _ = run(model_dir, requests, max_num_batched_tokens=budget, max_num_seqs=8, block_size=4,
-                     num_kv_blocks=96)
-    assert_all_match_alone(results, requests, alone)
-
-
-def test_preemption_keeps_every_bit(model_dir, alone):
-    rng = random.Random(8)
-    requests = [(i // 2, f"r{i}", prompt(rng, 14 + 3 * i), (greedy(8) if i % 2 else sampled(8, seed=i)))
-                for i in range(4)]
-    results, engine = run(model_dir, requests, max_num_batched_tokens=32, max_num_seqs=4, block_size=4,
-                          num_kv_blocks=12)
-    assert engine.stats().num_preemptions > 0, "the scenario was meant to force preemption"
-    assert_all_match_alone(results, requests, alone)
-
-
-def test_prefix_cache_hot_and_shared_system_prefix(model_dir, alone):
-    rng = random.Random(4)
-    system = prompt(rng, 18)
-    target, other = system + prompt(rng, 9), system + prompt(rng, 5)
-    params = sampled(5, seed=99)
-    engine = LLMEngine(model_dir, EngineConfig(max_num_batched_tokens=64, max_num_seqs=4, block_size=4,
-                                               num_kv_blocks=64), device="cpu")
-    cold, engine = run(model_dir, [(0, "cold", target, params)], engine=engine)
-    hits_before = engine.stats().prefix_cache_hit_tokens
-    hot, engine = run(model_dir, [(0, "hot", target, params), (0, "other", other, greedy(4))], engine=engine)
-    assert engine.stats().prefix_cache_hit_tokens - hits_before >= 2 * 16, "expected prefix-cache hits"
-    assert cold["cold"] == hot["hot"] == alone(target, params)
-    assert hot["other"] == alone(other, greedy(4))
-
-
 def test_stock_moe_layer_negative_control(model_dir, monkeypatch):
     """Everything deterministic except the MoE layer, swapped for the stock loop (torch.topk, F.linear with
     each expert's row count as M, index_add_): the same comparison finds differences, so the tests above
-    can see a batch-variant MoE."""
+    can see a batch-variant MoE (the scenarios imported above)."""
     from detinfer.kernels import moe
     from detinfer.ops import Ops
 

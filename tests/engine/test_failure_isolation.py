@@ -5,6 +5,7 @@ greedy instead of overflowing."""
 
 import pytest
 import torch
+from test_engine_api import drain
 
 import detinfer.engine.llm_engine as llm_engine
 from detinfer.engine import EngineConfig, LLMEngine, SamplingParams
@@ -36,15 +37,7 @@ BAD = ([5, 6, 7, 8, 9, 10], SamplingParams(temperature=1.0, seed=BAD_SEED, max_t
 def _run(engine, requests):
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
-    final, steps = {}, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-        engine.scheduler.check_invariants()
-        steps += 1
-        assert steps < 1000
-    return final
+    return drain(engine)
 
 
 def _bits(out):
