@@ -77,21 +77,24 @@ class AtenImpls:
     def ops_for(self, *tensors: torch.Tensor | None) -> Ops:
         """The deterministic backend of the tensors' device (chosen once per device; the kernel-or-ref
         choice per dtype is the backend's)."""
-        device = next(t for t in tensors if t is not None).device
-        key = (device, interpreting())
+        first = tensors[0]
+        device = (first if first is not None else next(t for t in tensors if t is not None)).device
+        # The interpreter switch matters only for CPU tensors (cpu_triton); CUDA skips the environment read.
+        key = device if device.type == "cuda" else (device, interpreting())
         ops = self._backends.get(key)
         if ops is None:
             ops = self._backends[key] = Ops("deterministic", device, cpu_triton=self.cpu_triton)
         return ops
 
     # ------------------------------------------------------------------------------------------ matmuls
+    # Float operands (the hot path) skip `_is_int`'s scan; it still refuses complex ones.
     def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        if _is_int(a, b):
+        if not (a.is_floating_point() and b.is_floating_point()) and _is_int(a, b):
             return _int_matmul(a, b)
         return self.ops_for(a, b).mm(a, b)
 
     def bmm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        if _is_int(a, b):
+        if not (a.is_floating_point() and b.is_floating_point()) and _is_int(a, b):
             return _int_matmul(a, b)
         return self.ops_for(a, b).bmm(a, b)
 
@@ -100,7 +103,7 @@ class AtenImpls:
         fused = (beta == 1 and alpha == 1 and bias.dim() == 1 and bias.shape[0] == n
                  and bias.dtype == a.dtype and not _is_int(bias, a, b))
         if fused:  # F.linear(x, w, bias) arrives here as addmm(bias, x, w.t()): one fused kernel call
-            return self.ops_for(bias, a, b).linear(a, b.t(), bias)
+            return self.ops_for(a, b, bias).mm(a, b, bias)
         return _scale_add(bias, self.mm(a, b), beta, alpha)
 
     def baddbmm(self, base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
