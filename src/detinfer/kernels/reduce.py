@@ -144,7 +144,9 @@ def _as_rows(x: torch.Tensor, dims: list[int], keepdim: bool):
     """Move the reduced dims last (in their order in x) and view x as [rows, N]; plus the output shape."""
     kept = [d for d in range(x.dim()) if d not in dims]
     n_rows, n_cols = _numel([x.shape[d] for d in kept]), _numel([x.shape[d] for d in dims])
-    rows = x.permute([*kept, *dims]).reshape(n_rows, n_cols)
+    # Reduced dims already last, in order (the usual mean(-1)): no permute view to build (same memory).
+    trailing = dims == list(range(x.dim() - len(dims), x.dim()))
+    rows = (x if trailing else x.permute([*kept, *dims])).reshape(n_rows, n_cols)
     if keepdim:
         out_shape = [1 if d in dims else x.shape[d] for d in range(x.dim())]
     else:

@@ -209,13 +209,16 @@ def _softmax(op, x, dim, dtype, log, block_size):
     check_kernel_inputs(op, x)
     d = _check_dim(op, x, dim)
     xs = x.reshape(1) if x.dim() == 0 else x
-    moved = xs.movedim(d, -1)
+    last = d == xs.dim() - 1  # the usual case: no movedim views to build (same memory, same rows)
+    moved = xs if last else xs.movedim(d, -1)
     n = moved.shape[-1]
     rows = moved.reshape(math.prod(moved.shape[:-1]), n)
     if n > 1 and rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
     launch_softmax_rows(rows, out, log, block_size)
+    if last:
+        return out.reshape(x.shape)
     return out.reshape(moved.shape).movedim(-1, d).reshape(x.shape)
 
 
