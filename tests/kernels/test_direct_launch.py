@@ -117,6 +117,22 @@ def test_fallbacks_take_the_normal_launch(runtime, monkeypatch):
     assert len(kernel.normal) == 2 and not cache.entries and _direct.enabled() is False
 
 
+def test_a_launcher_that_refuses_the_call_turns_direct_launches_off(runtime):
+    class OtherLauncher(FakeCompiled):
+        def run(self, *args):
+            raise TypeError("function takes exactly 14 arguments")
+
+    kernel = FakeKernel(OtherLauncher())
+    cache = LaunchCache(kernel)
+    a, b = FakeTensor(0), FakeTensor(16)
+    launch(cache, "k", a, b)
+    with pytest.warns(RuntimeWarning, match="direct kernel launches disabled"):
+        launch(cache, "k", a, b)  # refused before launching: the normal launch runs instead
+    assert len(kernel.normal) == 2 and _direct.enabled() is False
+    launch(cache, "k", a, b)
+    assert len(kernel.normal) == 3
+
+
 def test_cache_is_bounded_and_clearable(runtime, monkeypatch):
     monkeypatch.setattr(_direct, "MAX_ENTRIES", 3)
     kernel = FakeKernel()

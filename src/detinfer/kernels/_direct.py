@@ -20,14 +20,16 @@ alignment. (Triton's integer specializations, == 1 and % 16, are functions of th
 the key determines.)
 
 Fallbacks to the normal launch, always correct: the interpreter (its launch returns no compiled kernel),
-a triton whose compiled kernel lacks the attributes used here, constexprs that are not the kernel's last
-parameters, and `DETINFER_DIRECT_LAUNCH=0` in the environment at import (or `set_enabled(False)`), which
-exists to measure the difference.
+a triton whose compiled kernel lacks the attributes used here or whose launcher refuses the call (argument
+parsing fails before anything launches: direct launches are then turned off with a warning), constexprs
+that are not the kernel's last parameters, and `DETINFER_DIRECT_LAUNCH=0` in the environment at import (or
+`set_enabled(False)`), which exists to measure the difference.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 
 _ENABLED = [os.environ.get("DETINFER_DIRECT_LAUNCH", "1") != "0"]
 _NO_DIRECT = object()  # a key whose launches always take the normal path
@@ -96,8 +98,15 @@ class LaunchCache:
         stream = rt.stream(device)
         args = tensors + tail
         knobs = rt.knobs
-        run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
-            compiled.launch_metadata(grid, stream, *args), knobs.launch_enter_hook, knobs.launch_exit_hook, *args)
+        try:
+            run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
+                compiled.launch_metadata(grid, stream, *args), knobs.launch_enter_hook, knobs.launch_exit_hook,
+                *args)
+        except TypeError as e:  # a triton whose launcher takes other arguments: rejected before launching
+            _ENABLED[0] = False
+            warnings.warn(f"detinfer: direct kernel launches disabled, this triton's launcher refused the call "
+                          f"({e}); every launch now goes through kernel[grid](...)", RuntimeWarning, stacklevel=2)
+            return False
         return True
 
     def launch(self, key, tensors: tuple, grid: tuple, scalars: tuple, constexprs: dict, **options) -> None:
