@@ -18,6 +18,7 @@ requests before it stops the core.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import multiprocessing
 import select
@@ -51,10 +52,23 @@ class CoreSpec:
     config: Any  # EngineConfig
     device: str | None = None
     attention_backend: str = "auto"
+    torch_threads: int | None = None  # the front end's intra-op thread count (CPU runs), kept by the core
+
+
+def _front_end_threads() -> int | None:
+    """The caller's torch thread count, if it chose one (torch imported): the core runs the same CPU policy as
+    the in-process engine would have in the caller's process."""
+    torch = sys.modules.get("torch")
+    return None if torch is None else torch.get_num_threads()
 
 
 def _build_engine(spec: CoreSpec):
+    import torch
+
     from detinfer.engine.llm_engine import LLMEngine
+
+    if spec.torch_threads is not None:
+        torch.set_num_threads(spec.torch_threads)
 
     return LLMEngine(spec.model_dir, spec.config, device=spec.device, attention_backend=spec.attention_backend)
 
@@ -206,6 +220,8 @@ def start_core(spec: CoreSpec, *, timeout: float | None = None) -> CoreProcess:
     for s in (ours, theirs):
         s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+    if spec.torch_threads is None:
+        spec = dataclasses.replace(spec, torch_threads=_front_end_threads())
     process = ctx.Process(target=run_core, args=(theirs, spec), name="detinfer-engine-core")
     try:
         process.start()
