@@ -87,6 +87,10 @@ def test_refused_requests_raise_the_same_errors_and_add_nothing(proc_llm, refere
     assert not proc_llm.engine.has_unfinished_requests()
     assert proc_llm.generate(PROMPTS[:1], _params()[:1], use_tqdm=False)[0].outputs == reference[0].outputs
     assert isinstance(proc_llm.engine.reset_prefix_cache(), int)
+    from detinfer.train import TrainableModel
+
+    with pytest.raises(TypeError, match="engine_process=False"):  # it needs the weights in this process
+        TrainableModel(proc_llm)
     assert proc_llm.engine.stats()["num_finished_requests"] >= len(PROMPTS)
 
 
