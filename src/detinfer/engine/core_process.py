@@ -199,7 +199,9 @@ class CoreProcess:
         self._closed = True
         atexit.unregister(self.close)
         try:
+            self.sock.setblocking(True)
             wire.send(self.sock, ("shutdown",))
+            wire.drain_until_closed(self.sock, timeout)  # the core exits, closing its end
         except OSError:
             pass
         self.sock.close()

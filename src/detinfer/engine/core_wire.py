@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import select
 import socket
 import struct
+import time
 from array import array
 from typing import Any
 
@@ -62,6 +64,16 @@ def recv(sock: socket.socket) -> tuple:
     """The next message; EOFError when the other end closed (or died)."""
     (length,) = HEADER.unpack(_recv_exactly(sock, HEADER.size))
     return pickle.loads(_recv_exactly(sock, length))
+
+
+def drain_until_closed(sock: socket.socket, timeout: float) -> bool:
+    """Read and drop whatever the other end still sends until it closes (True) or `timeout` passes (False).
+    Used after "shutdown": a core blocked writing outputs nobody reads any more can then see the message."""
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        if select.select([sock], [], [], left)[0] and not sock.recv(1 << 20):
+            return True
+    return False
 
 
 class FrameReader:

@@ -89,7 +89,7 @@ class CoreAsyncEngine(AsyncEngine):
 
     @property
     def is_healthy(self) -> bool:
-        return self._started and self.error is None and not self._closing
+        return self._started and self.error is None  # draining is healthy: in-flight requests still run
 
     async def shutdown(self) -> None:
         """Abort whatever is still in flight (streams end with RequestAborted) and stop the core process."""
