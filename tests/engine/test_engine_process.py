@@ -130,3 +130,13 @@ def test_close_stops_the_core_process(proc_llm):
     proc_llm.close()
     proc_llm.close()  # idempotent
     assert not _alive(pid)
+
+
+@pytest.mark.gpu
+def test_engine_process_on_the_gpu_is_bit_identical(model_dir):
+    """On CUDA (bf16, CUDA graphs): the core process's outputs equal the in-process engine's, bit for bit."""
+    kw = dict(KW, dtype="bfloat16")
+    reference = LLM(str(model_dir), device="cuda", **kw).generate(PROMPTS, _params(), use_tqdm=False)
+    with LLM(str(model_dir), device="cuda", engine_process=True, **kw) as llm:
+        assert llm.engine.core.info["device"].startswith("cuda")
+        assert llm.generate(PROMPTS, _params(), use_tqdm=False) == reference

@@ -43,7 +43,11 @@ class EngineCoreClient:
                                         None if device is None else str(device), attention_backend))
         self.config = self.core.info["config"]
         self.vocab_size = self.core.info["vocab_size"]
-        self.tokenizer = load_tokenizer(model_dir)
+        try:
+            self.tokenizer = load_tokenizer(model_dir)
+        except BaseException:
+            self.core.close()
+            raise
         self._assembler = wire.OutputAssembler()
         self._unfinished: set[str] = set()
         self._inbox: collections.deque = collections.deque()  # step messages read while waiting for a reply

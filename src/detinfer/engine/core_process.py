@@ -74,9 +74,16 @@ def _build_engine(spec: CoreSpec):
 
 
 def engine_info(engine) -> dict[str, Any]:
-    """The facts a front end needs without the engine: resolved config, vocabulary size, device, dtype."""
-    return {"config": engine.config, "vocab_size": engine.model_config.vocab_size, "device": str(engine.device),
-            "dtype": str(engine.dtype).removeprefix("torch.")}
+    """The facts a front end needs without the engine: resolved config, vocabulary size, device (and, on CUDA,
+    its name and compute capability, so the front end never has to touch the GPU), dtype."""
+    import torch
+
+    dev = engine.device
+    name, capability = dev.type, None
+    if dev.type == "cuda":
+        name, capability = torch.cuda.get_device_name(dev), tuple(torch.cuda.get_device_capability(dev))
+    return {"config": engine.config, "vocab_size": engine.model_config.vocab_size, "device": str(dev),
+            "device_name": name, "capability": capability, "dtype": str(engine.dtype).removeprefix("torch.")}
 
 
 def run_core(sock: socket.socket, spec: CoreSpec) -> None:

@@ -263,6 +263,8 @@ class CoreAsyncEngine(AsyncEngine):
                 self._assembler.forget(request_id)
                 continue
             out = self._assembler.apply(delta)
+            if out is None:  # cannot happen (the add's answer precedes its first delta); never crash the loop
+                continue
             if out.error is not None:  # the engine aborted this request alone; its output is final
                 del self._streams[request_id]
                 log.error("request %s failed (aborted; the engine keeps serving): %s", request_id, out.error)

@@ -173,11 +173,12 @@ def _serve_engine(engine, info: dict, model_dir: Path, name: str, server_config:
     from detinfer.server.async_engine import AsyncEngine
     from detinfer.server.context import ServedModel
     from detinfer.server.core_engine import CoreAsyncEngine
-    from detinfer.server.fingerprint import model_files_digest, system_fingerprint
+    from detinfer.server.fingerprint import DeviceInfo, model_files_digest, system_fingerprint
 
     resolved, device, dtype = info["config"], info["device"], info["dtype"]  # max_model_len resolved
+    hardware = DeviceInfo(device.split(":")[0], info["device_name"], info["capability"])  # the core's GPU facts
     fingerprint = system_fingerprint(weights_digest=model_files_digest(model_dir), dtype=dtype,
-                                     mode=resolved.mode, block_size=resolved.block_size, device=device)
+                                     mode=resolved.mode, block_size=resolved.block_size, device=hardware)
     front = CoreAsyncEngine if server_config.engine_process else AsyncEngine
     async_engine = front(engine, max_pending_requests=server_config.max_pending_requests)
     tokenizer = load_tokenizer(model_dir) if server_config.engine_process else engine.tokenizer
