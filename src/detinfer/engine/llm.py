@@ -11,9 +11,9 @@ or in a batch of any size, so batching many prompts in one call costs nothing in
 `LLM(..., engine_process=True)` runs the engine in its own process (`engine.core_client`), as `detinfer serve`
 does by default; the results are bit-identical. The default is in-process: a `generate()` caller waits for
 the engine anyway, so a second process only adds a start-up (a second CUDA context and model load) and the
-spawn rules (the caller's script must be importable); in-process also keeps debuggers and profilers working
-and lets `TrainableModel` and `detinfer rl` share the engine's weights. Call `close()` (or use `with`) to stop
-the engine process early; it is stopped at exit otherwise.
+spawn rules (a script must guard its entry point with `if __name__ == "__main__":`); in-process also keeps
+debuggers and profilers working and lets `TrainableModel` and `detinfer rl` share the engine's weights. Call
+`close()` (or use `with`) to stop the engine process early; it is stopped at exit otherwise.
 """
 
 from __future__ import annotations
