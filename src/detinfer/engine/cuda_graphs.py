@@ -184,14 +184,13 @@ class StepGraphs:
 
     # -- capture ---------------------------------------------------------------------------------------
     def capture(self) -> None:
-        """Capture every shape, largest first (the others fit in its memory pool); logs the time taken."""
+        """Capture every shape, largest first (the others fit in its memory pool); logs the time taken and
+        the pool's size (`pool_bytes`, what `ModelRunner._graph_reserve_bytes` must cover)."""
         from detinfer.engine.model_runner import PagedAttention
 
         runner, dev = self.runner, self.runner.device
         start = time.perf_counter()
-        torch.cuda.synchronize(dev)
-        before = torch.cuda.memory_reserved(dev)
-        pool = None
+        forwards = {}
         with torch.inference_mode():
             for shape in sorted(self.shapes.values(), key=lambda s: (s.tokens, s.max_q_len), reverse=True):
                 meta, rows = self._views(shape)
@@ -204,9 +203,15 @@ class StepGraphs:
                     self._logits[:shape.logit_rows].copy_(logits)
 
                 # All rows are padding here (slots -1, no sequence has a query): compiles and autotunes
-                # outside the capture, writes nothing into the KV pools.
+                # outside the capture (and outside the measured pool), writes nothing into the KV pools.
                 self.prepare(EMPTY_STEP, shape)
                 forward()
+                forwards[shape] = forward
+            torch.cuda.synchronize(dev)
+            before = torch.cuda.memory_reserved(dev)
+            pool = None
+            for shape, forward in forwards.items():
+                self.prepare(EMPTY_STEP, shape)
                 torch.cuda.synchronize(dev)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):

@@ -120,6 +120,7 @@ class ModelRunner:
                                                         config.max_num_batched_tokens))
         shapes = graph_shapes(self.graph_sizes, self.mixed_graph_tokens, config.max_num_seqs)
         self._shapes = {s.key: s for s in shapes}
+        self.graph_reserve_bytes = 0  # set by _pick_num_blocks when it sizes the KV pool
         self.num_kv_blocks = self._pick_num_blocks() if num_kv_blocks is None else num_kv_blocks
         if self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
