@@ -107,7 +107,8 @@ def warm_up(engine: LLMEngine, vocab: int) -> None:
 def count_graph_steps(engine: LLMEngine) -> dict:
     """Counts graph / eager steps, and times every step (host wall time of `step()`, which ends with the
     logits on the host) by kind: "mixed" (a prefill chunk in the step) or "decode"."""
-    counts = {"graph": 0, "eager": 0, "mixed_graph": 0, "step_ms": {"mixed": [], "decode": []}}
+    counts = {"graph": 0, "eager": 0, "mixed_graph": 0, "step_ms": {"mixed": [], "decode": []},
+              "mixed_tokens": []}
     runner, orig_graph, orig_eager, orig_step = engine.runner, engine.runner._run_graph, engine.runner._run_eager, \
         engine.step
     kind = []
@@ -123,6 +124,8 @@ def count_graph_steps(engine: LLMEngine) -> dict:
 
     def execute(batch, _orig=runner.execute):
         kind.append("decode" if batch.layout.all_single_token else "mixed")
+        if kind[-1] == "mixed":
+            counts["mixed_tokens"].append(batch.layout.num_tokens)
         return _orig(batch)
 
     def step():
@@ -236,7 +239,8 @@ def main(argv=None) -> int:
                   f"{len(engine.runner.mixed_graph_tokens)} mixed up to "
                   f"{(engine.runner.mixed_graph_tokens or [0])[-1]} tokens) in {graphs.capture_seconds:.1f} s; "
                   f"pool {graphs.pool_bytes / 2**20:.0f} MiB + static {graphs.static_bytes() / 2**20:.0f} MiB, "
-                  f"reserved {engine.runner.graph_reserve_bytes / 2**20:.0f} MiB", flush=True)
+                  f"reserved {engine.runner.graph_reserve_bytes / 2**20:.0f} MiB (profiled step peak "
+                  f"{engine.runner.graph_step_peak_bytes / 2**20:.0f} MiB)", flush=True)
         t = time.perf_counter()
         warm_up(engine, cfg.vocab_size)
         warm_s = time.perf_counter() - t
@@ -266,6 +270,11 @@ def main(argv=None) -> int:
               f"kv blocks {res['kv_blocks']}", flush=True)
         for k, ms in res["step_ms"].items():
             print(f"[{mode}] {k} steps (all timed runs): {step_summary(ms)}", flush=True)
+        toks = sorted(counts["mixed_tokens"])
+        if toks:
+            print(f"[{mode}] mixed-step tokens: min {toks[0]}, median {toks[len(toks) // 2]}, max {toks[-1]}, "
+                  f"<= 512: {sum(t <= 512 for t in toks)}, <= 2048: {sum(t <= 2048 for t in toks)} of {len(toks)}",
+                  flush=True)
         for d in res["decode"]:
             roof = d["batch"] / roof_step
             print(f"[{mode}] decode batch {d['batch']:>3}: {d['step_ms']:.2f} ms/step  {d['tok_s']:.0f} tok/s  "

@@ -208,6 +208,9 @@ class StepGraphs:
                 forward()
                 forwards[shape] = forward
             torch.cuda.synchronize(dev)
+            # Each capture starts with empty_cache(): measure from the same point, so the difference is the
+            # private pool alone.
+            torch.cuda.empty_cache()
             before = torch.cuda.memory_reserved(dev)
             pool = None
             for shape, forward in forwards.items():
@@ -225,6 +228,11 @@ class StepGraphs:
                     "%.1f s; graph pool %.0f MiB, static buffers %.0f MiB", len(self._graphs),
                     len(self.decode_sizes), len(self.mixed_sizes), self.mixed_sizes[-1] if self.mixed_sizes
                     else "-", self.capture_seconds, self.pool_bytes / 2**20, self.static_bytes() / 2**20)
+        reserve = getattr(runner, "graph_reserve_bytes", 0)
+        if reserve and self.pool_bytes + self.static_bytes() > reserve:
+            logger.warning("CUDA graphs took %.0f MiB, more than the %.0f MiB kept out of the KV pool for them: "
+                           "GPU memory use may exceed gpu_memory_utilization", (self.pool_bytes + self.static_bytes())
+                           / 2**20, reserve / 2**20)
 
     # -- replay ----------------------------------------------------------------------------------------
     def prepare(self, layout: StepLayout, shape: GraphShape) -> None:

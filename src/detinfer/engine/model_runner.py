@@ -66,6 +66,10 @@ CPU_KV_CACHE_BYTES = 1 << 30
 # buffers): allocator rounding in the private pool, and attention workspaces a graph sizes from the table
 # capacity where the profiled eager step sized them from its own lengths.
 GRAPH_RESERVE_SLACK_BYTES = 256 << 20
+# The private pool of many graphs of different sizes is larger than one step's allocation peak: segments
+# are rounded and split per size. Measured on an H100 (Qwen3-8B shapes, 40 graphs up to 2048 tokens):
+# pool / profiled peak = see docs/performance.md ("CUDA graphs for mixed steps").
+GRAPH_POOL_FACTOR = 1.5
 
 graph_batch_sizes = decode_batch_sizes  # the decode graphs' batch sizes (older name)
 
@@ -120,7 +124,7 @@ class ModelRunner:
                                                         config.max_num_batched_tokens))
         shapes = graph_shapes(self.graph_sizes, self.mixed_graph_tokens, config.max_num_seqs)
         self._shapes = {s.key: s for s in shapes}
-        self.graph_reserve_bytes = 0  # set by _pick_num_blocks when it sizes the KV pool
+        self.graph_reserve_bytes = self.graph_step_peak_bytes = 0  # set by _pick_num_blocks (KV pool sizing)
         self.num_kv_blocks = self._pick_num_blocks() if num_kv_blocks is None else num_kv_blocks
         if self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
@@ -219,16 +223,16 @@ class ModelRunner:
 
     def _graph_reserve_bytes(self, step_peak: int) -> int:
         """What the CUDA graphs take: their private pool holds what the largest graphed step allocates
-        (profiled like the eager worst case, without sampling: reused when that step is the same size),
-        plus the static buffers and GRAPH_RESERVE_SLACK_BYTES. The log line after capture reports the
-        pool's actual size against this."""
+        (profiled like the eager worst case, without sampling: reused when that step is the same size)
+        times GRAPH_POOL_FACTOR, plus the static buffers and GRAPH_RESERVE_SLACK_BYTES. After capture the
+        pool's real size is logged against this (`StepGraphs.capture`)."""
         cfg, shapes = self.model_config, list(self._shapes.values())
         tokens = max(s.tokens for s in shapes)
-        pool = step_peak if tokens >= self.config.max_num_batched_tokens else \
+        self.graph_step_peak_bytes = step_peak if tokens >= self.config.max_num_batched_tokens else \
             self._profile_peak_bytes(tokens, sample_rows=False)
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return pool + static_buffer_bytes(shapes, self.max_blocks_per_seq, cfg.q_size, cfg.vocab_size, elem) \
-            + GRAPH_RESERVE_SLACK_BYTES
+        return int(GRAPH_POOL_FACTOR * self.graph_step_peak_bytes) + GRAPH_RESERVE_SLACK_BYTES \
+            + static_buffer_bytes(shapes, self.max_blocks_per_seq, cfg.q_size, cfg.vocab_size, elem)
 
     @torch.inference_mode()
     def _profile_peak_bytes(self, total: int | None = None, sample_rows: bool = True) -> int:
