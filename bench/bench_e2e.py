@@ -113,10 +113,10 @@ def count_graph_steps(engine: LLMEngine) -> dict:
         engine.step
     kind = []
 
-    def graph(host):
+    def graph(host, *shape):
         counts["graph"] += 1
         counts["mixed_graph"] += not host.all_single_token
-        return orig_graph(host)
+        return orig_graph(host, *shape)
 
     def eager(host, *a):
         counts["eager"] += 1

@@ -82,9 +82,9 @@ def graph_calls(engine):
     """Record the real batch size of every graph replay."""
     sizes, orig = [], engine.runner._run_graph
 
-    def counting(host):
+    def counting(host, *shape):
         sizes.append(len(host.query_lens))
-        return orig(host)
+        return orig(host, *shape)
 
     engine.runner._run_graph = counting
     return sizes
@@ -205,9 +205,9 @@ def test_fast_mode_mixed_graphs_replay(model_dir):
     kinds = []
     orig = engine.runner._run_graph
 
-    def counting(layout):
+    def counting(layout, *shape):
         kinds.append(engine.runner.graph_shape(layout).kind)
-        return orig(layout)
+        return orig(layout, *shape)
 
     engine.runner._run_graph = counting
     got = run(engine, [target, *others])

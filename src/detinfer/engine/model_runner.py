@@ -153,8 +153,9 @@ class ModelRunner:
             raise RuntimeError("the model's Ops were switched after this engine was built; build a new engine "
                                "for the other backend")
         layout = batch.layout
-        if self.use_graphs and self.graph_shape(layout) is not None:
-            return self._run_graph(layout)
+        shape = self.graph_shape(layout) if self.use_graphs else None
+        if shape is not None:
+            return self._run_graph(layout, shape)
         return self._run_eager(layout)
 
     def graph_shape(self, layout: StepLayout) -> GraphShape | None:
@@ -172,8 +173,8 @@ class ModelRunner:
             hidden = hidden[torch.tensor(layout.logit_rows, dtype=torch.int64, device=dev)]
         return self.model.compute_logits(hidden)
 
-    def _run_graph(self, layout: StepLayout) -> torch.Tensor:
-        return self.graphs.run(layout, self.graph_shape(layout))
+    def _run_graph(self, layout: StepLayout, shape: GraphShape | None = None) -> torch.Tensor:
+        return self.graphs.run(layout, self.graph_shape(layout) if shape is None else shape)
 
     @torch.inference_mode()
     def run_padded_eager(self, layout: StepLayout) -> torch.Tensor:
