@@ -105,18 +105,46 @@ def warm_up(engine: LLMEngine, vocab: int) -> None:
 
 
 def count_graph_steps(engine: LLMEngine) -> dict:
-    counts, orig_graph, orig_eager = {"graph": 0, "eager": 0}, engine.runner._run_graph, engine.runner._run_eager
+    """Counts graph / eager steps, and times every step (host wall time of `step()`, which ends with the
+    logits on the host) by kind: "mixed" (a prefill chunk in the step) or "decode"."""
+    counts = {"graph": 0, "eager": 0, "mixed_graph": 0, "step_ms": {"mixed": [], "decode": []},
+              "mixed_tokens": []}
+    runner, orig_graph, orig_eager, orig_step = engine.runner, engine.runner._run_graph, engine.runner._run_eager, \
+        engine.step
+    kind = []
 
-    def graph(host):
+    def graph(host, *shape):
         counts["graph"] += 1
-        return orig_graph(host)
+        counts["mixed_graph"] += not host.all_single_token
+        return orig_graph(host, *shape)
 
-    def eager(host):
+    def eager(host, *a):
         counts["eager"] += 1
-        return orig_eager(host)
+        return orig_eager(host, *a)
 
-    engine.runner._run_graph, engine.runner._run_eager = graph, eager
+    def execute(batch, _orig=runner.execute):
+        kind.append("decode" if batch.layout.all_single_token else "mixed")
+        if kind[-1] == "mixed":
+            counts["mixed_tokens"].append(batch.layout.num_tokens)
+        return _orig(batch)
+
+    def step():
+        kind.clear()
+        t = time.perf_counter()
+        out = orig_step()
+        if kind:
+            counts["step_ms"][kind[-1]].append((time.perf_counter() - t) * 1e3)
+        return out
+
+    runner._run_graph, runner._run_eager, runner.execute, engine.step = graph, eager, execute, step
     return counts
+
+
+def step_summary(ms: list[float]) -> str:
+    if not ms:
+        return "none"
+    return f"{len(ms)} steps, median {statistics.median(ms):.2f} ms, mean {statistics.mean(ms):.2f} ms, " \
+        f"total {sum(ms) / 1e3:.2f} s"
 
 
 def drain(engine: LLMEngine) -> dict:
@@ -173,6 +201,8 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-batches", default="1,64")
     ap.add_argument("--decode-steps", type=int, default=48)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--cuda-graph-max-tokens", type=int, default=EngineConfig.cuda_graph_max_tokens,
+                    help="largest graphed step with prefill chunks (0: mixed steps run eagerly)")
     ap.add_argument("--repeat", type=int, default=1, help="timed e2e runs per mode (the median is reported)")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test the script (tiny --layers)")
     ap.add_argument("--json", default=None, help="write the results here")
@@ -200,8 +230,17 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         engine = LLMEngine.from_model(model_in_mode(fast_model, cfg, mode), cfg, EngineConfig(
             mode=mode, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len, enforce_eager=args.enforce_eager))
+            max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+            cuda_graph_max_tokens=args.cuda_graph_max_tokens))
         init_s = time.perf_counter() - t
+        graphs = engine.runner.graphs
+        if graphs is not None:
+            print(f"[{mode}] captured {len(graphs.shapes)} CUDA graphs ({len(engine.runner.graph_sizes)} decode, "
+                  f"{len(engine.runner.mixed_graph_tokens)} mixed up to "
+                  f"{(engine.runner.mixed_graph_tokens or [0])[-1]} tokens) in {graphs.capture_seconds:.1f} s; "
+                  f"pool {graphs.pool_bytes / 2**20:.0f} MiB + static {graphs.static_bytes() / 2**20:.0f} MiB, "
+                  f"reserved {engine.runner.graph_reserve_bytes / 2**20:.0f} MiB (profiled step peak "
+                  f"{engine.runner.graph_step_peak_bytes / 2**20:.0f} MiB)", flush=True)
         t = time.perf_counter()
         warm_up(engine, cfg.vocab_size)
         warm_s = time.perf_counter() - t
@@ -217,6 +256,8 @@ def main(argv=None) -> int:
         res = sorted(runs, key=lambda r: r["wall_s"])[(len(runs) - 1) // 2] | {"tokens": runs[0]["tokens"]}
         res["all_wall_s"] = [r["wall_s"] for r in runs]
         res["graph_steps"], res["eager_steps"] = counts["graph"] // len(runs), counts["eager"] // len(runs)
+        res["mixed_graph_steps"] = counts["mixed_graph"] // len(runs)
+        res["step_ms"] = {k: v for k, v in counts["step_ms"].items()}
         res.update(mode=mode, init_s=init_s, warmup_s=warm_s, kv_blocks=engine.runner.num_kv_blocks,
                    graphs=engine.runner.graph_sizes)
         res["decode"] = [decode_rate(engine, int(b), cfg.vocab_size, args.decode_steps, seed=3)
@@ -225,7 +266,15 @@ def main(argv=None) -> int:
         print(f"[{mode}] init {init_s:.1f}s warmup {warm_s:.1f}s  e2e wall {res['wall_s']:.2f}s "
               f"(runs {', '.join(f'{w:.2f}' for w in res['all_wall_s'])})  "
               f"{res['output_tokens']} output tokens  {res['output_tok_s']:.0f} tok/s  steps {res['steps']}  "
-              f"(graph {res['graph_steps']}, eager {res['eager_steps']})  kv blocks {res['kv_blocks']}", flush=True)
+              f"(graph {res['graph_steps']} of which mixed {res['mixed_graph_steps']}, eager {res['eager_steps']})  "
+              f"kv blocks {res['kv_blocks']}", flush=True)
+        for k, ms in res["step_ms"].items():
+            print(f"[{mode}] {k} steps (all timed runs): {step_summary(ms)}", flush=True)
+        toks = sorted(counts["mixed_tokens"])
+        if toks:
+            print(f"[{mode}] mixed-step tokens: min {toks[0]}, median {toks[len(toks) // 2]}, max {toks[-1]}, "
+                  f"<= 512: {sum(t <= 512 for t in toks)}, <= 2048: {sum(t <= 2048 for t in toks)} of {len(toks)}",
+                  flush=True)
         for d in res["decode"]:
             roof = d["batch"] / roof_step
             print(f"[{mode}] decode batch {d['batch']:>3}: {d['step_ms']:.2f} ms/step  {d['tok_s']:.0f} tok/s  "

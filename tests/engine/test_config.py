@@ -30,6 +30,7 @@ def test_defaults_are_valid_and_frozen():
     ({"mode": "fastest"}, r"mode must be one of \('deterministic', 'fast'\), got 'fastest'"),
     ({"dtype": "fp8"}, r"dtype must be one of"),
     ({"seed": -3}, r"seed must be in \[0, 9223372036854775807\]"),
+    ({"cuda_graph_max_tokens": -1}, r"cuda_graph_max_tokens must be in \[0, inf\], got -1"),
     ({"max_num_seqs": 300, "max_num_batched_tokens": 256},
      r"max_num_batched_tokens \(256\) must be >= max_num_seqs \(300\)"),
     ({"enable_chunked_prefill": False, "max_num_batched_tokens": 512, "max_model_len": 1024},
@@ -45,6 +46,7 @@ def test_invalid_values_are_rejected_with_field_and_range(changes, match):
     ({"max_num_seqs": True}, r"max_num_seqs must be an int"),
     ({"num_kv_blocks": "8"}, r"num_kv_blocks must be an int or None"),
     ({"enforce_eager": 1}, r"enforce_eager must be a bool"),
+    ({"cuda_graph_max_tokens": 64.0}, r"cuda_graph_max_tokens must be an int"),
     ({"gpu_memory_utilization": "0.5"}, r"gpu_memory_utilization must be a number"),
 ])
 def test_wrong_types_are_rejected(changes, match):

@@ -82,9 +82,9 @@ def graph_calls(engine):
     """Record the real batch size of every graph replay."""
     sizes, orig = [], engine.runner._run_graph
 
-    def counting(host):
+    def counting(host, *shape):
         sizes.append(len(host.query_lens))
-        return orig(host)
+        return orig(host, *shape)
 
     engine.runner._run_graph = counting
     return sizes
@@ -136,7 +136,79 @@ def test_padded_graph_batches_do_not_change_real_rows(model_dir):
 
 def test_graph_capture_sizes_and_memory(model_dir):
     engine = make(model_dir, max_num_seqs=40, num_kv_blocks=None, gpu_memory_utilization=0.5)
-    assert engine.runner.graph_sizes == [1, 2, 4, 8, 16, 32, 40]
+    runner = engine.runner
+    assert runner.graph_sizes == [1, 2, 4, 8, 16, 32, 40]
+    assert runner.mixed_graph_tokens == [16, 32, 64, 128, 160, 192, 224, 256, 320, 384, 448, 512]
     total = torch.cuda.get_device_properties(0).total_memory
-    assert engine.runner.num_kv_blocks >= engine.runner.max_blocks_per_seq
+    assert runner.num_kv_blocks >= runner.max_blocks_per_seq
     assert torch.cuda.memory_allocated() < 0.5 * total
+    # The reserve kept out of the KV pool covers what the capture really took.
+    print(f"capture {runner.graphs.capture_seconds:.2f} s, pool {runner.graphs.pool_bytes / 2**20:.0f} MiB, "
+          f"reserve {runner.graph_reserve_bytes / 2**20:.0f} MiB")
+    assert 0 < runner.graphs.pool_bytes + runner.graphs.static_bytes() <= runner.graph_reserve_bytes
+    off = make(model_dir, max_num_seqs=40, cuda_graph_max_tokens=0)
+    assert off.runner.mixed_graph_tokens == [] and len(off.runner.graphs.shapes) == 7
+
+
+def graph_vs_eager_every_step(engine):
+    """Every step with a graph shape runs its graph, then (KV pools restored) eagerly: the logits and the
+    KV pools afterwards are compared bitwise. Returns (shape kinds replayed, mismatches); mismatches are
+    recorded, not raised, because the engine turns an exception inside a step into failed requests."""
+    runner, kinds, bad = engine.runner, [], []
+
+    def pools():
+        return [t.clone() for pair in runner.kv_cache for t in pair]
+
+    def execute(batch):
+        layout = batch.layout
+        shape = runner.graph_shape(layout)
+        if shape is None:
+            return runner._run_eager(layout)
+        before = pools()
+        graph = runner._run_graph(layout).clone()
+        after_graph = pools()
+        for t, saved in zip((t for pair in runner.kv_cache for t in pair), before):
+            t.copy_(saved)
+        eager = runner._run_eager(layout)
+        if not torch.equal(graph, eager):
+            bad.append(f"{shape}: logits differ")
+        if not all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(after_graph, pools())):
+            bad.append(f"{shape}: KV pools differ")
+        kinds.append(shape.kind)
+        return eager
+
+    runner.execute = execute
+    return kinds, bad
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mixed_graph_steps_replay_eager_bits(model_dir, seed):
+    """Random mixed batches (prefill chunks of random lengths, decodes, shared prefixes: prefix-cache hits):
+    every graph replay (decode and mixed) gives the eager step's logits and KV bits, and every request's
+    output equals its output alone."""
+    target, others = workload(100 + seed, n_other=14)
+    engine = make(model_dir, max_num_batched_tokens=(64, 128, 256, 512)[seed])
+    kinds, bad = graph_vs_eager_every_step(engine)
+    got = run(engine, [target, *others])
+    assert not bad, bad[:4]
+    assert kinds.count("mixed") >= 3 and "decode" in kinds, kinds
+    del engine
+    for req in (target, *others[:4]):
+        alone = run(make(model_dir), [(0, *req[1:])])
+        assert got[req[1]] == alone[req[1]], f"{req[1]} differs from its run alone"
+
+
+def test_fast_mode_mixed_graphs_replay(model_dir):
+    """Fast mode replays the same mixed-step graphs (its bits may move with the bucket: not compared)."""
+    target, others = workload(7)
+    engine = make(model_dir, mode="fast", max_num_batched_tokens=256)
+    kinds = []
+    orig = engine.runner._run_graph
+
+    def counting(layout, *shape):
+        kinds.append(engine.runner.graph_shape(layout).kind)
+        return orig(layout, *shape)
+
+    engine.runner._run_graph = counting
+    got = run(engine, [target, *others])
+    assert len(got) == 1 + len(others) and "mixed" in kinds and "decode" in kinds

@@ -90,6 +90,10 @@ class EngineConfig:
         "Weight/activation dtype; auto: the checkpoint's dtype.", choices=DTYPES))
     enforce_eager: bool = field(default=False, metadata=_help(
         "Never capture CUDA graphs; run every step eagerly."))
+    cuda_graph_max_tokens: int = field(default=2048, metadata=_help(
+        "Largest token count of a step with prefill chunks that replays a CUDA graph (padded to a captured "
+        "size: 16, 32, 64, 128, then 4 sizes per doubling); larger ones run eagerly (they are compute-bound). "
+        "0: only decode-only steps use graphs. Capped at max_num_batched_tokens."))
     seed: int | None = field(default=0, metadata=_help(
         "Seed from which per-request seeds are drawn for sampled requests that give none "
         "(None: draw them from the OS)."))
@@ -107,6 +111,7 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         check_int("max_model_len", self.max_model_len, minimum=1, optional=True)
+        check_int("cuda_graph_max_tokens", self.cuda_graph_max_tokens, minimum=0)
         check_choice("mode", self.mode, ENGINE_MODES)
         check_choice("dtype", self.dtype, DTYPES)
         check_int("seed", self.seed, minimum=0, maximum=MAX_SEED, optional=True)

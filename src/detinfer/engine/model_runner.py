@@ -9,18 +9,28 @@ Every numeric op, attention and the KV write included, is the model's numerics b
 `detinfer.ops.backend`, which also says when attention runs the Triton kernels and when the pure-torch
 `paged_attention_ref` + `write_kv_ref`); the runner only checks that it matches the engine's mode.
 
-CUDA graphs (CUDA, kernel backend, unless enforce_eager): steps whose chunks are all one token long
-(decodes) replay a graph captured for the smallest capture size >= the batch (1, 2, 4, 8, then multiples
-of 16 up to max_num_seqs). Padding rows get slot -1 (write_kv skips them), q_len 0 and kv_len 0, so
-attention leaves their output rows alone and reads no key for them. Every op of the model is row-wise
-or batch-invariant in deterministic mode, so a real row computes the same bits in a graph of any size
-as in an eager step of its own batch; graphs capture with max_kv_len = the block table's capacity, which
-changes the attention kernel's grid but not its split boundaries (fixed `split_size` anchored at key 0).
-In fast mode the same padding is used, but its kernels pick work splits from the batch shape, so bits
-may move with the graph size: that is what fast mode trades for speed.
+CUDA graphs (CUDA, kernel backend, unless enforce_eager; `engine.cuda_graphs` has the shapes, the padding and
+the capture): decode-only steps replay a graph per batch size, steps with prefill chunks a graph per token
+count (up to EngineConfig.cuda_graph_max_tokens), padded to the smallest captured shape that holds them.
+Padding tokens write no KV (slot -1) and belong to no sequence; padding sequences have no query and no key.
+Every op outside attention is row-wise and batch-invariant in deterministic mode, and attention's
+reduction order is fixed by its split size anchored at key 0, not by the grid or the bounds a graph is
+captured with (max_q_len = the token count, max_kv_len = the block table's capacity): so a real row gets
+the same bits in a graph of any size as in an eager step of its own batch. In fast mode the same padding
+is used, but its kernels pick work splits from the padded shape, so bits may move with the graph size.
+
+Mixed steps use whole-step graphs over padded token buckets, not piecewise graphs (every op but attention
+captured, attention eager in between): both keep the bits (the argument above), but piecewise graphs
+still launch attention and the KV write eagerly in every layer (2 x num_layers launches plus
+num_layers + 1 graph launches per step, a few ms of host time for 36 layers), where a whole-step graph is
+one launch. What the padded graph costs is GPU time on padding rows (at most 25% of a step above 128
+tokens, see `mixed_token_sizes`) and idle attention programs for padding sequences, which exit at once;
+large steps are compute-bound, so cuda_graph_max_tokens caps the graphed sizes.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -33,6 +43,16 @@ from detinfer.cache.paged_kv import (
     step_tensors,
 )
 from detinfer.engine.config import EngineConfig
+from detinfer.engine.cuda_graphs import (
+    GraphShape,
+    StepGraphs,
+    decode_batch_sizes,
+    graph_shapes,
+    mixed_token_sizes,
+    pad_layout,
+    pick_shape,
+    static_buffer_bytes,
+)
 from detinfer.engine.scheduler import ScheduledBatch
 from detinfer.models.config import ModelConfig
 from detinfer.models.transformer import Transformer
@@ -41,16 +61,18 @@ from detinfer.ops import Ops
 # KV pool on CPU when num_kv_blocks is not given: CPU runs are tests and small models, so a fixed budget
 # (capped at what max_num_seqs full-length sequences can use) rather than a fraction of host memory.
 CPU_KV_CACHE_BYTES = 1 << 30
-# GPU memory kept out of the KV pool for CUDA graphs' private pool and static buffers (decode steps of at
-# most max_num_seqs tokens need far less than the profiled prefill step, but the pools are separate).
-GRAPH_RESERVE_BYTES = 1 << 30
+# GPU memory kept out of the KV pool for CUDA graphs on top of what is measured (the profiled peak of the
+# largest graphed step, which is what its capture allocates in the graphs' private pool, plus the static
+# buffers): allocator rounding in the private pool, and attention workspaces a graph sizes from the table
+# capacity where the profiled eager step sized them from its own lengths.
+GRAPH_RESERVE_SLACK_BYTES = 256 << 20
+# The private pool of many graphs of different sizes is larger than one step's allocation peak: segments
+# are rounded and split per size, and graphs of other sizes reuse them only partly. Measured on an H100
+# (Qwen3-8B shapes, 20 decode + 20 mixed graphs up to 2048 tokens): pool 570 MiB for a profiled peak of
+# 256 MiB (2.2x); decode graphs alone: 278 MiB for 225 MiB (1.24x).
+GRAPH_POOL_FACTOR = 2.5
 
-
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """Decode batch sizes that get a CUDA graph: 1, 2, 4, 8, then every multiple of 16, up to and
-    including max_num_seqs. A batch of n runs in the smallest size >= n."""
-    sizes = {b for b in (1, 2, 4, 8) if b < max_num_seqs} | set(range(16, max_num_seqs, 16)) | {max_num_seqs}
-    return sorted(sizes)
+graph_batch_sizes = decode_batch_sizes  # the decode graphs' batch sizes (older name)
 
 
 class PagedAttention:
@@ -93,20 +115,27 @@ class ModelRunner:
                              "head_dim=...)")
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
+        # An MoE layer on a host-syncing path (fast mode's stock loop) cannot be captured: eager steps then.
+        moe_ok = not model_config.num_experts or ops.moe_graph_safe
+        self.use_graphs = (self.device.type == "cuda" and not config.enforce_eager and self.backend == "kernel"
+                           and moe_ok)
+        # Shapes are fixed by the config alone (the CPU padding tests use them with graphs off).
+        self.graph_sizes = decode_batch_sizes(config.max_num_seqs)
+        self.mixed_graph_tokens = mixed_token_sizes(min(config.cuda_graph_max_tokens,
+                                                        config.max_num_batched_tokens))
+        shapes = graph_shapes(self.graph_sizes, self.mixed_graph_tokens, config.max_num_seqs)
+        self._shapes = {s.key: s for s in shapes}
+        self.graph_reserve_bytes = self.graph_step_peak_bytes = 0  # set by _pick_num_blocks (KV pool sizing)
         self.num_kv_blocks = self._pick_num_blocks() if num_kv_blocks is None else num_kv_blocks
         if self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         spec = KVCacheSpec(self.num_kv_blocks, self.block_size, model_config.num_key_value_heads,
                            model_config.head_dim, self.dtype)
         self.kv_cache = allocate_kv_cache(spec, model_config.num_hidden_layers, self.device)
-        # An MoE layer on a host-syncing path (fast mode's stock loop) cannot be captured: eager steps then.
-        moe_ok = not model_config.num_experts or ops.moe_graph_safe
-        self.use_graphs = (self.device.type == "cuda" and not config.enforce_eager and self.backend == "kernel"
-                           and moe_ok)
-        self.graph_sizes = graph_batch_sizes(config.max_num_seqs) if self.use_graphs else []
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: StepGraphs | None = None
         if self.use_graphs:
-            self._capture_graphs()
+            self.graphs = StepGraphs(self, self.graph_sizes, self.mixed_graph_tokens)
+            self.graphs.capture()
 
     @property
     def backend(self) -> str:
@@ -124,13 +153,18 @@ class ModelRunner:
             raise RuntimeError("the model's Ops were switched after this engine was built; build a new engine "
                                "for the other backend")
         layout = batch.layout
-        if self.use_graphs and layout.all_single_token and len(layout.query_lens) <= self.graph_sizes[-1]:
-            return self._run_graph(layout)
+        shape = self.graph_shape(layout) if self.use_graphs else None
+        if shape is not None:
+            return self._run_graph(layout, shape)
         return self._run_eager(layout)
 
-    def _run_eager(self, layout: StepLayout) -> torch.Tensor:
+    def graph_shape(self, layout: StepLayout) -> GraphShape | None:
+        """The captured shape this step replays (None: it runs eagerly), whether or not graphs are on."""
+        return pick_shape(layout, self._shapes, self.graph_sizes, self.mixed_graph_tokens)
+
+    def _run_eager(self, layout: StepLayout, meta: StepMetadata | None = None) -> torch.Tensor:
         dev = self.device
-        meta = step_tensors(layout, dev)
+        meta = step_tensors(layout, dev) if meta is None else meta
         attn = PagedAttention(self.kv_cache, meta, self.ops, self.model_config.softmax_scale, None)
         hidden = self.model(meta.input_ids, meta.positions, attn)
         if not layout.logit_rows:
@@ -139,58 +173,22 @@ class ModelRunner:
             hidden = hidden[torch.tensor(layout.logit_rows, dtype=torch.int64, device=dev)]
         return self.model.compute_logits(hidden)
 
-    # -- CUDA graphs ---------------------------------------------------------------------------------
-    def _capture_graphs(self) -> None:
-        cfg, dev = self.model_config, self.device
-        bmax, width = self.graph_sizes[-1], self.max_blocks_per_seq
-        self._g_i64 = torch.zeros((3, bmax), dtype=torch.int64, device=dev)  # ids, positions, slots
-        self._g_i64[2].fill_(-1)
-        self._g_kv = torch.zeros(bmax, dtype=torch.int32, device=dev)
-        self._g_cu = torch.zeros(bmax + 1, dtype=torch.int32, device=dev)
-        self._g_bt = torch.zeros((bmax, width), dtype=torch.int32, device=dev)
-        # Attention output rows of padding are never written: zeroed once so they never hold NaN garbage.
-        self._g_out = torch.zeros((bmax, cfg.num_attention_heads, cfg.head_dim), dtype=self.dtype, device=dev)
-        self._g_logits = torch.zeros((bmax, cfg.vocab_size), dtype=torch.float32, device=dev)
-        pool = None
-        with torch.inference_mode():
-            for b in reversed(self.graph_sizes):  # largest first: the others fit in its memory pool
-                meta = StepMetadata(input_ids=self._g_i64[0, :b], positions=self._g_i64[1, :b],
-                                    slot_mapping=self._g_i64[2, :b], block_tables=self._g_bt[:b],
-                                    kv_lens=self._g_kv[:b], cu_q_lens=self._g_cu[:b + 1], max_q_len=1,
-                                    max_kv_len=width * self.block_size)
-                attn = PagedAttention(self.kv_cache, meta, self.ops, cfg.softmax_scale, self._g_out[:b])
+    def _run_graph(self, layout: StepLayout, shape: GraphShape | None = None) -> torch.Tensor:
+        return self.graphs.run(layout, self.graph_shape(layout) if shape is None else shape)
 
-                def forward(b=b, meta=meta, attn=attn):
-                    hidden = self.model(meta.input_ids, meta.positions, attn)
-                    self._g_logits[:b].copy_(self.model.compute_logits(hidden))
-
-                forward()  # all rows are padding here; compiles and autotunes outside the capture
-                torch.cuda.synchronize(dev)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    forward()
-                pool = graph.pool() if pool is None else pool
-                self._graphs[b] = graph
-        torch.cuda.synchronize(dev)
-
-    def _run_graph(self, layout: StepLayout) -> torch.Tensor:
-        n = len(layout.query_lens)
-        b = next(s for s in self.graph_sizes if s >= n)
-        pad = b - n
-        width = self.max_blocks_per_seq
-        i64 = torch.tensor([layout.token_ids + [0] * pad, layout.positions + [0] * pad, layout.slots + [-1] * pad],
-                           dtype=torch.int64)
-        tables = [list(t[:width]) + [0] * (width - len(t)) for t in layout.block_tables] + [[0] * width] * pad
-        self._g_i64[:, :b].copy_(i64, non_blocking=True)
-        self._g_kv[:b].copy_(torch.tensor(layout.kv_lens + [0] * pad, dtype=torch.int32), non_blocking=True)
-        # Real rows have one query each; padding sequences have none (cu_q_lens stays at n).
-        self._g_cu[:b + 1].copy_(torch.tensor(list(range(n + 1)) + [n] * pad, dtype=torch.int32),
-                                 non_blocking=True)
-        self._g_bt[:b].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
-        self._graphs[b].replay()
-        if layout.logit_rows == list(range(n)):
-            return self._g_logits[:n]
-        return self._g_logits[torch.tensor(layout.logit_rows, dtype=torch.int64, device=self.device)]
+    @torch.inference_mode()
+    def run_padded_eager(self, layout: StepLayout) -> torch.Tensor:
+        """Test hook: the step padded exactly as its graph would pad it and run eagerly with the graph's
+        attention bounds (max_q_len of the shape, max_kv_len = the table capacity, full-width tables);
+        returns the real rows' logits. Proves on any device that the padding is harmless."""
+        shape = self.graph_shape(layout)
+        if shape is None:
+            raise ValueError(f"no graph shape holds this step ({layout.num_tokens} tokens, "
+                             f"{len(layout.query_lens)} sequences, {len(layout.logit_rows)} logits rows)")
+        padded = pad_layout(layout, shape)
+        meta = dataclasses.replace(step_tensors(padded, self.device, max_blocks=self.max_blocks_per_seq),
+                                   max_q_len=shape.max_q_len, max_kv_len=self.max_blocks_per_seq * self.block_size)
+        return self._run_eager(padded, meta)[:len(layout.logit_rows)]
 
     # -- KV pool sizing ------------------------------------------------------------------------------
     def _blocks_per_byte_budget(self, budget: int) -> int:
@@ -203,34 +201,50 @@ class ModelRunner:
         """num_kv_blocks when the config gives none. CPU: CPU_KV_CACHE_BYTES, capped at what max_num_seqs
         full-length sequences can use. CUDA: gpu_memory_utilization x total memory, minus what is in use
         (weights, CUDA context, other processes), minus the peak activations of a profiled worst-case step
-        (max_num_batched_tokens tokens, then logits + sampling for max_num_seqs rows), minus
-        GRAPH_RESERVE_BYTES when graphs are on."""
+        (max_num_batched_tokens tokens, then logits + sampling for max_num_seqs rows), minus, when graphs
+        are on, `_graph_reserve_bytes`."""
         useful = self.config.max_num_seqs * self.max_blocks_per_seq
         if self.device.type != "cuda":
             return max(self.max_blocks_per_seq, min(useful, self._blocks_per_byte_budget(CPU_KV_CACHE_BYTES)))
         peak = self._profile_peak_bytes()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        reserve = GRAPH_RESERVE_BYTES if (not self.config.enforce_eager and self.backend == "kernel") else 0
+        reserve = self._graph_reserve_bytes(peak) if self.use_graphs else 0
+        self.graph_reserve_bytes = reserve
         budget = self.config.gpu_memory_utilization * total - (total - free) - peak - reserve
         blocks = self._blocks_per_byte_budget(budget)
         if blocks < self.max_blocks_per_seq:
             raise ValueError(
                 f"not enough GPU memory for the KV cache: {budget / 2**30:.2f} GiB left after weights "
-                f"({(total - free) / 2**30:.2f} GiB in use) and activations ({peak / 2**30:.2f} GiB) gives "
+                f"({(total - free) / 2**30:.2f} GiB in use), activations ({peak / 2**30:.2f} GiB) and CUDA "
+                f"graphs ({reserve / 2**30:.2f} GiB; lower cuda_graph_max_tokens) gives "
                 f"{blocks} blocks, fewer than one max_model_len={self.config.max_model_len} sequence needs "
                 f"({self.max_blocks_per_seq}); raise gpu_memory_utilization, lower max_model_len or "
                 "max_num_batched_tokens, or set num_kv_blocks")
         return min(blocks, max(useful, self.max_blocks_per_seq))
 
+    def _graph_reserve_bytes(self, step_peak: int) -> int:
+        """What the CUDA graphs take: their private pool holds what the largest graphed step allocates
+        (profiled like the eager worst case, without sampling: reused when that step is the same size)
+        times GRAPH_POOL_FACTOR, plus the static buffers and GRAPH_RESERVE_SLACK_BYTES. After capture the
+        pool's real size is logged against this (`StepGraphs.capture`)."""
+        cfg, shapes = self.model_config, list(self._shapes.values())
+        tokens = max(s.tokens for s in shapes)
+        self.graph_step_peak_bytes = step_peak if tokens >= self.config.max_num_batched_tokens else \
+            self._profile_peak_bytes(tokens, sample_rows=False)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return int(GRAPH_POOL_FACTOR * self.graph_step_peak_bytes) + GRAPH_RESERVE_SLACK_BYTES \
+            + static_buffer_bytes(shapes, self.max_blocks_per_seq, cfg.q_size, cfg.vocab_size, elem)
+
     @torch.inference_mode()
-    def _profile_peak_bytes(self) -> int:
-        """Peak extra device memory of the largest eager step plus sampling (its temporaries only)."""
+    def _profile_peak_bytes(self, total: int | None = None, sample_rows: bool = True) -> int:
+        """Peak extra device memory of an eager step of `total` tokens (default max_num_batched_tokens)
+        with logits for min(max_num_seqs, total) rows, plus sampling them (its temporaries only)."""
         from detinfer.engine.sampler import sample
         from detinfer.engine.sampling_params import SamplingParams
 
         cfg, dev, bs = self.model_config, self.device, self.block_size
-        total = self.config.max_num_batched_tokens
+        total = self.config.max_num_batched_tokens if total is None else total
         longest = min(total, self.config.max_model_len)
         lens = [longest] * (total // longest) + ([total % longest] if total % longest else [])
         tables, next_block = [], 0
@@ -254,8 +268,9 @@ class ModelRunner:
             torch.cuda.reset_peak_memory_stats(dev)
             base = torch.cuda.memory_allocated(dev)
             logits = self._run_eager(layout)
-            params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * rows
-            sample(logits, params, [0] * rows, [0] * rows)
+            if sample_rows:
+                params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * rows
+                sample(logits, params, [0] * rows, [0] * rows)
             torch.cuda.synchronize(dev)
             return torch.cuda.max_memory_allocated(dev) - base
         finally:

@@ -1,0 +1,285 @@
+"""CUDA graphs for engine steps: which captured shape a step replays, how it is padded to it, and capture.
+
+Two families of graphs, one memory pool and one set of static buffers:
+
+- decode graphs, for steps whose chunks are all one token long (decodes, 1-token prefill chunks): one per
+  batch size (`decode_batch_sizes`), captured with max_q_len = 1 so attention keeps its 16-row decode tiles.
+- mixed graphs, for steps with a prefill chunk: one per token count (`mixed_token_sizes`, up to
+  EngineConfig.cuda_graph_max_tokens), the sequence count padded to min(tokens, max_num_seqs) (a step has
+  at least one token per sequence), captured with max_q_len = the token count.
+
+A step runs in the smallest shape that holds it (`pick_shape`); `pad_layout` appends padding tokens (id 0,
+position 0, KV slot -1: `write_kv` skips them, no sequence owns them, so attention never writes or reads
+them) and padding sequences (no query, no key: attention programs for them exit at once), and pads the
+logits rows with copies of row 0 (computed, never returned). The logits rows are gathered inside the
+graph from a padded index tensor, so the lm_head runs for at most `seqs` rows, never for every token.
+
+Why padding does not move a bit in deterministic mode: every op outside attention is row-wise and
+batch-invariant (a row's bits do not depend on the other rows, padding included); attention cuts keys
+into fixed `split_size` splits anchored at key 0, so its reduction order depends on neither the grid
+nor the bounds a graph is captured with. Those bounds (max_q_len = the token count, max_kv_len = the
+block table's capacity) only change the query-tile height, the number of (empty) programs and the
+sequential / split-parallel schedule, which the kernel tests prove give the same bits. Fast mode uses
+the same padding; its kernels pick work splits from the padded shape, so its bits may move with the
+bucket (what fast mode trades for speed).
+
+Inputs are refreshed by one host->device copy per buffer (int64 ids/positions/slots/logits rows, int32
+kv lens / cu_q_lens, and the used columns of the block tables); a caller that keeps sampled ids on the
+device can overwrite `input_ids(shape)` between `prepare` and `replay`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from detinfer.cache.layout import StepLayout, padded_tables
+from detinfer.cache.paged_kv import StepMetadata
+
+logger = logging.getLogger(__name__)
+
+# Smallest mixed-step graph: a step with a prefill chunk has >= 2 tokens, and below 16 tokens the padded
+# rows cost less than a second graph would take to capture.
+MIN_MIXED_TOKENS = 16
+
+# A step with no sequence: padded to a shape, it is all padding (what capture warms up on).
+EMPTY_STEP = StepLayout([], [], [], [], [], [], [], [])
+
+
+def decode_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Decode batch sizes that get a CUDA graph: 1, 2, 4, 8, then every multiple of 16, up to and
+    including max_num_seqs. A batch of n runs in the smallest size >= n."""
+    sizes = {b for b in (1, 2, 4, 8) if b < max_num_seqs} | set(range(16, max_num_seqs, 16)) | {max_num_seqs}
+    return sorted(sizes)
+
+
+def mixed_token_sizes(max_tokens: int) -> list[int]:
+    """Token counts of steps with prefill chunks that get a CUDA graph: 16, 32, 64, 128, then four sizes
+    per doubling (160, 192, 224, 256, 320, ...), up to and including max_tokens (none for 0).
+
+    Doubling up to 128: such steps are launch-bound, padded rows cost ~nothing. From 128 tokens on the
+    matmuls start to cost per row, so padding is capped at 25% of the step (quarter-octave steps); that
+    keeps the count at 4 graphs per doubling (20 up to 2048), which bounds capture time and memory."""
+    if max_tokens <= 0:
+        return []
+    sizes, n = [], MIN_MIXED_TOKENS
+    while n < max_tokens:
+        sizes.append(n)
+        n = 2 * n if n < 128 else n + (1 << (n.bit_length() - 1)) // 4
+    return sizes + [max_tokens]
+
+
+@dataclass(frozen=True)
+class GraphShape:
+    """A captured step shape: family ("decode" or "mixed"), token rows, sequences, logits rows, and the
+    max_q_len bound attention is captured with (1 for decode graphs, the token count for mixed ones)."""
+    kind: str
+    tokens: int
+    seqs: int
+    logit_rows: int
+    max_q_len: int
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.kind, self.tokens)
+
+
+def graph_shapes(decode_sizes: list[int], mixed_sizes: list[int], max_num_seqs: int) -> list[GraphShape]:
+    shapes = [GraphShape("decode", b, b, b, 1) for b in decode_sizes]
+    for t in mixed_sizes:
+        s = min(t, max_num_seqs)
+        shapes.append(GraphShape("mixed", t, s, s, t))
+    return shapes
+
+
+def pick_shape(layout: StepLayout, shapes: dict[tuple[str, int], GraphShape], decode_sizes: list[int],
+               mixed_sizes: list[int]) -> GraphShape | None:
+    """The smallest captured shape that holds this step, or None (it runs eagerly)."""
+    n_tok, n_seq, n_rows = layout.num_tokens, len(layout.query_lens), len(layout.logit_rows)
+    if n_seq == 0:
+        return None
+    if layout.all_single_token:
+        size = next((b for b in decode_sizes if b >= n_seq), None)
+        shape = None if size is None else shapes[("decode", size)]
+    else:
+        size = next((t for t in mixed_sizes if t >= n_tok), None)
+        shape = None if size is None else shapes[("mixed", size)]
+    # Prompt logprobs can ask for more logits rows than the shape gathers: such a step runs eagerly.
+    if shape is None or n_seq > shape.seqs or n_rows > shape.logit_rows:
+        return None
+    return shape
+
+
+def pad_layout(layout: StepLayout, shape: GraphShape) -> StepLayout:
+    """`layout` padded to `shape` (see the module doc); its first rows, sequences and logits rows are the
+    real ones, unchanged."""
+    pad_t = shape.tokens - layout.num_tokens
+    pad_s = shape.seqs - len(layout.query_lens)
+    pad_r = shape.logit_rows - len(layout.logit_rows)
+    if min(pad_t, pad_s, pad_r) < 0:
+        raise ValueError(f"a step of {layout.num_tokens} tokens, {len(layout.query_lens)} sequences and "
+                         f"{len(layout.logit_rows)} logits rows does not fit the graph shape {shape}")
+    n_rows = len(layout.logit_rows)
+    return StepLayout(
+        token_ids=layout.token_ids + [0] * pad_t, positions=layout.positions + [0] * pad_t,
+        slots=layout.slots + [-1] * pad_t, query_lens=layout.query_lens + [0] * pad_s,
+        kv_lens=layout.kv_lens + [0] * pad_s, block_tables=layout.block_tables + [()] * pad_s,
+        logit_rows=layout.logit_rows + [0] * pad_r, logits_offsets=layout.logits_offsets + [n_rows] * pad_s)
+
+
+class StepGraphs:
+    """Static buffers and captured graphs of one model runner (see the module doc).
+
+    `run(layout, shape)` pads the step, copies it into the buffers, replays, and returns the [R, V] fp32
+    logits of the real rows: a view of the static logits buffer, valid until the next replay."""
+
+    def __init__(self, runner, decode_sizes: list[int], mixed_sizes: list[int]):
+        self.runner = runner
+        self.decode_sizes, self.mixed_sizes = decode_sizes, mixed_sizes
+        shapes = graph_shapes(decode_sizes, mixed_sizes, runner.config.max_num_seqs)
+        self.shapes = {s.key: s for s in shapes}
+        self.width = runner.max_blocks_per_seq
+        sizes = buffer_sizes(shapes, self.width)
+        cfg, dev = runner.model_config, runner.device
+        t_all, s_all, r_all = (max(getattr(s, f) for s in shapes) for f in ("tokens", "seqs", "logit_rows"))
+        # int64: per shape [ids | positions | slots] of `tokens` rows each, then the logits row index;
+        # int32: [kv lens | cu_q_lens]; block tables [S, width]. Host staging copies are pinned, so the
+        # copies are asynchronous (a pageable source makes CUDA wait for the stream first).
+        self._i64 = torch.zeros(sizes["i64"], dtype=torch.int64, device=dev)
+        self._i32 = torch.zeros(sizes["i32"], dtype=torch.int32, device=dev)
+        self._tables = torch.zeros((s_all, self.width), dtype=torch.int32, device=dev)
+        self._tables_flat = torch.zeros(s_all * self.width, dtype=torch.int32, device=dev)
+        pin = torch.cuda.is_available()
+        self._stage = {name: torch.zeros(n, dtype=t.dtype, pin_memory=pin) for name, n, t in (
+            ("i64", sizes["i64"], self._i64), ("i32", sizes["i32"], self._i32),
+            ("tables", s_all * self.width, self._tables))}
+        self._staged = torch.cuda.Event() if dev.type == "cuda" else None
+        # Attention rows of padding tokens are never written: zeroed once so they never hold NaN garbage.
+        self._attn_out = torch.zeros((t_all, cfg.num_attention_heads, cfg.head_dim), dtype=runner.dtype,
+                                     device=dev)
+        self._logits = torch.zeros((r_all, cfg.vocab_size), dtype=torch.float32, device=dev)
+        self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.capture_seconds = 0.0
+        self.pool_bytes = 0
+
+    def static_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self._i64, self._i32, self._tables, self._tables_flat,
+                                                          self._attn_out, self._logits))
+
+    def _views(self, shape: GraphShape):
+        t, s, r = shape.tokens, shape.seqs, shape.logit_rows
+        ids, pos, slots = self._i64[:t], self._i64[t:2 * t], self._i64[2 * t:3 * t]
+        rows = self._i64[3 * t:3 * t + r]
+        meta = StepMetadata(cu_q_lens=self._i32[s:2 * s + 1], kv_lens=self._i32[:s], block_tables=self._tables[:s],
+                            slot_mapping=slots, max_q_len=shape.max_q_len,
+                            max_kv_len=self.width * self.runner.block_size, input_ids=ids, positions=pos)
+        return meta, rows
+
+    def input_ids(self, shape: GraphShape) -> torch.Tensor:
+        """The [tokens] int64 buffer the graph of `shape` reads its token ids from."""
+        return self._i64[:shape.tokens]
+
+    # -- capture ---------------------------------------------------------------------------------------
+    def capture(self) -> None:
+        """Capture every shape, largest first (the others fit in its memory pool); logs the time taken and
+        the pool's size (`pool_bytes`, what `ModelRunner._graph_reserve_bytes` must cover)."""
+        from detinfer.engine.model_runner import PagedAttention
+
+        runner, dev = self.runner, self.runner.device
+        start = time.perf_counter()
+        forwards = {}
+        with torch.inference_mode():
+            for shape in sorted(self.shapes.values(), key=lambda s: (s.tokens, s.max_q_len), reverse=True):
+                meta, rows = self._views(shape)
+                attn = PagedAttention(runner.kv_cache, meta, runner.ops, runner.model_config.softmax_scale,
+                                      self._attn_out[:shape.tokens])
+
+                def forward(shape=shape, meta=meta, rows=rows, attn=attn):
+                    hidden = runner.model(meta.input_ids, meta.positions, attn)
+                    logits = runner.model.compute_logits(hidden.index_select(0, rows))
+                    self._logits[:shape.logit_rows].copy_(logits)
+
+                # All rows are padding here (slots -1, no sequence has a query): compiles and autotunes
+                # outside the capture (and outside the measured pool), writes nothing into the KV pools.
+                self.prepare(EMPTY_STEP, shape)
+                forward()
+                forwards[shape] = forward
+            torch.cuda.synchronize(dev)
+            # Each capture starts with empty_cache(): measure from the same point, so the difference is the
+            # private pool alone.
+            torch.cuda.empty_cache()
+            before = torch.cuda.memory_reserved(dev)
+            pool = None
+            for shape, forward in forwards.items():
+                self.prepare(EMPTY_STEP, shape)
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    forward()
+                pool = graph.pool() if pool is None else pool
+                self._graphs[shape.key] = graph
+        torch.cuda.synchronize(dev)
+        self.capture_seconds = time.perf_counter() - start
+        self.pool_bytes = torch.cuda.memory_reserved(dev) - before
+        logger.info("captured %d CUDA graphs (%d decode batch sizes, %d mixed-step token counts up to %s) in "
+                    "%.1f s; graph pool %.0f MiB, static buffers %.0f MiB", len(self._graphs),
+                    len(self.decode_sizes), len(self.mixed_sizes), self.mixed_sizes[-1] if self.mixed_sizes
+                    else "-", self.capture_seconds, self.pool_bytes / 2**20, self.static_bytes() / 2**20)
+        reserve = getattr(runner, "graph_reserve_bytes", 0)
+        if reserve and self.pool_bytes + self.static_bytes() > reserve:
+            logger.warning("CUDA graphs took %.0f MiB, more than the %.0f MiB kept out of the KV pool for them: "
+                           "GPU memory use may exceed gpu_memory_utilization", (self.pool_bytes + self.static_bytes())
+                           / 2**20, reserve / 2**20)
+
+    # -- replay ----------------------------------------------------------------------------------------
+    def prepare(self, layout: StepLayout, shape: GraphShape) -> None:
+        """Copy the step, padded to `shape`, into the graph's input buffers (asynchronously)."""
+        padded = pad_layout(layout, shape)
+        if self._staged is not None:
+            self._staged.synchronize()  # the previous step's copies have read the staging buffers
+        i64 = padded.token_ids + padded.positions + padded.slots + padded.logit_rows
+        i32 = padded.kv_lens + padded.cu_q_lens
+        for name, values, dst in (("i64", i64, self._i64), ("i32", i32, self._i32)):
+            stage = self._stage[name][:len(values)]
+            stage.copy_(torch.tensor(values, dtype=stage.dtype))
+            dst[:len(values)].copy_(stage, non_blocking=True)
+        # Only the real sequences' tables, only the columns they use: a padding sequence has kv_len 0 and a
+        # real one reads no column past its own kv_len, so stale entries elsewhere are never read.
+        tables = layout.block_tables
+        width = min(self.width, max((len(t) for t in tables), default=0))
+        if width:
+            n = len(tables) * width
+            stage = self._stage["tables"][:n]
+            stage.copy_(torch.tensor(padded_tables([t[:width] for t in tables], width), dtype=torch.int32)
+                        .reshape(-1))
+            self._tables_flat[:n].copy_(stage, non_blocking=True)
+            self._tables[:len(tables), :width].copy_(self._tables_flat[:n].view(len(tables), width))
+        if self._staged is not None:
+            self._staged.record()
+
+    def replay(self, shape: GraphShape, num_logit_rows: int) -> torch.Tensor:
+        self._graphs[shape.key].replay()
+        return self._logits[:num_logit_rows]
+
+    def run(self, layout: StepLayout, shape: GraphShape) -> torch.Tensor:
+        self.prepare(layout, shape)
+        return self.replay(shape, len(layout.logit_rows))
+
+
+def buffer_sizes(shapes: list[GraphShape], width: int) -> dict[str, int]:
+    """Elements of the shared static input buffers: the largest any shape needs."""
+    return {"i64": max(3 * s.tokens + s.logit_rows for s in shapes),
+            "i32": max(2 * s.seqs + 1 for s in shapes),
+            "tables": max(s.seqs for s in shapes) * width}
+
+
+def static_buffer_bytes(shapes: list[GraphShape], width: int, hidden_out: int, vocab: int, elem: int) -> int:
+    """Device bytes of the static buffers (`StepGraphs.static_bytes`) before they exist (KV pool sizing)."""
+    sizes = buffer_sizes(shapes, width)
+    t_all = max(s.tokens for s in shapes)
+    r_all = max(s.logit_rows for s in shapes)
+    return 8 * sizes["i64"] + 4 * sizes["i32"] + 2 * 4 * sizes["tables"] + t_all * hidden_out * elem \
+        + 4 * r_all * vocab
