@@ -90,6 +90,9 @@ class EngineConfig:
         "Weight/activation dtype; auto: the checkpoint's dtype.", choices=DTYPES))
     enforce_eager: bool = field(default=False, metadata=_help(
         "Never capture CUDA graphs; run every step eagerly."))
+    async_scheduling: bool = field(default=True, metadata=_help(
+        "Overlap the host's work for the next step (scheduling, inputs, output processing) with the "
+        "device's current step; outputs come one step later, with the same bits as without it."))
     seed: int | None = field(default=0, metadata=_help(
         "Seed from which per-request seeds are drawn for sampled requests that give none "
         "(None: draw them from the OS)."))
@@ -103,7 +106,7 @@ class EngineConfig:
         check_int("num_kv_blocks", self.num_kv_blocks, minimum=1, optional=True)
         check_float("gpu_memory_utilization", self.gpu_memory_utilization, minimum=0.0, maximum=1.0,
                     min_exclusive=True)
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         check_int("max_model_len", self.max_model_len, minimum=1, optional=True)

@@ -22,6 +22,8 @@ may move with the graph size: that is what fast mode trades for speed.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from detinfer.cache.layout import StepLayout
@@ -31,6 +33,7 @@ from detinfer.cache.paged_kv import (
     allocate_kv_cache,
     num_blocks_for_bytes,
     step_tensors,
+    upload,
 )
 from detinfer.engine.config import EngineConfig
 from detinfer.engine.scheduler import ScheduledBatch
@@ -115,9 +118,12 @@ class ModelRunner:
 
     # -- execution -----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+    def execute(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step; returns logits [R, V] fp32 for the R rows of `batch.layout.logit_rows`, in batch
-        order. The tensor may be a view of a graph's static buffer: use it before the next `execute`."""
+        order. The tensor may be a view of a graph's static buffer: use it before the next `execute`.
+        `input_ids` ([T] int64 on the device), when given, replaces the layout's token ids (overlapped
+        scheduling: some were sampled by the previous step and never came to the host). On CUDA nothing
+        here waits for the device: host data goes up through pinned memory with non-blocking copies."""
         if batch.is_empty:
             raise ValueError("execute: the batch is empty")
         if self.model.ops is not self.ops:  # graphs and the KV pools were set up for self.ops
@@ -125,18 +131,20 @@ class ModelRunner:
                                "for the other backend")
         layout = batch.layout
         if self.use_graphs and layout.all_single_token and len(layout.query_lens) <= self.graph_sizes[-1]:
-            return self._run_graph(layout)
-        return self._run_eager(layout)
+            return self._run_graph(layout, input_ids)
+        return self._run_eager(layout, input_ids)
 
-    def _run_eager(self, layout: StepLayout) -> torch.Tensor:
+    def _run_eager(self, layout: StepLayout, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         dev = self.device
         meta = step_tensors(layout, dev)
+        if input_ids is not None:
+            meta = dataclasses.replace(meta, input_ids=input_ids)
         attn = PagedAttention(self.kv_cache, meta, self.ops, self.model_config.softmax_scale, None)
         hidden = self.model(meta.input_ids, meta.positions, attn)
         if not layout.logit_rows:
             return torch.empty((0, self.model_config.vocab_size), dtype=torch.float32, device=dev)
         if len(layout.logit_rows) != hidden.shape[0]:
-            hidden = hidden[torch.tensor(layout.logit_rows, dtype=torch.int64, device=dev)]
+            hidden = hidden[upload(layout.logit_rows, torch.int64, dev)]
         return self.model.compute_logits(hidden)
 
     # -- CUDA graphs ---------------------------------------------------------------------------------
@@ -173,24 +181,26 @@ class ModelRunner:
                 self._graphs[b] = graph
         torch.cuda.synchronize(dev)
 
-    def _run_graph(self, layout: StepLayout) -> torch.Tensor:
+    def _run_graph(self, layout: StepLayout, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         n = len(layout.query_lens)
         b = next(s for s in self.graph_sizes if s >= n)
         pad = b - n
         width = self.max_blocks_per_seq
-        i64 = torch.tensor([layout.token_ids + [0] * pad, layout.positions + [0] * pad, layout.slots + [-1] * pad],
-                           dtype=torch.int64)
         tables = [list(t[:width]) + [0] * (width - len(t)) for t in layout.block_tables] + [[0] * width] * pad
-        self._g_i64[:, :b].copy_(i64, non_blocking=True)
-        self._g_kv[:b].copy_(torch.tensor(layout.kv_lens + [0] * pad, dtype=torch.int32), non_blocking=True)
+        # Host rows go up from pinned memory (non-blocking copies never wait for the running step).
+        self._g_i64[:, :b].copy_(upload([layout.token_ids + [0] * pad, layout.positions + [0] * pad,
+                                         layout.slots + [-1] * pad], torch.int64, self.device))
+        if input_ids is not None:
+            self._g_i64[0, :n].copy_(input_ids)
         # Real rows have one query each; padding sequences have none (cu_q_lens stays at n).
-        self._g_cu[:b + 1].copy_(torch.tensor(list(range(n + 1)) + [n] * pad, dtype=torch.int32),
-                                 non_blocking=True)
-        self._g_bt[:b].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
+        i32 = upload([layout.kv_lens + [0] * (pad + 1), list(range(n + 1)) + [n] * pad], torch.int32, self.device)
+        self._g_kv[:b].copy_(i32[0, :b])
+        self._g_cu[:b + 1].copy_(i32[1])
+        self._g_bt[:b].copy_(upload(tables, torch.int32, self.device))
         self._graphs[b].replay()
         if layout.logit_rows == list(range(n)):
             return self._g_logits[:n]
-        return self._g_logits[torch.tensor(layout.logit_rows, dtype=torch.int64, device=self.device)]
+        return self._g_logits[upload(layout.logit_rows, torch.int64, self.device)]
 
     # -- KV pool sizing ------------------------------------------------------------------------------
     def _blocks_per_byte_budget(self, budget: int) -> int:

@@ -70,7 +70,12 @@ fold_sum, _inclusive_scan = Ops.fold_sum, Ops.cumsum
 
 
 def _row_tensor(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(list(values), dtype=dtype, device=device)
+    """Host values on `device`. On CUDA through pinned memory and a non-blocking copy: a pageable copy may
+    wait for the device to finish its queued work, and the engine enqueues sampling behind a forward pass
+    it does not want to wait for."""
+    if device.type != "cuda":
+        return torch.tensor(list(values), dtype=dtype, device=device)
+    return torch.tensor(list(values), dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def _token_counts(histories: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -214,13 +219,14 @@ LogSoftmaxFn = Callable[..., torch.Tensor]
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor | Sequence[int], top_k: int,
-                     log_softmax_fn: LogSoftmaxFn) -> Logprobs:
+                     log_softmax_fn: LogSoftmaxFn, *, validate: bool = True) -> Logprobs:
     """Logprobs of `token_ids` [S] under `logits` [S, V], plus each row's top-k (token, logprob).
 
     `log_softmax_fn(x, dim=-1)` does the normalisation: pass the model's `ops.log_softmax` (the engine
     does) so deterministic mode is batch-invariant. These are logprobs of the distribution the logits describe;
     to score under a temperature, divide the logits first. No engine state: trainers call this to
-    recompute the logprobs of sampled tokens.
+    recompute the logprobs of sampled tokens. validate=False skips the token-id range check, which reads
+    the ids back to the host (the engine passes ids its sampler drew, still on the device).
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be 2-D [S, V], got shape {tuple(logits.shape)}")
@@ -230,7 +236,7 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor | Sequence[in
     ids = torch.as_tensor(token_ids, dtype=torch.int64, device=logits.device).reshape(-1)
     if ids.numel() != S:
         raise ValueError(f"token_ids must have one id per logits row ({S}), got {ids.numel()}")
-    if S and (int(ids.min()) < 0 or int(ids.max()) >= V):
+    if validate and S and (int(ids.min()) < 0 or int(ids.max()) >= V):
         raise ValueError(f"token_ids must be in [0, {V}), got min {int(ids.min())} max {int(ids.max())}")
     logprobs = log_softmax_fn(logits, dim=-1)
     chosen = logprobs.gather(1, ids[:, None])
