@@ -140,3 +140,51 @@ def test_graph_capture_sizes_and_memory(model_dir):
     total = torch.cuda.get_device_properties(0).total_memory
     assert engine.runner.num_kv_blocks >= engine.runner.max_blocks_per_seq
     assert torch.cuda.memory_allocated() < 0.5 * total
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_async_scheduling_on_equals_off(model_dir, eager):
+    """Overlapped scheduling on vs off, graphs on (decode steps replay graphs fed from the previous step's
+    sampled ids on the device) and off: every request's token ids and logprobs are bit-identical, with
+    stop tokens that finish requests while their next step is in flight, and every block comes back."""
+    target, others = workload(2)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain = run(make(model_dir, async_scheduling=False), [(0, f"p{i}", others[i][2], greedy) for i in range(2)])
+    # Each stops at its greedy output's token 5 (or earlier, where that id came before).
+    stops = [(1, f"stop-{i}", others[i][2], SamplingParams(temperature=0.0, max_tokens=40, logprobs=1,
+                                                            ignore_eos=True,
+                                                            stop_token_ids=[plain[f"p{i}"][1][0][0][5]]))
+             for i in range(2)]
+    requests = [target, *others, *stops]
+    results = {}
+    for overlap in (True, False):
+        engine = make(model_dir, async_scheduling=overlap, enforce_eager=eager, max_num_batched_tokens=64)
+        calls = graph_calls(engine)
+        results[overlap] = run(engine, requests)
+        assert bool(calls) == (not eager)
+        assert engine.stats().kv_blocks_used == 0
+        del engine
+    assert results[True].keys() == {r[1] for r in requests}
+    assert all(results[True][f"stop-{i}"][1][0][1] == "stop" for i in range(2))
+    assert results[True] == results[False]
+
+
+def test_async_decode_steps_never_wait_for_the_device(model_dir):
+    """In steady decode with overlap and graphs, nothing in a step synchronizes with the device except
+    reading the previous step's results through its event: torch's sync debug mode raises on any hidden
+    synchronizing call (a pageable copy, .item(), .tolist() of a device tensor)."""
+    engine = make(model_dir, async_scheduling=True)
+    rng = random.Random(9)
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=40, logprobs=2, ignore_eos=True)
+    for i in range(5):
+        engine.add_request(f"r{i}", [rng.randrange(3, VOCAB) for _ in range(20 + i)], params)
+    for _ in range(4):  # prefills and the first decodes: allocations, first launches
+        engine.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(20):
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    run(engine, [])

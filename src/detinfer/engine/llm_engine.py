@@ -26,9 +26,9 @@ import torch
 
 from detinfer.dtypes import resolve_dtype
 from detinfer.engine.config import EngineConfig
+from detinfer.engine.device_step import LaunchedStep, SampledIds, launch_step
 from detinfer.engine.model_runner import ModelRunner
 from detinfer.engine.outputs import CompletionOutput, EngineStats, RequestOutput
-from detinfer.engine.device_step import LaunchedStep, SampledIds, launch_step
 from detinfer.engine.sampling_params import SamplingParams
 from detinfer.engine.scheduler import ScheduledBatch, ScheduledSequence, Scheduler
 from detinfer.engine.sequence import Sequence
