@@ -1,12 +1,20 @@
 """LLMEngine: requests in, one continuous-batching step at a time, cumulative outputs out.
 
-One `step()`: the scheduler picks a batch (decodes, then prefill chunks) -> the model runner computes
+One step: the scheduler picks a batch (decodes, then prefill chunks) -> the model runner computes
 the logits the batch needs -> the sampler draws a token for every sequence whose chunk reached its end
 (a pure function of the logits row, the request's seed, the output position and the sample index) ->
-logprobs if asked -> each sampled token goes to its sequence's incremental detokenizer, which reports
-stop strings -> the scheduler records the step and decides every finish -> a `RequestOutput` for every
-request that progressed. The logits rows of each sequence come from the batch's one layout
+logprobs if asked (all on the device, read back with one copy) -> each sampled token goes to its
+sequence's incremental detokenizer, which reports stop strings -> the scheduler records the step and
+decides every finish -> a `RequestOutput` for every request that progressed. The logits rows of each sequence come from the batch's one layout
 (`ScheduledBatch.layout`), which the model runner computed the logits by.
+
+Overlapped scheduling (`EngineConfig.async_scheduling`): step n+1 is scheduled and launched before step
+n's results are read back, so the host's work (scheduling, inputs, launches, then step n's logprobs,
+detokenization, stop checks and finishes) runs while the device computes. The scheduler treats step n's
+sampled tokens as pending (`Scheduler.advance`); decodes of them take their input id on the device
+(`device_step`); `Scheduler.resolve` fills the ids in when they arrive. Outputs come one step later and
+carry the same bits. See docs/architecture.md ("A request's lifecycle") for what happens to sequences that
+finish, are preempted or aborted while a step is in flight.
 
 In deterministic mode every kernel is batch-invariant, so what a request gets (token ids, logprobs,
 text) does not depend on which other requests share its steps, how its prompt was chunked, whether its
