@@ -84,13 +84,18 @@ def allocate_kv_cache(spec: KVCacheSpec, num_layers: int, device: torch.device |
     return pools
 
 
+def staged(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Host values (nested lists) as a host tensor to copy to `device` with non_blocking=True: pinned for
+    CUDA, since a copy from pageable memory may wait for the device's queued work, and the engine prepares
+    a step while the previous one still runs (overlapped scheduling)."""
+    return torch.tensor(values, dtype=dtype, pin_memory=torch.device(device).type == "cuda")
+
+
 def upload(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """Host values (nested lists) as a tensor on `device`. On CUDA through pinned memory and a non-blocking
-    copy: a copy from pageable memory may wait for the device's queued work, and the engine prepares a step
-    while the previous one still runs (overlapped scheduling)."""
+    """Host values (nested lists) as a tensor on `device`, without waiting for the device (see `staged`)."""
     if torch.device(device).type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return staged(values, dtype, device).to(device, non_blocking=True)
 
 
 def build_block_tables(block_lists: Sequence[Sequence[int]], *, max_blocks: int | None = None,

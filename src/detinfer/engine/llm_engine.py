@@ -5,8 +5,9 @@ the logits the batch needs -> the sampler draws a token for every sequence whose
 (a pure function of the logits row, the request's seed, the output position and the sample index) ->
 logprobs if asked (all on the device, read back with one copy) -> each sampled token goes to its
 sequence's incremental detokenizer, which reports stop strings -> the scheduler records the step and
-decides every finish -> a `RequestOutput` for every request that progressed. The logits rows of each sequence come from the batch's one layout
-(`ScheduledBatch.layout`), which the model runner computed the logits by.
+decides every finish -> a `RequestOutput` for every request that progressed. The logits rows of each
+sequence come from the batch's one layout (`ScheduledBatch.layout`), which the model runner computed the
+logits by.
 
 Overlapped scheduling (`EngineConfig.async_scheduling`): step n+1 is scheduled and launched before step
 n's results are read back, so the host's work (scheduling, inputs, launches, then step n's logprobs,

@@ -32,6 +32,7 @@ from detinfer.cache.paged_kv import (
     StepMetadata,
     allocate_kv_cache,
     num_blocks_for_bytes,
+    staged,
     step_tensors,
     upload,
 )
@@ -188,15 +189,15 @@ class ModelRunner:
         width = self.max_blocks_per_seq
         tables = [list(t[:width]) + [0] * (width - len(t)) for t in layout.block_tables] + [[0] * width] * pad
         # Host rows go up from pinned memory (non-blocking copies never wait for the running step).
-        self._g_i64[:, :b].copy_(upload([layout.token_ids + [0] * pad, layout.positions + [0] * pad,
-                                         layout.slots + [-1] * pad], torch.int64, self.device))
+        dev = self.device
+        self._g_i64[:, :b].copy_(staged([layout.token_ids + [0] * pad, layout.positions + [0] * pad,
+                                         layout.slots + [-1] * pad], torch.int64, dev), non_blocking=True)
         if input_ids is not None:
             self._g_i64[0, :n].copy_(input_ids)
+        self._g_kv[:b].copy_(staged(layout.kv_lens + [0] * pad, torch.int32, dev), non_blocking=True)
         # Real rows have one query each; padding sequences have none (cu_q_lens stays at n).
-        i32 = upload([layout.kv_lens + [0] * (pad + 1), list(range(n + 1)) + [n] * pad], torch.int32, self.device)
-        self._g_kv[:b].copy_(i32[0, :b])
-        self._g_cu[:b + 1].copy_(i32[1])
-        self._g_bt[:b].copy_(upload(tables, torch.int32, self.device))
+        self._g_cu[:b + 1].copy_(staged(list(range(n + 1)) + [n] * pad, torch.int32, dev), non_blocking=True)
+        self._g_bt[:b].copy_(staged(tables, torch.int32, dev), non_blocking=True)
         self._graphs[b].replay()
         if layout.logit_rows == list(range(n)):
             return self._g_logits[:n]
