@@ -27,7 +27,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from detinfer.engine.sequence import Sequence
+from detinfer.engine.sequence import PENDING_TOKEN, Sequence
 
 # Parent "hash" of a sequence's first block; versioned so a change of hashing scheme never aliases.
 ROOT_BLOCK_HASH = hashlib.sha256(b"detinfer/kv-prefix-cache/v1").digest()
@@ -285,6 +285,8 @@ class BlockManager:
                     fail(f"block {b}'s hash is not mapped to it")
                 if len(block.token_ids) != self.block_size:
                     fail(f"cached block {b} records {len(block.token_ids)} tokens")
+                if PENDING_TOKEN in block.token_ids:
+                    fail(f"cached block {b} was registered with a pending token id: {block.token_ids}")
         for h, b in self._hash_to_block.items():
             if self._blocks[b].block_hash != h:
                 fail(f"hash map entry points at block {b}, which carries another hash")
