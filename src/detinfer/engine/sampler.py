@@ -175,20 +175,17 @@ def sampling_scores(logits: torch.Tensor, params: Sequence[SamplingParams], seed
     # would be the identity for every row, so they cannot change any row's bits.
     if all(p.is_greedy for p in params):
         return x
-    greedy = _row_tensor([p.is_greedy for p in params], torch.bool, dev)
-    temperature = _row_tensor([1.0 if p.is_greedy else p.temperature for p in params], torch.float32, dev)
+    # Every per-row value goes up in two copies (one int64, one float32 tensor), built from lists once.
+    ints = _row_tensor([[0 if s is None else s for s in seeds], list(positions), sample_indices,
+                        [p.top_k for p in params], [int(p.is_greedy) for p in params]], torch.int64, dev)
+    floats = _row_tensor([[1.0 if p.is_greedy else p.temperature for p in params], [p.top_p for p in params],
+                          [p.min_p for p in params]], torch.float32, dev)
+    greedy, temperature = ints[4] != 0, floats[0]
     scaled = penalised / temperature[:, None]
-    noise = gumbel_noise(_row_tensor([0 if s is None else s for s in seeds], torch.int64, dev),
-                         _row_tensor(positions, torch.int64, dev),
-                         _row_tensor(sample_indices, torch.int64, dev), V)
+    noise = gumbel_noise(ints[0], ints[1], ints[2], V)
     drawn = scaled.to(torch.float64) + noise
     if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
-        keep = sampling_mask(
-            scaled,
-            _row_tensor([p.top_k for p in params], torch.int64, dev),
-            _row_tensor([p.top_p for p in params], torch.float32, dev),
-            _row_tensor([p.min_p for p in params], torch.float32, dev),
-        )
+        keep = sampling_mask(scaled, ints[3], floats[1], floats[2])
         drawn = torch.where(keep, drawn, torch.full_like(drawn, float("-inf")))
     return torch.where(greedy[:, None], x, drawn)
 
