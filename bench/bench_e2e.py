@@ -113,13 +113,13 @@ def warm_up(engine: LLMEngine, vocab: int) -> None:
 def count_graph_steps(engine: LLMEngine) -> dict:
     counts, orig_graph, orig_eager = {"graph": 0, "eager": 0}, engine.runner._run_graph, engine.runner._run_eager
 
-    def graph(host):
+    def graph(host, *args):
         counts["graph"] += 1
-        return orig_graph(host)
+        return orig_graph(host, *args)
 
-    def eager(host):
+    def eager(host, *args):
         counts["eager"] += 1
-        return orig_eager(host)
+        return orig_eager(host, *args)
 
     engine.runner._run_graph, engine.runner._run_eager = graph, eager
     return counts

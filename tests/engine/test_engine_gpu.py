@@ -82,9 +82,9 @@ def graph_calls(engine):
     """Record the real batch size of every graph replay."""
     sizes, orig = [], engine.runner._run_graph
 
-    def counting(host):
+    def counting(host, *args):
         sizes.append(len(host.query_lens))
-        return orig(host)
+        return orig(host, *args)
 
     engine.runner._run_graph = counting
     return sizes
@@ -142,6 +142,18 @@ def test_graph_capture_sizes_and_memory(model_dir):
     assert torch.cuda.memory_allocated() < 0.5 * total
 
 
+def pending_input_steps(engine):
+    """Count the steps whose input ids were (partly) gathered on the device from the previous step."""
+    calls, orig = [0], engine.runner.execute
+
+    def counting(batch, input_ids=None):
+        calls[0] += input_ids is not None
+        return orig(batch, input_ids=input_ids)
+
+    engine.runner.execute = counting
+    return calls
+
+
 @pytest.mark.parametrize("eager", [False, True])
 def test_async_scheduling_on_equals_off(model_dir, eager):
     """Overlapped scheduling on vs off, graphs on (decode steps replay graphs fed from the previous step's
@@ -160,8 +172,12 @@ def test_async_scheduling_on_equals_off(model_dir, eager):
     for overlap in (True, False):
         engine = make(model_dir, async_scheduling=overlap, enforce_eager=eager, max_num_batched_tokens=64)
         calls = graph_calls(engine)
+        gathered = pending_input_steps(engine)
         results[overlap] = run(engine, requests)
         assert bool(calls) == (not eager)
+        # Control: with overlap the decodes really took their input ids from the previous step on the
+        # device (and never without it), so the equality below compares two different pipelines.
+        assert (gathered[0] > 0) == overlap
         assert engine.stats().kv_blocks_used == 0
         del engine
     assert results[True].keys() == {r[1] for r in requests}
