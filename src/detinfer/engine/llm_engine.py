@@ -199,7 +199,9 @@ class LLMEngine:
         self._aborted.append(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted)  # an in-flight step holds only these
+        # A step still in flight matters only for sequences the scheduler still holds: once all of them
+        # are finished, its results would be discarded, so it need not be read back.
+        return self.scheduler.has_unfinished() or bool(self._aborted)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._requests)
