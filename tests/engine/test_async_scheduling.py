@@ -200,3 +200,16 @@ def workloads(draw):
 def test_random_workloads_overlap_on_equals_off(stories, workload):
     requests, aborts, config = workload
     both_ways(stories, config, requests, aborts)
+
+
+def test_flag_and_default():
+    import argparse
+
+    from detinfer.engine.config import add_dataclass_args, from_args
+
+    parser = add_dataclass_args(argparse.ArgumentParser(), EngineConfig)
+    assert from_args(EngineConfig, parser.parse_args([])).async_scheduling is True
+    assert from_args(EngineConfig, parser.parse_args(["--no-async-scheduling"])).async_scheduling is False
+    assert from_args(EngineConfig, parser.parse_args(["--async-scheduling"])).async_scheduling is True
+    with pytest.raises(TypeError, match="async_scheduling must be a bool"):
+        EngineConfig(async_scheduling="yes")
