@@ -10,6 +10,12 @@ checkpoint file); both modes share the same weight tensors. No tokenizer: prompt
 
     python bench/bench_e2e.py                                  # full: 36 layers, 1000 requests
     python bench/bench_e2e.py --layers 4 --num-requests 100    # quick, scaled down
+    python bench/bench_e2e.py --async-scheduling on,off       # overlapped scheduling on and off
+
+Per decode batch it also splits a step's wall time into the host's time blocked waiting for the device
+(`wait`, in Event.synchronize: the engine reads a step's results back through one event) and the rest
+(`host`: scheduling, inputs, launches, output processing). With --async-scheduling on,off the host time
+hidden per step is step_ms(off) - step_ms(on).
 """
 
 from __future__ import annotations
@@ -113,20 +119,20 @@ def count_graph_steps(engine: LLMEngine) -> dict:
         engine.step
     kind = []
 
-    def graph(host, *shape):
+    def graph(host, *args, **kwargs):
         counts["graph"] += 1
         counts["mixed_graph"] += not host.all_single_token
-        return orig_graph(host, *shape)
+        return orig_graph(host, *args, **kwargs)
 
-    def eager(host, *a):
+    def eager(host, *args, **kwargs):
         counts["eager"] += 1
-        return orig_eager(host, *a)
+        return orig_eager(host, *args, **kwargs)
 
-    def execute(batch, _orig=runner.execute):
+    def execute(batch, input_ids=None, _orig=runner.execute):
         kind.append("decode" if batch.layout.all_single_token else "mixed")
         if kind[-1] == "mixed":
             counts["mixed_tokens"].append(batch.layout.num_tokens)
-        return _orig(batch)
+        return _orig(batch, input_ids)
 
     def step():
         kind.clear()
@@ -172,21 +178,50 @@ def run_e2e(engine: LLMEngine, reqs) -> dict:
             "tokens": {r: final[r].outputs[0].token_ids for r, _, _ in reqs}}
 
 
+class WaitClock:
+    """Seconds the host spends in torch.cuda.Event.synchronize (waiting for the device), while installed."""
+
+    def __init__(self):
+        self.seconds, self._orig = 0.0, None
+
+    def __enter__(self):
+        if torch.cuda.is_available():
+            self._orig = orig = torch.cuda.Event.synchronize
+
+            def timed(event):
+                t = time.perf_counter()
+                orig(event)
+                self.seconds += time.perf_counter() - t
+
+            torch.cuda.Event.synchronize = timed
+        return self
+
+    def __exit__(self, *exc):
+        if self._orig is not None:
+            torch.cuda.Event.synchronize = self._orig
+
+
 def decode_rate(engine: LLMEngine, batch: int, vocab: int, steps: int, seed: int) -> dict:
-    """Median step time of steps where exactly `batch` sequences decode (graph replays)."""
+    """Median step time of steps where exactly `batch` sequences decode (graph replays), and the median
+    split of such a step into host work and waiting for the device."""
     rng = random.Random(seed)
     for i in range(batch):
         engine.add_request(f"d{batch}-{i}", [rng.randrange(vocab) for _ in range(100)],
                            SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True))
-    times = []
-    while engine.has_unfinished_requests():
-        engine.step()
-        s = engine.stats()
-        if s.last_step_tokens == batch and s.num_running == batch and s.num_waiting == 0:
-            times.append(s.last_step_seconds)
-    times = times[2:]  # the first decode steps may still compile / warm caches
+    times, waits = [], []
+    with WaitClock() as clock:
+        while engine.has_unfinished_requests():
+            before = clock.seconds
+            engine.step()
+            s = engine.stats()
+            if s.last_step_tokens == batch and s.num_running == batch and s.num_waiting == 0:
+                times.append(s.last_step_seconds)
+                waits.append(clock.seconds - before)
+    times, waits = times[2:], waits[2:]  # the first decode steps may still compile / warm caches
     med = statistics.median(times)
-    return {"batch": batch, "steps_timed": len(times), "step_ms": med * 1e3, "tok_s": batch / med}
+    host = statistics.median(t - w for t, w in zip(times, waits))
+    return {"batch": batch, "steps_timed": len(times), "step_ms": med * 1e3, "tok_s": batch / med,
+            "host_ms": host * 1e3, "wait_ms": statistics.median(waits) * 1e3}
 
 
 def main(argv=None) -> int:
@@ -203,6 +238,8 @@ def main(argv=None) -> int:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--cuda-graph-max-tokens", type=int, default=EngineConfig.cuda_graph_max_tokens,
                     help="largest graphed step with prefill chunks (0: mixed steps run eagerly)")
+    ap.add_argument("--async-scheduling", default="on",
+                    help="on, off, or on,off: overlapped scheduling setting(s) to run each mode with")
     ap.add_argument("--repeat", type=int, default=1, help="timed e2e runs per mode (the median is reported)")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test the script (tiny --layers)")
     ap.add_argument("--json", default=None, help="write the results here")
@@ -223,7 +260,12 @@ def main(argv=None) -> int:
           f"{time.perf_counter() - t:.1f}s)", flush=True)
     reqs = workload(args.num_requests, cfg.vocab_size, seed=1, prompt_len=args.prompt_len)
     results = {}
-    for mode in args.modes.split(","):
+    overlaps = [v.strip() for v in args.async_scheduling.split(",")]
+    if not overlaps or any(v not in ("on", "off") for v in overlaps):
+        print(f"--async-scheduling takes on, off or on,off; got {args.async_scheduling!r}", file=sys.stderr)
+        return 2
+    for mode, overlap in [(m, o) for m in args.modes.split(",") for o in overlaps]:
+        key = mode if len(overlaps) == 1 else f"{mode}/async-{overlap}"
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
@@ -231,11 +273,11 @@ def main(argv=None) -> int:
         engine = LLMEngine.from_model(model_in_mode(fast_model, cfg, mode), cfg, EngineConfig(
             mode=mode, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
-            cuda_graph_max_tokens=args.cuda_graph_max_tokens))
+            cuda_graph_max_tokens=args.cuda_graph_max_tokens, async_scheduling=overlap == "on"))
         init_s = time.perf_counter() - t
         graphs = engine.runner.graphs
         if graphs is not None:
-            print(f"[{mode}] captured {len(graphs.shapes)} CUDA graphs ({len(engine.runner.graph_sizes)} decode, "
+            print(f"[{key}] captured {len(graphs.shapes)} CUDA graphs ({len(engine.runner.graph_sizes)} decode, "
                   f"{len(engine.runner.mixed_graph_tokens)} mixed up to "
                   f"{(engine.runner.mixed_graph_tokens or [0])[-1]} tokens) in {graphs.capture_seconds:.1f} s; "
                   f"pool {graphs.pool_bytes / 2**20:.0f} MiB + static {graphs.static_bytes() / 2**20:.0f} MiB, "
@@ -258,33 +300,45 @@ def main(argv=None) -> int:
         res["graph_steps"], res["eager_steps"] = counts["graph"] // len(runs), counts["eager"] // len(runs)
         res["mixed_graph_steps"] = counts["mixed_graph"] // len(runs)
         res["step_ms"] = {k: v for k, v in counts["step_ms"].items()}
-        res.update(mode=mode, init_s=init_s, warmup_s=warm_s, kv_blocks=engine.runner.num_kv_blocks,
-                   graphs=engine.runner.graph_sizes)
+        res.update(mode=mode, async_scheduling=overlap, init_s=init_s, warmup_s=warm_s,
+                   kv_blocks=engine.runner.num_kv_blocks, graphs=engine.runner.graph_sizes)
         res["decode"] = [decode_rate(engine, int(b), cfg.vocab_size, args.decode_steps, seed=3)
                          for b in args.decode_batches.split(",")]
-        results[mode] = res
-        print(f"[{mode}] init {init_s:.1f}s warmup {warm_s:.1f}s  e2e wall {res['wall_s']:.2f}s "
+        results[key] = res
+        print(f"[{key}] init {init_s:.1f}s warmup {warm_s:.1f}s  e2e wall {res['wall_s']:.2f}s "
               f"(runs {', '.join(f'{w:.2f}' for w in res['all_wall_s'])})  "
               f"{res['output_tokens']} output tokens  {res['output_tok_s']:.0f} tok/s  steps {res['steps']}  "
               f"(graph {res['graph_steps']} of which mixed {res['mixed_graph_steps']}, eager {res['eager_steps']})  "
               f"kv blocks {res['kv_blocks']}", flush=True)
         for k, ms in res["step_ms"].items():
-            print(f"[{mode}] {k} steps (all timed runs): {step_summary(ms)}", flush=True)
+            print(f"[{key}] {k} steps (all timed runs): {step_summary(ms)}", flush=True)
         toks = sorted(counts["mixed_tokens"])
         if toks:
-            print(f"[{mode}] mixed-step tokens: min {toks[0]}, median {toks[len(toks) // 2]}, max {toks[-1]}, "
+            print(f"[{key}] mixed-step tokens: min {toks[0]}, median {toks[len(toks) // 2]}, max {toks[-1]}, "
                   f"<= 512: {sum(t <= 512 for t in toks)}, <= 2048: {sum(t <= 2048 for t in toks)} of {len(toks)}",
                   flush=True)
         for d in res["decode"]:
             roof = d["batch"] / roof_step
-            print(f"[{mode}] decode batch {d['batch']:>3}: {d['step_ms']:.2f} ms/step  {d['tok_s']:.0f} tok/s  "
-                  f"= {d['tok_s'] / roof:.0%} of roofline {roof:.0f} tok/s", flush=True)
+            print(f"[{key}] decode batch {d['batch']:>3}: {d['step_ms']:.2f} ms/step  {d['tok_s']:.0f} tok/s  "
+                  f"= {d['tok_s'] / roof:.0%} of roofline {roof:.0f} tok/s  (host {d['host_ms']:.2f} ms, "
+                  f"waiting for the device {d['wait_ms']:.2f} ms)", flush=True)
         del engine
-    if {"fast", "deterministic"} <= results.keys():
-        f, d = results["fast"], results["deterministic"]
-        same = sum(f["tokens"][r] == d["tokens"][r] for r, _, _ in reqs)
-        print(f"deterministic / fast wall-time ratio: {d['wall_s'] / f['wall_s']:.3f} "
-              f"(goal <= 1.10, must be <= 1.25); requests with identical tokens in both modes: {same}/{len(reqs)}")
+    suffixes = [""] if len(overlaps) == 1 else [f"/async-{o}" for o in overlaps]
+    for sfx in suffixes:
+        if {"fast" + sfx, "deterministic" + sfx} <= results.keys():
+            f, d = results["fast" + sfx], results["deterministic" + sfx]
+            same = sum(f["tokens"][r] == d["tokens"][r] for r, _, _ in reqs)
+            print(f"deterministic / fast wall-time ratio{sfx}: {d['wall_s'] / f['wall_s']:.3f} (goal <= 1.10, must "
+                  f"be <= 1.25); requests with identical tokens in both modes: {same}/{len(reqs)}")
+    if len(overlaps) == 2:
+        for mode in args.modes.split(","):
+            on, off = results[f"{mode}/async-on"], results[f"{mode}/async-off"]
+            same = all(on["tokens"][r] == off["tokens"][r] for r, _, _ in reqs)
+            print(f"[{mode}] async on / off: e2e wall {on['wall_s']:.2f} s / {off['wall_s']:.2f} s; identical "
+                  f"tokens: {same}", flush=True)
+            for a, b in zip(on["decode"], off["decode"]):
+                print(f"[{mode}] decode batch {a['batch']:>3}: host time hidden per step "
+                      f"{b['step_ms'] - a['step_ms']:.2f} ms (step {b['step_ms']:.2f} -> {a['step_ms']:.2f} ms)")
     if args.json:
         for r in results.values():
             r.pop("tokens")

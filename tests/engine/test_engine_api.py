@@ -240,7 +240,7 @@ def test_failed_forward_aborts_its_batch_and_engine_recovers(model_dir):
     engine.add_request("y", [14, 15], params)
     real = engine.runner.execute
 
-    def boom(batch):
+    def boom(batch, **kw):
         raise RuntimeError("simulated device failure")
 
     engine.runner.execute = boom

@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_engine_api import drain
 
-import detinfer.engine.llm_engine as llm_engine
+import detinfer.engine.device_step as device_step
 from detinfer.engine import EngineConfig, LLMEngine, SamplingParams
 from detinfer.engine.sampler import sample
 from detinfer.models.testing import write_tiny_checkpoint
@@ -50,7 +50,7 @@ def _bits(out):
 
 def _fail_sampling_of_bad(monkeypatch, after_calls: int = 0):
     calls = [0]
-    real = llm_engine.sample
+    real = device_step.sample
 
     def flaky(logits, params, seeds, *args, **kw):
         if any(s == BAD_SEED for s in seeds):
@@ -59,19 +59,19 @@ def _fail_sampling_of_bad(monkeypatch, after_calls: int = 0):
                 raise RuntimeError("injected sampling failure")
         return real(logits, params, seeds, *args, **kw)
 
-    monkeypatch.setattr(llm_engine, "sample", flaky)
+    monkeypatch.setattr(device_step, "sample", flaky)
 
 
 def _fail_forward_of_bad(monkeypatch, engine, after_calls: int = 0):
     calls = [0]
     real = engine.runner.execute
 
-    def flaky(batch):
+    def flaky(batch, **kw):
         if any(item.seq.request_id == "bad" for item in batch.scheduled):
             calls[0] += 1
             if calls[0] > after_calls:
                 raise RuntimeError("injected forward failure")
-        return real(batch)
+        return real(batch, **kw)
 
     monkeypatch.setattr(engine.runner, "execute", flaky)
 

@@ -113,17 +113,17 @@ def check_every_step(engine):
     an exception inside a step into failed requests."""
     runner, checked, bad = engine.runner, [], []
 
-    def execute(batch):
+    def execute(batch, input_ids=None):
         layout = batch.layout
         shape = runner.graph_shape(layout)
         if shape is None:
-            return runner._run_eager(layout)
+            return runner._run_eager(layout, input_ids=input_ids)
         before = _kv_bits(runner)
-        padded = runner.run_padded_eager(layout).clone()
+        padded = runner.run_padded_eager(layout, input_ids).clone()
         after_padded = _kv_bits(runner)
         for t, saved in zip((t for pair in runner.kv_cache for t in pair), before):
             t.view(torch.int32).copy_(saved)
-        eager = runner._run_eager(layout)
+        eager = runner._run_eager(layout, input_ids=input_ids)
         if not torch.equal(padded, eager):
             bad.append(f"padding to {shape} changed the logits bits")
         if not all(torch.equal(a, b) for a, b in zip(after_padded, _kv_bits(runner))):

@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from detinfer.engine.config import EngineConfig
 from detinfer.engine.sampling_params import SamplingParams
 from detinfer.engine.scheduler import Scheduler
-from detinfer.engine.sequence import SequenceStatus
+from detinfer.engine.sequence import PENDING_TOKEN, SequenceStatus
 
 EOS = 0
 
@@ -26,6 +26,12 @@ class FakeRunner:
         self.kv = [None] * (bm.num_blocks * bm.block_size)
         self.sampled_positions = {}  # seq_id -> output positions t sampled so far
         self.prompt_logit_positions = {}  # seq_id -> prompt positions whose logits were delivered
+        self.device = {}  # (seq_id, position) -> token sampled on the "device", maybe still pending on the host
+
+    def token(self, seq, p):
+        """The token at position p as the device sees it (a pending id comes from what it sampled)."""
+        t = seq.token_ids[p]
+        return self.device[(seq.seq_id, p)] if t == PENDING_TOKEN else t
 
     def run(self, batch):
         bm, cfg = self.sched.block_manager, self.sched.config
@@ -42,11 +48,11 @@ class FakeRunner:
             assert 0 <= item.num_logits <= item.query_len and (item.num_logits >= 1 or not item.sample)
             for p in range(item.start_pos):  # the context's K/V must be there, computed or cache hit
                 slot = item.block_table[p // bs] * bs + p % bs
-                assert self.kv[slot] == (seq.token_ids[p], p), f"bad KV for {seq!r} at position {p}"
+                assert self.kv[slot] == (self.token(seq, p), p), f"bad KV for {seq!r} at position {p}"
             for p, slot in zip(item.positions, item.slot_mapping(), strict=True):
                 block = slot // bs
                 assert bm.ref_count(block) == 1 and not bm.is_cached(block), "write into a shared block"
-                self.kv[slot] = (seq.token_ids[p], p)
+                self.kv[slot] = (self.token(seq, p), p)
             assert item.output_position == seq.num_output_tokens
             if item.sample:
                 self.sampled_positions.setdefault(seq.seq_id, []).append(item.output_position)

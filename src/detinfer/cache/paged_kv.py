@@ -84,6 +84,20 @@ def allocate_kv_cache(spec: KVCacheSpec, num_layers: int, device: torch.device |
     return pools
 
 
+def staged(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Host values (nested lists) as a host tensor to copy to `device` with non_blocking=True: pinned for
+    CUDA, since a copy from pageable memory may wait for the device's queued work, and the engine prepares
+    a step while the previous one still runs (overlapped scheduling)."""
+    return torch.tensor(values, dtype=dtype, pin_memory=torch.device(device).type == "cuda")
+
+
+def upload(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Host values (nested lists) as a tensor on `device`, without waiting for the device (see `staged`)."""
+    if torch.device(device).type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return staged(values, dtype, device).to(device, non_blocking=True)
+
+
 def build_block_tables(block_lists: Sequence[Sequence[int]], *, max_blocks: int | None = None,
                        device: torch.device | str = "cpu") -> torch.Tensor:
     """[S, max_blocks] int32 from per-sequence physical block lists; unused entries are 0 (never read:
@@ -94,7 +108,7 @@ def build_block_tables(block_lists: Sequence[Sequence[int]], *, max_blocks: int 
     if width > max_blocks:
         raise ValueError(f"build_block_tables: a sequence has {width} blocks but max_blocks is {max_blocks}")
     rows = padded_tables(block_lists, max_blocks)
-    return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(rows), max_blocks)
+    return upload(rows, torch.int32, device).reshape(len(rows), max_blocks)
 
 
 def build_slot_mapping(block_lists: Sequence[Sequence[int]], starts: Sequence[int], counts: Sequence[int],
@@ -128,14 +142,13 @@ def step_tensors(layout: StepLayout, device: torch.device | str = "cpu", *,
                  max_blocks: int | None = None) -> StepMetadata:
     """The device tensors of one step's layout (what the engine runs every eager step through)."""
     i64 = torch.int64
+    i32_rows = upload([layout.cu_q_lens, layout.kv_lens + [0]], torch.int32, device)  # one copy per dtype
+    i64_rows = upload([layout.token_ids, layout.positions, layout.slots], i64, device)
     return StepMetadata(
-        cu_q_lens=torch.tensor(layout.cu_q_lens, dtype=torch.int32, device=device),
-        kv_lens=torch.tensor(layout.kv_lens, dtype=torch.int32, device=device),
+        cu_q_lens=i32_rows[0], kv_lens=i32_rows[1, :-1],
         block_tables=build_block_tables(layout.block_tables, max_blocks=max_blocks, device=device),
-        slot_mapping=torch.tensor(layout.slots, dtype=i64, device=device),
-        max_q_len=layout.max_q_len, max_kv_len=layout.max_kv_len,
-        input_ids=torch.tensor(layout.token_ids, dtype=i64, device=device),
-        positions=torch.tensor(layout.positions, dtype=i64, device=device))
+        slot_mapping=i64_rows[2], max_q_len=layout.max_q_len, max_kv_len=layout.max_kv_len,
+        input_ids=i64_rows[0], positions=i64_rows[1])
 
 
 def build_step_metadata(block_lists: Sequence[Sequence[int]], num_cached: Sequence[int],

@@ -27,7 +27,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from detinfer.engine.sequence import Sequence
+from detinfer.engine.sequence import PENDING_TOKEN, Sequence
 
 # Parent "hash" of a sequence's first block; versioned so a change of hashing scheme never aliases.
 ROOT_BLOCK_HASH = hashlib.sha256(b"detinfer/kv-prefix-cache/v1").digest()
@@ -107,7 +107,9 @@ class BlockManager:
             return []
         bs = self.block_size
         hits: list[int] = []
-        for i, h in enumerate(self._block_hashes(seq, (seq.num_tokens - 1) // bs)):
+        # Pending tokens (ids still on the device) are never hashed; a waiting sequence has none by the
+        # time it is admitted, so this bound only matters as a guard.
+        for i, h in enumerate(self._block_hashes(seq, min(seq.num_tokens - 1, seq.num_known_tokens) // bs)):
             block_id = self._hash_to_block.get(h)
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             if block_id is None or self._blocks[block_id].token_ids != tokens:
@@ -192,7 +194,9 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        # Only blocks whose every token id is known: a pending token's K/V may be computed already (a
+        # decode fed it on the device) but its id, which the hash needs, is not on the host yet.
+        num_full = min(min(seq.num_computed_tokens, seq.num_known_tokens) // bs, len(seq.block_table))
         hashes = self._block_hashes(seq, num_full)
         for i in range(seq.num_hashed_blocks, num_full):
             if hashes[i] not in self._hash_to_block:
@@ -281,6 +285,8 @@ class BlockManager:
                     fail(f"block {b}'s hash is not mapped to it")
                 if len(block.token_ids) != self.block_size:
                     fail(f"cached block {b} records {len(block.token_ids)} tokens")
+                if PENDING_TOKEN in block.token_ids:
+                    fail(f"cached block {b} was registered with a pending token id: {block.token_ids}")
         for h, b in self._hash_to_block.items():
             if self._blocks[b].block_hash != h:
                 fail(f"hash map entry points at block {b}, which carries another hash")

@@ -94,6 +94,9 @@ class EngineConfig:
         "Largest token count of a step with prefill chunks that replays a CUDA graph (padded to a captured "
         "size: 16, 32, 64, 128, then 4 sizes per doubling); larger ones run eagerly (they are compute-bound). "
         "0: only decode-only steps use graphs. Capped at max_num_batched_tokens."))
+    async_scheduling: bool = field(default=True, metadata=_help(
+        "Overlap the host's work for the next step (scheduling, inputs, output processing) with the "
+        "device's current step; outputs come one step later, with the same bits as without it."))
     seed: int | None = field(default=0, metadata=_help(
         "Seed from which per-request seeds are drawn for sampled requests that give none "
         "(None: draw them from the OS)."))
@@ -107,7 +110,7 @@ class EngineConfig:
         check_int("num_kv_blocks", self.num_kv_blocks, minimum=1, optional=True)
         check_float("gpu_memory_utilization", self.gpu_memory_utilization, minimum=0.0, maximum=1.0,
                     min_exclusive=True)
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         check_int("max_model_len", self.max_model_len, minimum=1, optional=True)

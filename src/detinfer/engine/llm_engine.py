@@ -1,12 +1,21 @@
 """LLMEngine: requests in, one continuous-batching step at a time, cumulative outputs out.
 
-One `step()`: the scheduler picks a batch (decodes, then prefill chunks) -> the model runner computes
+One step: the scheduler picks a batch (decodes, then prefill chunks) -> the model runner computes
 the logits the batch needs -> the sampler draws a token for every sequence whose chunk reached its end
 (a pure function of the logits row, the request's seed, the output position and the sample index) ->
-logprobs if asked -> each sampled token goes to its sequence's incremental detokenizer, which reports
-stop strings -> the scheduler records the step and decides every finish -> a `RequestOutput` for every
-request that progressed. The logits rows of each sequence come from the batch's one layout
-(`ScheduledBatch.layout`), which the model runner computed the logits by.
+logprobs if asked (all on the device, read back with one copy) -> each sampled token goes to its
+sequence's incremental detokenizer, which reports stop strings -> the scheduler records the step and
+decides every finish -> a `RequestOutput` for every request that progressed. The logits rows of each
+sequence come from the batch's one layout (`ScheduledBatch.layout`), which the model runner computed the
+logits by.
+
+Overlapped scheduling (`EngineConfig.async_scheduling`): step n+1 is scheduled and launched before step
+n's results are read back, so the host's work (scheduling, inputs, launches, then step n's logprobs,
+detokenization, stop checks and finishes) runs while the device computes. The scheduler treats step n's
+sampled tokens as pending (`Scheduler.advance`); decodes of them take their input id on the device
+(`device_step`); `Scheduler.resolve` fills the ids in when they arrive. Outputs come one step later and
+carry the same bits. See docs/architecture.md ("A request's lifecycle") for what happens to sequences that
+finish, are preempted or aborted while a step is in flight.
 
 In deterministic mode every kernel is batch-invariant, so what a request gets (token ids, logprobs,
 text) does not depend on which other requests share its steps, how its prompt was chunked, whether its
@@ -26,12 +35,12 @@ import torch
 
 from detinfer.dtypes import resolve_dtype
 from detinfer.engine.config import EngineConfig
+from detinfer.engine.device_step import LaunchedStep, SampledIds, launch_step
 from detinfer.engine.model_runner import ModelRunner
-from detinfer.engine.outputs import CompletionOutput, EngineStats, RequestOutput, TokenLogprob
-from detinfer.engine.sampler import compute_logprobs, sample
+from detinfer.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from detinfer.engine.sampling_params import SamplingParams
-from detinfer.engine.scheduler import ScheduledBatch, Scheduler
-from detinfer.engine.sequence import Sequence, SequenceStatus
+from detinfer.engine.scheduler import ScheduledBatch, ScheduledSequence, Scheduler
+from detinfer.engine.sequence import Sequence
 from detinfer.models.config import ModelConfig
 from detinfer.models.hub import resolve_model_path
 from detinfer.models.loader import load_model, load_tokenizer
@@ -125,6 +134,7 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._seq_detok: dict[int, object] = {}  # seq_id -> its detokenizer (stop strings' lookup)
         self._aborted: list[str] = []  # aborted requests whose final output is still owed
+        self._inflight: list[LaunchedStep] = []  # launched, not read back yet (async scheduling)
         self._counters = dict(num_steps=0, prompt_tokens=0, generation_tokens=0, num_preemptions=0,
                               num_finished_requests=0, last_step_tokens=0)
         self._last_step_seconds = 0.0
@@ -189,6 +199,8 @@ class LLMEngine:
         self._aborted.append(request_id)
 
     def has_unfinished_requests(self) -> bool:
+        # A step still in flight matters only for sequences the scheduler still holds: once all of them
+        # are finished, its results would be discarded, so it need not be read back.
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
     def get_num_unfinished_requests(self) -> int:
@@ -205,132 +217,121 @@ class LLMEngine:
 
     # -- one step ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the requests that progressed (cumulative outputs)."""
+        """Run one engine step; returns the requests that progressed (cumulative outputs).
+
+        Without async_scheduling: schedule, launch, read back, process. With it the read-back and the
+        processing of a step move to the next call, after that call has launched the following step, so
+        the host's work runs while the device computes (see the module docstring)."""
         start = time.perf_counter()
         outputs = [self._output(self._requests[rid]) for rid in self._aborted]
         self._aborted.clear()
+        previous, self._inflight = self._inflight, []
+        touched: list[str] = []
+        if previous and any(d.seq.params.has_penalties and not d.seq.is_finished for d in _sampled(previous)):
+            # Penalties need every earlier token's id on the host to build the histories: no overlap.
+            touched += self._resolve(previous)
+            previous = []
         batch = self.scheduler.schedule()
-        c = self._counters
-        c["num_preemptions"] += len(batch.preempted)
+        self._counters["num_preemptions"] += len(batch.preempted)
         if not batch.is_empty:
+            self._inflight = self._launch(batch, previous)
+        touched += self._resolve(previous)
+        if not self.config.async_scheduling:
+            touched += self._resolve(self._inflight)
+            self._inflight = []
+        outputs += [self._output(self._requests[rid]) for rid in dict.fromkeys(touched) if rid in self._requests]
+        self._last_step_seconds = time.perf_counter() - start
+        return outputs
+
+    def _launch(self, batch: ScheduledBatch, previous: list[LaunchedStep]) -> list[LaunchedStep]:
+        """Launch `batch` (its pending inputs come from `previous`, not read yet) and record it as computed."""
+        pending = SampledIds.join([p.sampled for p in previous])
+        try:
             try:
+                launched = [launch_step(self.runner, self.ops.log_softmax, batch, pending)]
+            except Exception as exc:
+                launched = self._isolate_failure(batch, exc, pending)
+        except BaseException:
+            # Interrupted (or the isolation itself failed). The scheduler already committed this batch,
+            # so its requests cannot simply be retried: abort them (their blocks are freed and they end
+            # with finish_reason "abort" at the next step) and let the caller see the error. Requests
+            # not in the batch are untouched (the previous step stays to be read), so the engine stays usable.
+            for rid in dict.fromkeys(item.seq.request_id for item in batch.scheduled):
+                self.abort_request(rid)
+            self._inflight = previous
+            raise
+        c = self._counters
+        c["num_steps"] += 1
+        c["last_step_tokens"] = sum(part.batch.num_batched_tokens for part in launched)
+        for part in launched:
+            self.scheduler.advance(part.batch)
+            c["prompt_tokens"] += sum(item.query_len for item in part.batch.scheduled if not item.is_decode)
+        return launched
+
+    def _isolate_failure(self, batch: ScheduledBatch, exc: Exception,
+                         pending: SampledIds | None) -> list[LaunchedStep]:
+        """A step failed (forward pass or sampling): find whose. Each request's share of the batch is run
+        again on its own, read back at once; the requests whose share fails again are aborted with the
+        error (their output carries it), the others' shares are kept. In deterministic mode every kernel
+        and the sampler are batch-invariant, so the survivors get the same bits they would have got in the
+        whole batch. Nothing of the failed attempt is kept: KV slots are rewritten by the rerun, and the
+        scheduler and the prefix cache only record a step in advance()."""
+        groups: dict[str, list[ScheduledSequence]] = {}
+        for item in batch.scheduled:
+            groups.setdefault(item.seq.request_id, []).append(item)
+        if len(groups) == 1:
+            failed = {next(iter(groups)): exc}
+            kept = []
+        else:
+            failed, kept = {}, []
+            for rid, part in groups.items():
+                sub = ScheduledBatch(tuple(part), sum(item.query_len for item in part))
                 try:
-                    tokens = self._sample(batch, self.runner.execute(batch))
-                except Exception as exc:
-                    batch, tokens = self._isolate_failure(batch, exc)
-            except BaseException:
-                # Interrupted (or the isolation itself failed). The scheduler already committed this batch,
-                # so its requests cannot simply be retried: abort them (their blocks are freed and they end
-                # with finish_reason "abort" at the next step) and let the caller see the error. Requests
-                # not in the batch are untouched, so the engine stays usable.
-                for rid in dict.fromkeys(item.seq.request_id for item in batch.scheduled):
-                    self.abort_request(rid)
-                raise
-            finished = self.scheduler.postprocess(batch, tokens, self._stop_strings(batch, tokens))
+                    launched = launch_step(self.runner, self.ops.log_softmax, sub, pending)
+                    launched.read()  # a failure on the device shows here, in this request's share
+                    kept.append(launched)
+                except Exception as e:
+                    failed[rid] = e
+        for rid, e in failed.items():
+            self._requests[rid].error = f"{type(e).__name__}: {e}"
+            self.abort_request(rid)
+        return kept
+
+    def _resolve(self, launched: list[LaunchedStep]) -> list[str]:
+        """Read launched steps back and process them: logprobs, detokenization and stop strings, the
+        scheduler's finishes. Returns the ids of the requests that progressed."""
+        touched: list[str] = []
+        for part in launched:
+            tokens, entries = part.read()
+            for dest, entry in entries:
+                seq = dest.seq
+                if seq.is_finished:
+                    continue  # aborted, or finished by an earlier token: this step's results are discarded
+                if dest.is_prompt:
+                    seq.prompt_logprobs.append(entry)
+                else:
+                    seq.output_logprobs.append(entry)
+                    self._requests[seq.request_id].cumulative_logprobs[seq.sample_index] += entry.logprob
+            live = [item.sample and not item.seq.is_finished for item in part.batch.scheduled]
+            finished = self.scheduler.resolve(part.batch, tokens, self._stop_strings(part.batch, tokens))
             for seq in finished:
                 detok = self._seq_detok.get(seq.seq_id)
                 if detok is not None:
                     detok.finish()
-            c["num_steps"] += 1
-            c["last_step_tokens"] = batch.num_batched_tokens
-            c["generation_tokens"] += sum(t is not None for t in tokens)
-            c["prompt_tokens"] += sum(item.query_len for item in batch.scheduled if not item.is_decode)
-            touched = [item.seq.request_id for item in batch.scheduled if item.sample]
+            self._counters["generation_tokens"] += sum(live)
+            touched += [item.seq.request_id for item, alive in zip(part.batch.scheduled, live) if alive]
             touched += [seq.request_id for seq in finished]
-            outputs += [self._output(self._requests[rid]) for rid in dict.fromkeys(touched)
-                        if rid in self._requests]
-        self._last_step_seconds = time.perf_counter() - start
-        return outputs
-
-    def _isolate_failure(self, batch: ScheduledBatch, exc: Exception) -> tuple[ScheduledBatch, list[int | None]]:
-        """A step failed (forward pass or sampling): find whose. Each request's share of the batch is run
-        again on its own; the requests whose share fails again are aborted with the error (their output
-        carries it), the others' tokens are kept. In deterministic mode every kernel and the sampler are
-        batch-invariant, so the survivors get the same bits they would have got in the whole batch.
-        Nothing of the failed attempt is kept: KV slots are rewritten by the rerun, and the scheduler and
-        the prefix cache only record a step in postprocess()."""
-        groups: dict[str, list[int]] = {}
-        for i, item in enumerate(batch.scheduled):
-            groups.setdefault(item.seq.request_id, []).append(i)
-        tokens: list[int | None] = [None] * len(batch)
-        failed: dict[str, Exception] = {}
-        for rid, rows in groups.items():
-            part = tuple(batch.scheduled[i] for i in rows)
-            if len(groups) == 1:
-                failed[rid] = exc
-                break
-            sub = ScheduledBatch(part, sum(item.query_len for item in part))
-            try:
-                for i, t in zip(rows, self._sample(sub, self.runner.execute(sub))):
-                    tokens[i] = t
-            except Exception as e:
-                failed[rid] = e
-        for rid, e in failed.items():
-            self._requests[rid].error = f"{type(e).__name__}: {e}"
-            self.abort_request(rid)
-        keep = [i for i, item in enumerate(batch.scheduled) if item.seq.request_id not in failed]
-        kept = tuple(batch.scheduled[i] for i in keep)
-        return (ScheduledBatch(kept, sum(item.query_len for item in kept), batch.preempted),
-                [tokens[i] for i in keep])
-
-    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[int | None]:
-        """Draw the next token of every sampled chunk; record logprobs (output and prompt) as asked."""
-        tokens: list[int | None] = [None] * len(batch)
-        sample_idx, sample_rows = [], []
-        lp_rows, lp_targets, lp_dest = [], [], []  # rows, target token ids, (seq, k, is_prompt)
-        for i, (item, row) in enumerate(zip(batch.scheduled, batch.layout.logits_offsets, strict=True)):
-            seq = item.seq
-            if seq.wants_prompt_logprobs:
-                expected = len(seq.prompt_logprobs)  # logits position of the next undelivered prompt token
-                for j, p in enumerate(item.logits_positions):
-                    if p == expected and p + 1 < seq.num_prompt_tokens:
-                        lp_rows.append(row + j)
-                        lp_targets.append(seq.token_ids[p + 1])
-                        lp_dest.append((seq, seq.params.prompt_logprobs, True))
-                        expected += 1
-            if item.sample:
-                sample_idx.append(i)
-                sample_rows.append(row + item.num_logits - 1)
-        if sample_rows:
-            rows = logits if sample_rows == list(range(logits.shape[0])) else logits[sample_rows]
-            seqs = [batch.scheduled[i].seq for i in sample_idx]
-            penalties = any(s.params.has_penalties for s in seqs)
-            drawn = sample(rows, [s.params for s in seqs], [s.seed for s in seqs],
-                           [s.num_output_tokens for s in seqs], [s.sample_index for s in seqs],
-                           [s.prompt_token_ids for s in seqs] if penalties else None,
-                           [s.output_token_ids for s in seqs] if penalties else None).tolist()
-            for i, r, s, t in zip(sample_idx, sample_rows, seqs, drawn):
-                tokens[i] = t
-                if s.params.logprobs is not None:
-                    lp_rows.append(r)
-                    lp_targets.append(t)
-                    lp_dest.append((s, s.params.logprobs, False))
-        if lp_rows:
-            self._record_logprobs(logits[lp_rows], lp_targets, lp_dest)
-        return tokens
-
-    def _record_logprobs(self, logits: torch.Tensor, targets: list[int], dest: list) -> None:
-        top_k = max(k for _, k, _ in dest)
-        lp = compute_logprobs(logits, targets, top_k, self.ops.log_softmax)
-        chosen, ranks = lp.token_logprobs.tolist(), lp.token_ranks.tolist()
-        top_ids, top_vals = lp.top_token_ids.tolist(), lp.top_logprobs.tolist()
-        for j, (seq, k, is_prompt) in enumerate(dest):
-            entry = TokenLogprob(targets[j], chosen[j], ranks[j], dict(zip(top_ids[j][:k], top_vals[j][:k])))
-            if is_prompt:
-                seq.prompt_logprobs.append(entry)
-            else:
-                seq.output_logprobs.append(entry)
-                self._requests[seq.request_id].cumulative_logprobs[seq.sample_index] += chosen[j]
+        return touched
 
     def _stop_strings(self, batch: ScheduledBatch, tokens: list[int | None]) -> list[str | None]:
         """Feed each sampled token to its sequence's detokenizer and report the stop string it completes.
-        A token that ends its sequence by itself (stop token, EOS) is not fed: its text is never shown."""
+        A token that ends its sequence by itself (stop token, EOS) is not fed: its text is never shown; nor
+        is the token of a sequence that finished before it came back (discarded)."""
         found: list[str | None] = [None] * len(tokens)
         for i, (item, token) in enumerate(zip(batch.scheduled, tokens, strict=True)):
             seq = item.seq
             detok = self._seq_detok.get(seq.seq_id)
-            if (token is None or detok is None or seq.status is not SequenceStatus.RUNNING
-                    or self.scheduler.stops_on_token(seq, token)):
+            if token is None or detok is None or seq.is_finished or self.scheduler.stops_on_token(seq, token):
                 continue
             detok.add(token)
             found[i] = detok.stopped
@@ -343,7 +344,7 @@ class LLMEngine:
             wants = params.logprobs is not None
             outs.append(CompletionOutput(
                 index=seq.sample_index, text="" if detok is None else detok.text,
-                token_ids=tuple(seq.output_token_ids),
+                token_ids=tuple(seq.known_output_token_ids),
                 cumulative_logprob=req.cumulative_logprobs[seq.sample_index] if wants else None,
                 logprobs=tuple(seq.output_logprobs) if wants else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
@@ -371,3 +372,8 @@ class LLMEngine:
             prefix_cache_hit_tokens=bm.prefix_hit_tokens, num_preemptions=c["num_preemptions"],
             num_finished_requests=c["num_finished_requests"], last_step_seconds=self._last_step_seconds,
             last_step_tokens=c["last_step_tokens"])
+
+
+def _sampled(launched: list[LaunchedStep]):
+    """The sampled entries of launched steps (their sequences' ids are pending until read back)."""
+    return [part.batch.scheduled[i] for part in launched for i in part.sample_items]

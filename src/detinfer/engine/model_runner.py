@@ -41,6 +41,7 @@ from detinfer.cache.paged_kv import (
     allocate_kv_cache,
     num_blocks_for_bytes,
     step_tensors,
+    upload,
 )
 from detinfer.engine.config import EngineConfig
 from detinfer.engine.cuda_graphs import (
@@ -144,9 +145,12 @@ class ModelRunner:
 
     # -- execution -----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+    def execute(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step; returns logits [R, V] fp32 for the R rows of `batch.layout.logit_rows`, in batch
-        order. The tensor may be a view of a graph's static buffer: use it before the next `execute`."""
+        order. The tensor may be a view of a graph's static buffer: use it before the next `execute`.
+        `input_ids` ([T] int64 on the device), when given, replaces the layout's token ids (overlapped
+        scheduling: some were sampled by the previous step and never came to the host). On CUDA nothing
+        here waits for the device: host data goes up through pinned memory with non-blocking copies."""
         if batch.is_empty:
             raise ValueError("execute: the batch is empty")
         if self.model.ops is not self.ops:  # graphs and the KV pools were set up for self.ops
@@ -155,29 +159,37 @@ class ModelRunner:
         layout = batch.layout
         shape = self.graph_shape(layout) if self.use_graphs else None
         if shape is not None:
-            return self._run_graph(layout, shape)
-        return self._run_eager(layout)
+            return self._run_graph(layout, shape, input_ids)
+        return self._run_eager(layout, input_ids=input_ids)
 
     def graph_shape(self, layout: StepLayout) -> GraphShape | None:
         """The captured shape this step replays (None: it runs eagerly), whether or not graphs are on."""
         return pick_shape(layout, self._shapes, self.graph_sizes, self.mixed_graph_tokens)
 
-    def _run_eager(self, layout: StepLayout, meta: StepMetadata | None = None) -> torch.Tensor:
+    def _run_eager(self, layout: StepLayout, meta: StepMetadata | None = None,
+                   input_ids: torch.Tensor | None = None) -> torch.Tensor:
         dev = self.device
         meta = step_tensors(layout, dev) if meta is None else meta
+        if input_ids is not None:
+            meta = dataclasses.replace(meta, input_ids=input_ids)
         attn = PagedAttention(self.kv_cache, meta, self.ops, self.model_config.softmax_scale, None)
         hidden = self.model(meta.input_ids, meta.positions, attn)
         if not layout.logit_rows:
             return torch.empty((0, self.model_config.vocab_size), dtype=torch.float32, device=dev)
         if len(layout.logit_rows) != hidden.shape[0]:
-            hidden = hidden[torch.tensor(layout.logit_rows, dtype=torch.int64, device=dev)]
+            hidden = hidden[upload(layout.logit_rows, torch.int64, dev)]
         return self.model.compute_logits(hidden)
 
-    def _run_graph(self, layout: StepLayout, shape: GraphShape | None = None) -> torch.Tensor:
-        return self.graphs.run(layout, self.graph_shape(layout) if shape is None else shape)
+    def _run_graph(self, layout: StepLayout, shape: GraphShape | None = None,
+                   input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        shape = self.graph_shape(layout) if shape is None else shape
+        self.graphs.prepare(layout, shape)
+        if input_ids is not None:  # device ids of pending tokens (overlapped scheduling) over the host's
+            self.graphs.input_ids(shape)[:input_ids.shape[0]].copy_(input_ids)
+        return self.graphs.replay(shape, len(layout.logit_rows))
 
     @torch.inference_mode()
-    def run_padded_eager(self, layout: StepLayout) -> torch.Tensor:
+    def run_padded_eager(self, layout: StepLayout, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Test hook: the step padded exactly as its graph would pad it and run eagerly with the graph's
         attention bounds (max_q_len of the shape, max_kv_len = the table capacity, full-width tables);
         returns the real rows' logits. Proves on any device that the padding is harmless."""
@@ -188,6 +200,10 @@ class ModelRunner:
         padded = pad_layout(layout, shape)
         meta = dataclasses.replace(step_tensors(padded, self.device, max_blocks=self.max_blocks_per_seq),
                                    max_q_len=shape.max_q_len, max_kv_len=self.max_blocks_per_seq * self.block_size)
+        if input_ids is not None:  # the real tokens' device ids (overlapped scheduling), padding after them
+            ids = meta.input_ids.clone()
+            ids[:input_ids.shape[0]] = input_ids
+            meta = dataclasses.replace(meta, input_ids=ids)
         return self._run_eager(padded, meta)[:len(layout.logit_rows)]
 
     # -- KV pool sizing ------------------------------------------------------------------------------

@@ -70,7 +70,12 @@ fold_sum, _inclusive_scan = Ops.fold_sum, Ops.cumsum
 
 
 def _row_tensor(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(list(values), dtype=dtype, device=device)
+    """Host values on `device`. On CUDA through pinned memory and a non-blocking copy: a pageable copy may
+    wait for the device to finish its queued work, and the engine enqueues sampling behind a forward pass
+    it does not want to wait for."""
+    if device.type != "cuda":
+        return torch.tensor(list(values), dtype=dtype, device=device)
+    return torch.tensor(list(values), dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def _token_counts(histories: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -170,20 +175,17 @@ def sampling_scores(logits: torch.Tensor, params: Sequence[SamplingParams], seed
     # would be the identity for every row, so they cannot change any row's bits.
     if all(p.is_greedy for p in params):
         return x
-    greedy = _row_tensor([p.is_greedy for p in params], torch.bool, dev)
-    temperature = _row_tensor([1.0 if p.is_greedy else p.temperature for p in params], torch.float32, dev)
+    # Every per-row value goes up in two copies (one int64, one float32 tensor), built from lists once.
+    ints = _row_tensor([[0 if s is None else s for s in seeds], list(positions), sample_indices,
+                        [p.top_k for p in params], [int(p.is_greedy) for p in params]], torch.int64, dev)
+    floats = _row_tensor([[1.0 if p.is_greedy else p.temperature for p in params], [p.top_p for p in params],
+                          [p.min_p for p in params]], torch.float32, dev)
+    greedy, temperature = ints[4] != 0, floats[0]
     scaled = penalised / temperature[:, None]
-    noise = gumbel_noise(_row_tensor([0 if s is None else s for s in seeds], torch.int64, dev),
-                         _row_tensor(positions, torch.int64, dev),
-                         _row_tensor(sample_indices, torch.int64, dev), V)
+    noise = gumbel_noise(ints[0], ints[1], ints[2], V)
     drawn = scaled.to(torch.float64) + noise
     if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
-        keep = sampling_mask(
-            scaled,
-            _row_tensor([p.top_k for p in params], torch.int64, dev),
-            _row_tensor([p.top_p for p in params], torch.float32, dev),
-            _row_tensor([p.min_p for p in params], torch.float32, dev),
-        )
+        keep = sampling_mask(scaled, ints[3], floats[1], floats[2])
         drawn = torch.where(keep, drawn, torch.full_like(drawn, float("-inf")))
     return torch.where(greedy[:, None], x, drawn)
 
@@ -214,13 +216,14 @@ LogSoftmaxFn = Callable[..., torch.Tensor]
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor | Sequence[int], top_k: int,
-                     log_softmax_fn: LogSoftmaxFn) -> Logprobs:
+                     log_softmax_fn: LogSoftmaxFn, *, validate: bool = True) -> Logprobs:
     """Logprobs of `token_ids` [S] under `logits` [S, V], plus each row's top-k (token, logprob).
 
     `log_softmax_fn(x, dim=-1)` does the normalisation: pass the model's `ops.log_softmax` (the engine
     does) so deterministic mode is batch-invariant. These are logprobs of the distribution the logits describe;
     to score under a temperature, divide the logits first. No engine state: trainers call this to
-    recompute the logprobs of sampled tokens.
+    recompute the logprobs of sampled tokens. validate=False skips the token-id range check, which reads
+    the ids back to the host (the engine passes ids its sampler drew, still on the device).
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be 2-D [S, V], got shape {tuple(logits.shape)}")
@@ -230,7 +233,7 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor | Sequence[in
     ids = torch.as_tensor(token_ids, dtype=torch.int64, device=logits.device).reshape(-1)
     if ids.numel() != S:
         raise ValueError(f"token_ids must have one id per logits row ({S}), got {ids.numel()}")
-    if S and (int(ids.min()) < 0 or int(ids.max()) >= V):
+    if validate and S and (int(ids.min()) < 0 or int(ids.max()) >= V):
         raise ValueError(f"token_ids must be in [0, {V}), got min {int(ids.min())} max {int(ids.max())}")
     logprobs = log_softmax_fn(logits, dim=-1)
     chosen = logprobs.gather(1, ids[:, None])

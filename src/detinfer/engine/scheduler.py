@@ -18,7 +18,17 @@ Requests that could never run are refused at `add_request` (prompt longer than m
 blocks needed than the whole pool), so the queue can never hang on them. `add_request` is the one place
 a prompt's token ids are validated and a sampled request's seed is drawn (when it gives none).
 
-`postprocess` decides every finish (stop token / EOS, stop string, length). Stop strings are text, which
+After a step is launched, `advance(batch)` records its chunks as computed and gives every sampled
+sequence a pending token (its id is still on the device); `resolve(batch, tokens, stop_strings)` fills
+those ids in once they are read back and decides every finish. `postprocess` is both at once. With
+overlapped scheduling the engine calls `schedule()` for the next step between the two: a sequence with a
+pending token is then scheduled as a decode of that token (the device feeds it), unless the token ends it
+by length whatever its id (max_tokens, max_model_len), which the host knows without the id. A sequence
+that `resolve` finishes (stop token, EOS, stop string) may so have one more step in flight: that step
+writes K/V only into the sequence's own blocks (the correct K/V of its real last token) and its token is
+discarded.
+
+`resolve` decides every finish (stop token / EOS, stop string, length). Stop strings are text, which
 the scheduler does not have: the caller detokenizes first and passes what it found (`stop_strings`),
 for tokens that do not already end their sequence (`stops_on_token`).
 """
@@ -209,6 +219,8 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
                 continue  # preempted earlier in this loop, or still prefilling
+            if seq.num_pending_tokens and self._ends_by_length(seq, seq.num_output_tokens):
+                continue  # its pending token finishes it whatever the id: nothing more to compute
             while not self.block_manager.can_append(seq):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -285,43 +297,73 @@ class Scheduler:
     # -- after the step ------------------------------------------------------------------------------
     def postprocess(self, batch: ScheduledBatch, sampled_token_ids: Iterable[int | None],
                     stop_strings: Iterable[str | bool | None] | None = None) -> list[Sequence]:
-        """Record a computed step. `sampled_token_ids[i]` is the token sampled for `batch.scheduled[i]`
-        (an int where `sample` is True, None elsewhere); `stop_strings[i]`, when given, is truthy if the
-        caller found a stop string in that sequence's text with this token (a string: recorded as its
-        stop_reason). Returns the sequences that finished."""
+        """Record a computed step whose sampled ids are known: `advance` then `resolve`."""
         tokens = list(sampled_token_ids)
-        if len(tokens) != len(batch.scheduled):
-            raise ValueError(f"postprocess: got {len(tokens)} sampled tokens for a batch of "
-                             f"{len(batch.scheduled)} sequences")
-        stops = [None] * len(tokens) if stop_strings is None else list(stop_strings)
-        if len(stops) != len(tokens):
-            raise ValueError(f"postprocess: got {len(stops)} stop-string results for {len(tokens)} sequences")
-        finished: list[Sequence] = []
-        for item, token, stop in zip(batch.scheduled, tokens, stops, strict=True):
+        self._check_tokens(batch, tokens)
+        self.advance(batch)
+        return self.resolve(batch, tokens, stop_strings)
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """Record that `batch` was launched: its chunks count as computed (the device computes them before
+        any later step, in stream order) and each sampled sequence gains a pending token."""
+        for item in batch.scheduled:
             seq = item.seq
-            if item.sample:
-                check_int(f"postprocess: sampled token of sequence {seq.seq_id}", token, minimum=0)
-            elif token is not None:
-                raise ValueError(f"postprocess: sequence {seq.seq_id} was not sampled this step, "
-                                 f"so its token must be None, got {token!r}")
             if seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted between schedule() and postprocess()
+                continue  # aborted between schedule() and now
             if seq.num_computed_tokens != item.start_pos:
-                raise RuntimeError(f"postprocess: sequence {seq.seq_id} is at {seq.num_computed_tokens} "
+                raise RuntimeError(f"advance: sequence {seq.seq_id} is at {seq.num_computed_tokens} "
                                    f"computed tokens, the batch was built at {item.start_pos}")
             seq.num_computed_tokens += item.query_len
             if seq.wants_prompt_logprobs:
                 seq.num_prompt_logits_done = max(seq.num_prompt_logits_done,
                                                  min(seq.num_computed_tokens, seq.num_prompt_tokens))
-            self.block_manager.commit_computed(seq)
             if item.sample:
-                seq.append_token(token)
-                reason = self._stop_reason(seq, token, stop)
-                if reason is not None:
+                seq.append_pending()
+            self.block_manager.commit_computed(seq)
+
+    def resolve(self, batch: ScheduledBatch, sampled_token_ids: Iterable[int | None],
+                stop_strings: Iterable[str | bool | None] | None = None) -> list[Sequence]:
+        """Fill in the ids `advance(batch)` left pending and decide finishes. `sampled_token_ids[i]` is
+        the token sampled for `batch.scheduled[i]` (an int where `sample` is True, None elsewhere);
+        `stop_strings[i]`, when given, is truthy if the caller found a stop string in that sequence's text
+        with this token (a string: recorded as its stop_reason). Sequences finished since (aborted, or
+        finished by an earlier step's token) are skipped: their token is discarded. A sequence preempted
+        since still gets its token, and may finish while waiting. Returns the sequences that finished."""
+        tokens = list(sampled_token_ids)
+        self._check_tokens(batch, tokens)
+        stops = [None] * len(tokens) if stop_strings is None else list(stop_strings)
+        if len(stops) != len(tokens):
+            raise ValueError(f"resolve: got {len(stops)} stop-string results for {len(tokens)} sequences")
+        finished: list[Sequence] = []
+        for item, token, stop in zip(batch.scheduled, tokens, stops, strict=True):
+            seq = item.seq
+            if not item.sample or seq.is_finished:
+                continue
+            seq.resolve_token(item.output_position, token)
+            reason = self._stop_reason(seq, token, stop, item.output_position + 1)
+            if reason is not None:
+                if seq.status is SequenceStatus.RUNNING:
                     self.running.remove(seq)
-                    self._finish(seq, reason)
-                    finished.append(seq)
+                else:
+                    self.waiting.remove(seq)
+                self._finish(seq, reason)
+                finished.append(seq)
+        for item in batch.scheduled:
+            if item.seq.status is SequenceStatus.RUNNING:
+                self.block_manager.commit_computed(item.seq)  # blocks completed by the ids just filled in
         return finished
+
+    @staticmethod
+    def _check_tokens(batch: ScheduledBatch, tokens: list) -> None:
+        if len(tokens) != len(batch.scheduled):
+            raise ValueError(f"postprocess: got {len(tokens)} sampled tokens for a batch of "
+                             f"{len(batch.scheduled)} sequences")
+        for item, token in zip(batch.scheduled, tokens):
+            if item.sample:
+                check_int(f"postprocess: sampled token of sequence {item.seq.seq_id}", token, minimum=0)
+            elif token is not None:
+                raise ValueError(f"postprocess: sequence {item.seq.seq_id} was not sampled this step, "
+                                 f"so its token must be None, got {token!r}")
 
     def stops_on_token(self, seq: Sequence, token: int) -> bool:
         """Whether `token` ends `seq` by itself (a stop token id, or EOS unless ignored): its text is then
@@ -329,22 +371,26 @@ class Scheduler:
         params = seq.params
         return token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
 
-    def _stop_reason(self, seq: Sequence, token: int, stop_string: str | bool | None) -> str | None:
-        params = seq.params
+    def _ends_by_length(self, seq: Sequence, num_outputs: int) -> bool:
+        """Whether a sequence with `num_outputs` output tokens is done by length (max_tokens, max_model_len)."""
+        max_tokens = seq.params.max_tokens
+        return ((max_tokens is not None and num_outputs >= max_tokens)
+                or seq.num_prompt_tokens + num_outputs >= self.config.max_model_len)
+
+    def _stop_reason(self, seq: Sequence, token: int, stop_string: str | bool | None,
+                     num_outputs: int) -> str | None:
+        """Why `seq` ends with `token`, its output number `num_outputs` (later pending ones not counted)."""
         if self.stops_on_token(seq, token):
             seq.stop_reason = token
             return FINISH_STOP
         if stop_string:
             seq.stop_reason = stop_string if isinstance(stop_string, str) else None
             return FINISH_STOP
-        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-            return FINISH_LENGTH
-        if seq.num_tokens >= self.config.max_model_len:
-            return FINISH_LENGTH
-        return None
+        return FINISH_LENGTH if self._ends_by_length(seq, num_outputs) else None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.block_manager.free(seq)
+        seq.drop_pending()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seqs = self._requests.get(seq.request_id)

@@ -10,6 +10,11 @@ Token bookkeeping: `token_ids` is prompt + output so far. `num_computed_tokens` 
 whose K/V are in the cache (computed by this sequence or reused from the prefix cache). The last sampled
 token is never computed until it is fed in the next step, so a decoding sequence has exactly one
 uncomputed token.
+
+Pending tokens (overlapped scheduling): the engine may schedule a sequence's next step before the token
+its current step samples has come back from the device. That token is appended as `PENDING_TOKEN` (the
+device knows its value; the host does not yet) and filled in by `resolve_token`. Pending tokens are always
+the last ones, at most two at a time, never hashed into the prefix cache and never shown in outputs.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)
 
 
 _MAX_TOKEN_ID = (1 << 63) - 1
+PENDING_TOKEN = -1  # a sampled token still on the device (never a valid id: ids are >= 0)
 
 
 def check_prompt_ids(request_id: str, prompt, vocab_size: int | None = None) -> list[int]:
@@ -80,6 +86,7 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0
+        self.num_pending_tokens = 0  # trailing PENDING_TOKEN entries of token_ids
         # Physical KV block ids, one per block_size positions; empty unless RUNNING.
         self.block_table: list[int] = []
         # Prefix-cache hash of each full block of token_ids (content only, so it survives preemption).
@@ -114,6 +121,15 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
+    def num_known_tokens(self) -> int:
+        """Leading tokens whose ids the host knows (all but the pending ones)."""
+        return len(self.token_ids) - self.num_pending_tokens
+
+    @property
+    def known_output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:self.num_known_tokens]
+
+    @property
     def last_token_id(self) -> int:
         return self.token_ids[-1]
 
@@ -139,6 +155,27 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def append_pending(self) -> None:
+        """A token was sampled on the device; its id comes later (`resolve_token`)."""
+        self.token_ids.append(PENDING_TOKEN)
+        self.num_pending_tokens += 1
+
+    def resolve_token(self, output_position: int, token_id: int) -> None:
+        """Fill in the pending token at `output_position` (always the first pending one)."""
+        i = self.num_prompt_tokens + output_position
+        if i != self.num_known_tokens or self.token_ids[i] != PENDING_TOKEN:
+            raise RuntimeError(f"resolve_token: output position {output_position} of sequence {self.seq_id} "
+                               f"is not its first pending token ({self.num_known_tokens - self.num_prompt_tokens}"
+                               f" outputs known, {self.num_pending_tokens} pending)")
+        self.token_ids[i] = token_id
+        self.num_pending_tokens -= 1
+
+    def drop_pending(self) -> None:
+        """Forget pending tokens (the sequence finished: whatever its in-flight steps sample is discarded)."""
+        if self.num_pending_tokens:
+            del self.token_ids[-self.num_pending_tokens:]
+            self.num_pending_tokens = 0
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, request={self.request_id!r}, sample={self.sample_index}, "
