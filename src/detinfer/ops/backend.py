@@ -153,6 +153,26 @@ class Ops:
 
         return (mm.linear if self._kernel(x, weight, bias) else mm.linear_ref)(x, weight, bias)
 
+    def linear_tree(self, x: torch.Tensor, weight: torch.Tensor, num_chunks: int) -> torch.Tensor:
+        """x [..., K] @ weight[N, K]^T as `num_chunks` fp32 K-chunk partials added in a fixed pairwise tree ->
+        fp32 [..., N] (kernels/chunked_linear.py: how row-parallel layers give the same bits at any TP size).
+        Fast mode: stock matmuls per chunk, same tree."""
+        from detinfer.kernels import chunked_linear as cl
+
+        if not self.deterministic:
+            cl.check_chunks("linear_tree", x, weight, num_chunks)
+            parts = torch.stack([F.linear(xc.float(), wc.float()) for xc, wc in
+                                 zip(x.chunk(num_chunks, -1), weight.chunk(num_chunks, -1))])
+            return cl.pairwise_tree_sum(parts)
+        return (cl.linear_tree if self._kernel(x, weight) else cl.linear_tree_ref)(x, weight, num_chunks)
+
+    @staticmethod
+    def tree_sum(parts: torch.Tensor) -> torch.Tensor:
+        """parts [C, ...] -> [...] in the fixed pairwise tree of `linear_tree` (elementwise: any mode)."""
+        from detinfer.kernels.chunked_linear import pairwise_tree_sum
+
+        return pairwise_tree_sum(parts)
+
     def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """[M, K] @ [K, N] (float)."""
         if not self.deterministic:
