@@ -103,7 +103,9 @@ class TensorParallelRunner:
         except BaseException:
             self.close()
             raise
-        self._watcher = threading.Thread(target=self._watch, name="detinfer-tp-watcher", daemon=True)
+        # The thread holds a weak reference: a dropped engine must still be collected (and its workers stopped).
+        self._watcher = threading.Thread(target=_watch, args=([p.sentinel for p in self._procs], weakref.ref(self)),
+                                         name="detinfer-tp-watcher", daemon=True)
         self._watcher.start()
 
     # -- what the engine reads ------------------------------------------------------------------------
@@ -187,13 +189,6 @@ class TensorParallelRunner:
                 raise RuntimeError(f"tensor-parallel workers did not send {kind!r} within {STARTUP_TIMEOUT_S} s")
         return [got[r] for r in sorted(got)]
 
-    def _watch(self) -> None:
-        """Abort the group when a worker exits unasked, so rank 0 cannot wait on it (NCCL would)."""
-        sentinels = [p.sentinel for p in self._procs]
-        mpc.wait(sentinels)
-        if not self._closing and getattr(self, "group", None) is not None and self.group.backend == "nccl":
-            self.group.abort()
-
     def close(self) -> None:
         """Stop the workers (idempotent). The engine is unusable afterwards."""
         self._closing = True
@@ -202,6 +197,15 @@ class TensorParallelRunner:
             finalizer()
         else:
             _stop_workers(self._procs, self._conns)
+
+
+def _watch(sentinels, runner_ref) -> None:
+    """Abort the group when a worker exits unasked, so rank 0 cannot wait on it (NCCL would)."""
+    mpc.wait(sentinels)
+    runner = runner_ref()
+    group = None if runner is None else runner.__dict__.get("group")
+    if runner is not None and not runner._closing and group is not None and group.backend == "nccl":
+        group.abort()
 
 
 def _stop_workers(procs, conns, timeout_s: float = 5.0) -> None:

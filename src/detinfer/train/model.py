@@ -49,6 +49,11 @@ def _resolve(source):
     """LLM | LLMEngine | Transformer -> (model, runner or None, engine or None)."""
     engine = getattr(source, "engine", source)
     runner = getattr(engine, "runner", None)
+    config = getattr(engine, "config", None)
+    if runner is not None and (getattr(config, "tensor_parallel_size", 1) > 1
+                               or getattr(config, "tp_invariant_reduction", False)):
+        raise ValueError("TrainableModel needs an engine with tensor_parallel_size=1 and "
+                         "tp_invariant_reduction=False (the trainer's ops have no sharded or chunk-tree layers)")
     model = runner.model if runner is not None else source
     if not (hasattr(model, "layers") and hasattr(model, "compute_logits") and hasattr(model, "embed_tokens")):
         raise TypeError("TrainableModel takes a detinfer LLM, LLMEngine or models.Transformer, got "
