@@ -35,11 +35,7 @@ def _ranks_then_tree(fn, x, w, chunks, ranks):
     return cl.pairwise_tree_sum(torch.stack(parts))
 
 
-@pytest.mark.parametrize("fn", IMPLS)
-@settings(deadline=None)
-@given(m=st.integers(1, 9), n=st.integers(1, 40), unit=st.integers(1, 24), seed=st.integers(0, 2**31))
-def test_rank_subtrees_equal_the_full_tree(fn, m, n, unit, seed):
-    """What TP = 2, 4, 8 compute (each rank its chunks, then the ranks) == what TP=1 computes, bitwise."""
+def _check_rank_subtrees(fn, m, n, unit, seed):
     chunks = 8
     k = chunks * unit
     x, w = rand((m, k), seed), rand((n, k), seed + 1)
@@ -49,14 +45,30 @@ def test_rank_subtrees_equal_the_full_tree(fn, m, n, unit, seed):
         assert torch.equal(_ranks_then_tree(fn, x, w, chunks, ranks), full), f"{ranks} ranks differ"
 
 
-@pytest.mark.parametrize("fn", IMPLS)
+@settings(deadline=None)
+@given(m=st.integers(1, 9), n=st.integers(1, 40), unit=st.integers(1, 24), seed=st.integers(0, 2**31))
+def test_rank_subtrees_equal_the_full_tree(m, n, unit, seed):
+    """What TP = 2, 4, 8 compute (each rank its chunks, then the ranks) == what TP=1 computes, bitwise."""
+    _check_rank_subtrees(cl.linear_tree_ref, m, n, unit, seed)
+
+
+def test_rank_subtrees_equal_the_full_tree_triton():
+    """The same for the Triton path (few shapes: every new shape compiles again in the interpreter)."""
+    _check_rank_subtrees(cl.linear_tree, 7, 33, 9, 1)
+
+
 @settings(deadline=None)
 @given(m=st.integers(2, 12), data=st.data(), seed=st.integers(0, 2**31))
-def test_rows_are_independent(fn, m, data, seed):
+def test_rows_are_independent(m, data, seed):
     a = data.draw(st.integers(0, m - 1))
     b = data.draw(st.integers(a + 1, m))
     x, w = rand((m, 96), seed), rand((24, 96), seed + 1)
-    assert torch.equal(fn(x, w, 4)[a:b], fn(x[a:b], w, 4))
+    assert torch.equal(cl.linear_tree_ref(x, w, 4)[a:b], cl.linear_tree_ref(x[a:b], w, 4))
+
+
+def test_rows_are_independent_triton():
+    x, w = rand((9, 96), 2), rand((24, 96), 3)
+    assert torch.equal(cl.linear_tree(x, w, 4)[2:5], cl.linear_tree(x[2:5], w, 4))
 
 
 @pytest.mark.parametrize("fn", IMPLS)
@@ -108,3 +120,20 @@ def test_gpu_rank_subtrees_equal_the_full_tree(dtype):
         for ranks in (2, 4, 8):
             assert torch.equal(_ranks_then_tree(cl.linear_tree, x, w, 8, ranks), full)
         assert torch.equal(cl.linear_tree(x[: m // 2 + 1], w, 8), full[: m // 2 + 1])
+
+
+@settings(deadline=None)
+@given(m=st.integers(1, 6), n=st.integers(1, 20), kc=st.sampled_from([1, 16, 100, 128, 200, 256]),
+       chunks=st.sampled_from([1, 2, 4, 8]), seed=st.integers(0, 2**31))
+def test_ref_batched_partials_equal_per_chunk_linear_ref(m, n, kc, chunks, seed):
+    """The ref's one-product path gives each chunk exactly `linear_ref` of that K slice."""
+    from detinfer.kernels import matmul as mm
+
+    x, w = rand((m, kc * chunks), seed), rand((n, kc * chunks), seed + 1)
+    parts = torch.stack([mm.linear_ref(x[:, c * kc:(c + 1) * kc], w[:, c * kc:(c + 1) * kc]) for c in range(chunks)])
+    assert torch.equal(cl.linear_tree_ref(x, w, chunks), cl.pairwise_tree_sum(parts))
+    x[0, 0] = float("inf")  # the per-chunk fallback: the same definition
+    parts = torch.stack([mm.linear_ref(x[:, c * kc:(c + 1) * kc], w[:, c * kc:(c + 1) * kc]) for c in range(chunks)])
+    # zero tolerance, NaN == NaN (an inf row's products may hold inf - inf)
+    torch.testing.assert_close(cl.linear_tree_ref(x, w, chunks), cl.pairwise_tree_sum(parts), rtol=0, atol=0,
+                               equal_nan=True)

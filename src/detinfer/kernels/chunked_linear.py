@@ -21,9 +21,11 @@ Rows are independent in both, so a row's result does not depend on M (f(x)[m:n] 
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
+from detinfer.kernels import _exact_dot as _ed
 from detinfer.kernels import matmul as _mm
 
 __all__ = ["pairwise_tree_sum", "linear_tree", "linear_tree_ref", "check_chunks"]
@@ -55,16 +57,70 @@ def check_chunks(op: str, x: torch.Tensor, weight: torch.Tensor, num_chunks: int
         raise ValueError(f"{op}: K={k} is not a multiple of num_chunks={num_chunks} (chunks must be equal)")
 
 
+def _chunks_on_grid(t: torch.Tensor, num_chunks: int) -> torch.Tensor:
+    """[R, K] -> float64 [R, num_chunks * c', CHUNK_K]: each of the num_chunks K slices zero-padded to whole
+    `_exact_dot` chunks (c' per slice) and rounded to its grid, exactly as `linear_ref` does for that slice."""
+    r, k = t.shape
+    kc = k // num_chunks
+    width = max(1, -(-kc // _ed.CHUNK_K)) * _ed.CHUNK_K
+    buf = torch.zeros((r, num_chunks, width), dtype=torch.float64, device=t.device)
+    buf[:, :, :kc] = t.reshape(r, num_chunks, kc)
+    buf = buf.view(r, -1, _ed.CHUNK_K)
+    _ed._round_rows_(buf)
+    return buf
+
+
+# weight id -> (weakref, signature, num_chunks, [sub-chunks, N, CHUNK_K] float64): the rounded weight, as
+# _exact_dot caches it for linear_ref (rounding a weight costs more than the products it feeds at decode).
+_WEIGHT_CACHE: dict[int, tuple] = {}
+
+
+def _rounded_weight(w: torch.Tensor, num_chunks: int) -> torch.Tensor:
+    key, sig = id(w), (w._version, w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype, num_chunks)
+    hit = _WEIGHT_CACHE.get(key)
+    if hit is not None and hit[0]() is w and hit[1] == sig:
+        return hit[2]
+    q = _chunks_on_grid(w, num_chunks).transpose(0, 1).contiguous()
+    try:
+        ref = weakref.ref(w, lambda _r, key=key: _WEIGHT_CACHE.pop(key, None))
+        _WEIGHT_CACHE[key] = (ref, sig, q)
+    except TypeError:  # pragma: no cover - every torch.Tensor takes weak references today
+        pass
+    return q
+
+
+def _exact_partials(x2: torch.Tensor, weight: torch.Tensor, num_chunks: int) -> torch.Tensor | None:
+    """fp32 [C, M, N]: partial c == linear_ref(x2[:, slice c], weight[:, slice c]) bit for bit (each slice's
+    exact sub-chunk sums added in ascending order in float64, rounded once), in one batched product. None
+    when an operand holds an inf or a NaN (no grid; the caller takes the per-chunk path)."""
+    if not (bool(torch.isfinite(x2).all()) and bool(torch.isfinite(weight).all())):
+        return None
+    xq = _chunks_on_grid(x2, num_chunks)  # [M, C c', CHUNK_K]
+    wq = _rounded_weight(weight, num_chunks)  # [C c', N, CHUNK_K]
+    parts = torch.bmm(xq.transpose(0, 1), wq.transpose(1, 2))  # [C c', M, N]: exact sub-chunk dot products
+    per = parts.shape[0] // num_chunks
+    parts = parts.view(num_chunks, per, *parts.shape[1:])
+    acc = parts[:, 0].clone() if per == 1 else parts[:, 0] + parts[:, 1]
+    for j in range(2, per):
+        acc += parts[:, j]
+    return acc.to(torch.float32)
+
+
 def linear_tree_ref(x: torch.Tensor, weight: torch.Tensor, num_chunks: int) -> torch.Tensor:
     """Pure-torch `linear_tree`: x [..., K], weight [N, K] -> fp32 [..., N] (module doc)."""
     check_chunks("linear_tree_ref", x, weight, num_chunks)
     n, k = weight.shape
     kc = k // num_chunks
-    acc_dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    x2 = x.reshape(math.prod(x.shape[:-1]), k).to(acc_dt)
-    w = weight.to(acc_dt)
-    parts = torch.stack([_mm.linear_ref(x2[:, c * kc:(c + 1) * kc], w[:, c * kc:(c + 1) * kc])
-                         for c in range(num_chunks)])  # [C, M, N]
+    rows = math.prod(x.shape[:-1])
+    x2 = x.reshape(rows, k)
+    parts = None
+    if x.dtype != torch.float64 and rows and n:
+        parts = _exact_partials(x2, weight, num_chunks)
+    if parts is None:  # float64, inf/NaN, or an empty product: each chunk through linear_ref
+        acc_dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+        xa, w = x2.to(acc_dt), weight.to(acc_dt)
+        parts = torch.stack([_mm.linear_ref(xa[:, c * kc:(c + 1) * kc], w[:, c * kc:(c + 1) * kc])
+                             for c in range(num_chunks)])  # [C, M, N]
     return pairwise_tree_sum(parts).reshape(tuple(x.shape[:-1]) + (n,))
 
 
