@@ -51,6 +51,18 @@ def make_runner(model: Transformer, model_config: ModelConfig, config: EngineCon
     return TensorParallelRunner(model, model_config, config, num_kv_blocks)
 
 
+# Imported once by the fork server; each worker is forked from it (no re-import of torch per worker and per
+# engine). The server is a fresh single-threaded process that never touches CUDA, so forking it is safe
+# (unlike forking the engine's own process).
+_WORKER_PRELOAD = ["detinfer.distributed.worker", "detinfer.distributed.layers", "detinfer.engine.model_runner"]
+
+
+def _process_context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_WORKER_PRELOAD)
+    return ctx
+
+
 def rank_devices(device: torch.device, size: int) -> list[torch.device]:
     """Rank r's device: CPU for all, or the r-th CUDA device from the engine's."""
     if device.type != "cuda":
@@ -75,7 +87,7 @@ class TensorParallelRunner:
         self._procs, self._conns, self._failure, self._closing = [], [], None, False
         eager = config.replace(enforce_eager=True)
         port = free_port()
-        ctx = mp.get_context("spawn")
+        ctx = _process_context()
         threads = max(1, torch.get_num_threads() // size) if device.type == "cpu" else None
         try:
             for r in range(1, size):
@@ -208,7 +220,7 @@ def _watch(sentinels, runner_ref) -> None:
         group.abort()
 
 
-def _stop_workers(procs, conns, timeout_s: float = 5.0) -> None:
+def _stop_workers(procs, conns, timeout_s: float = 2.0) -> None:
     for conn in conns:
         try:
             conn.send(("stop",))
