@@ -22,9 +22,9 @@ import time
 import pytest
 import torch
 
+from detinfer.cache.layout import StepLayout
 from detinfer.distributed import check_tp_config, tp_invariant_chunks
 from detinfer.distributed.worker import LayoutBatch
-from detinfer.cache.layout import StepLayout
 from detinfer.engine import EngineConfig, LLMEngine, SamplingParams
 from detinfer.models.config import ModelConfig
 from detinfer.models.testing import tiny_config_dict, write_tiny_checkpoint
@@ -94,9 +94,9 @@ def forward_logits(engine) -> torch.Tensor:
     return engine.runner.execute(LayoutBatch(layout)).clone()
 
 
-def engine_at(model_dir, tp, **kw):
+def engine_at(model_dir, tp, device="cpu", **kw):
     cfg = dict(max_num_batched_tokens=16, max_num_seqs=4, block_size=4, num_kv_blocks=64, max_model_len=64)
-    return LLMEngine(model_dir, EngineConfig(tensor_parallel_size=tp, **{**cfg, **kw}), device="cpu")
+    return LLMEngine(model_dir, EngineConfig(tensor_parallel_size=tp, **{**cfg, **kw}), device=device)
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +161,7 @@ def test_tp2_batch_invariant_through_chunks_prefix_cache_and_preemption(model_di
 
 def test_bad_configs_name_what_is_allowed():
     cfg = ModelConfig.from_dict(tiny_config_dict("LlamaForCausalLM", **MODEL))
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 .*num_attention_heads=4.*allowed sizes .*\[1, 2, 4\]"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 .*num_attention_heads=4.*allowed sizes .*\[1, 2, 4"):
         check_tp_config(cfg, 3)
     wide = ModelConfig.from_dict(tiny_config_dict("LlamaForCausalLM", **{**MODEL, "num_attention_heads": 8,
                                                                          "num_key_value_heads": 4}))
