@@ -148,6 +148,9 @@ class TensorParallelRunner:
             self._fail(self._worker_failure(wait_s=2.0) or
                        f"tensor-parallel step failed on rank 0 ({type(e).__name__}: {e})")
             raise RuntimeError(self._failure) from e
+        except BaseException:  # interrupted mid-step: the ranks' collectives are out of step from here on
+            self._fail("a tensor-parallel step was interrupted")
+            raise
 
     def _fail(self, message: str) -> None:
         self._failure = (f"{message}; the tensor-parallel group (size {self.size}) is stopped: build a new "
