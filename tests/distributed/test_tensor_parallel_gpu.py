@@ -1,10 +1,10 @@
-"""Tensor parallelism on GPUs (NCCL, bf16, Triton kernels), asserted bitwise; needs >= 2 visible GPUs.
+"""Tensor parallelism on GPUs (NCCL, bf16, Triton kernels), asserted bitwise.
 
-Skipped (shown as skipped) without CUDA; the TP>1 tests also with a single GPU. The model is a random bf16 Qwen3-shaped
-checkpoint (q/k norm, GQA 8/2, head_dim 128, 8 reduction chunks), big enough that the matmul and attention
-kernels pick several configs. Checked: TP=1 with the chunk tree in CUDA graphs == eager (one GPU); TP=2 == TP=1 with tp_invariant_reduction (requests and a forward's
-logits), TP=2 alone == batched with the default reduction, TP=4 == TP=1 when 4 GPUs are visible, and fast
-mode (NCCL all-reduce) runs.
+Skipped (shown as skipped) without CUDA; the TP>1 tests also with a single GPU. The model is a random bf16
+Qwen3-shaped checkpoint (q/k norm, GQA 8/2, head_dim 128, 8 reduction chunks), big enough that the matmul
+and attention kernels pick several configs. Checked: TP=1 with the chunk tree in CUDA graphs == eager (one
+GPU); TP=2 == TP=1 with tp_invariant_reduction (requests and a forward's logits); TP=2 alone == batched
+with the default reduction; TP=4 == TP=1 when 4 GPUs are visible; fast mode (NCCL all-reduce) runs.
 """
 
 import random
