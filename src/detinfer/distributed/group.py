@@ -28,10 +28,15 @@ DEFAULT_TIMEOUT_S = 300.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (for the group's store on rank 0)."""
+    """A TCP port that was free a moment ago (benchmarks; the engine uses `master_store`, which cannot race)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def master_store(size: int, *, host: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S):
+    """Rank 0's store on a port the OS picks (`store.port` tells the workers where it is)."""
+    return dist.TCPStore(host, 0, size, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 def backend_for(device: torch.device) -> str:
@@ -68,10 +73,12 @@ class TPGroup:
 
 
 def connect(rank: int, size: int, port: int, device: torch.device, *, host: str = "127.0.0.1",
-            timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:
-    """Join the group (blocks until all `size` ranks have joined, or `timeout_s`). Rank 0 hosts the store."""
+            timeout_s: float = DEFAULT_TIMEOUT_S, store=None) -> TPGroup:
+    """Join the group (blocks until all `size` ranks have joined, or `timeout_s`). Rank 0 hosts the store
+    (pass its `master_store` as `store`, or rank 0 creates one on `port`)."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout)
+    if store is None:
+        store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout)
     backend = backend_for(device)
     if backend == "nccl":
         torch.cuda.set_device(device)

@@ -28,7 +28,7 @@ import weakref
 import torch
 import torch.multiprocessing as mp
 
-from detinfer.distributed.group import DEFAULT_TIMEOUT_S, connect, free_port
+from detinfer.distributed.group import DEFAULT_TIMEOUT_S, connect, master_store
 from detinfer.distributed.layers import build_local_model, check_tp_config, local_config, shard_state, use_chunk_tree
 from detinfer.distributed.worker import WorkerSpec, shrink_kv_cache, worker_main
 from detinfer.engine.config import EngineConfig
@@ -86,7 +86,8 @@ class TensorParallelRunner:
         self.config, self.size, self.model_config = config, size, model_config
         self._procs, self._conns, self._failure, self._closing = [], [], None, False
         eager = config.replace(enforce_eager=True)
-        port = free_port()
+        store = master_store(size, timeout_s=timeout_s)
+        port = store.port
         ctx = _process_context()
         threads = max(1, torch.get_num_threads() // size) if device.type == "cpu" else None
         try:
@@ -101,7 +102,7 @@ class TensorParallelRunner:
                 self._conns.append(parent)
             self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns)
             self._expect("hello")
-            self.group = connect(0, size, port, device, timeout_s=timeout_s)
+            self.group = connect(0, size, port, device, timeout_s=timeout_s, store=store)
             for r, conn in enumerate(self._conns, 1):
                 conn.send(("state", {k: v.cpu() for k, v in shard_state(model, model_config, r, size).items()}))
             local = build_local_model(model_config, size, ops, self.group, shard_state(model, model_config, 0, size),
