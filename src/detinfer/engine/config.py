@@ -99,7 +99,7 @@ class EngineConfig:
         "qkv/gate_up, row-parallel o/down, vocab-parallel embedding and lm_head. See docs/tensor-parallel.md."))
     tp_invariant_reduction: bool = field(default=False, metadata=_help(
         "Deterministic mode: row-parallel layers sum fixed K chunks in a fixed tree, so TP=1, 2, 4, ... give "
-        "the same bits (also changes TP=1's bits; off by default until its cost is measured)."))
+        "the same bits (also changes TP=1's bits; off by default until its cost is measured). Ignored in fast mode."))
 
     def __post_init__(self):
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
@@ -121,8 +121,9 @@ class EngineConfig:
         if not isinstance(self.tp_invariant_reduction, bool):
             raise TypeError(f"tp_invariant_reduction must be a bool, got {self.tp_invariant_reduction!r}")
         if self.tp_invariant_reduction and self.mode != "deterministic":
-            raise ValueError("tp_invariant_reduction needs mode='deterministic' (fast mode's all-reduce has no "
-                             "fixed order to make invariant)")
+            # Fast mode's all-reduce has no fixed order to make invariant: the flag means nothing there, and
+            # `--mode both` (repro) runs one flag set for both modes.
+            object.__setattr__(self, "tp_invariant_reduction", False)
         # Every running sequence must be able to decode in every step, or a step could starve one.
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
