@@ -123,10 +123,15 @@ def _shard(name: str, t: torch.Tensor, config: ModelConfig, rank: int, size: int
     return t  # norms, row-parallel biases: replicated
 
 
-def shard_state(model: Transformer, config: ModelConfig, rank: int, size: int) -> dict[str, torch.Tensor]:
-    """Rank `rank`'s weights of the full `model`, as new contiguous tensors named like the local model's."""
-    return {name: _shard(name, p.detach(), config, rank, size).contiguous().clone()
-            for name, p in model.named_parameters()}
+def shard_state(model: Transformer, config: ModelConfig, rank: int, size: int,
+                device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s weights of the full `model`, as new contiguous tensors named like the local model's, on
+    `device` (default: the model's; copied there slice by slice, never as a whole shard on the model's)."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = _shard(name, p.detach(), config, rank, size)
+        out[name] = (t.clone() if device is None else t.to(device, copy=True)).contiguous()
+    return out
 
 
 # -- the layers -------------------------------------------------------------------------------------------

@@ -104,7 +104,7 @@ class TensorParallelRunner:
             self._expect("hello")
             self.group = connect(0, size, port, device, timeout_s=timeout_s, store=store)
             for r, conn in enumerate(self._conns, 1):
-                conn.send(("state", {k: v.cpu() for k, v in shard_state(model, model_config, r, size).items()}))
+                conn.send(("state", shard_state(model, model_config, r, size, device="cpu")))
             local = build_local_model(model_config, size, ops, self.group, shard_state(model, model_config, 0, size),
                                       device, config.tp_invariant_reduction)
             self.local = ModelRunner(local, local_config(model_config, size), eager, num_kv_blocks)
