@@ -7,6 +7,8 @@ linear       bf16 Llama-3-8B shapes x M in {1, 4, 16, 64, 256, 1024, 4096, 8192}
 rmsnorm      detinfer.kernels.rmsnorm.rms_norm vs torch's F.rms_norm, hidden 4096, rows {1, 64, 1024, 8192}
 log_softmax  detinfer.kernels.softmax.log_softmax vs torch.log_softmax (bf16 in, fp32 out), vocab 128256 /
              151936, rows {1, 64, 1024, 8192}
+host         per-call host cost (calls enqueued without syncs) of each launcher with direct launches on and
+             off, and of the drop-in mode's overrides, vs the stock op, on SmolLM2-135M decode shapes
 Inputs that fit in L2 are rotated over several copies so that no repeated call can be served from cache.
 ratio = stock time / ours (>= 1: ours is faster). Bandwidth fractions are of PEAK_BW (3.0 TB/s, the
 measured H100 copy rate). Method and every measured table: docs/performance.md.
@@ -206,7 +208,76 @@ def bench_log_softmax(rows_out: list) -> None:
             del sets
 
 
-SECTIONS = {"linear": bench_linear, "rmsnorm": bench_rmsnorm, "log_softmax": bench_log_softmax}
+def host_us(fn, calls: int = 2000) -> float:
+    """Host time per call in us: calls enqueued back to back with no sync, timed up to the last enqueue.
+    On shapes whose kernels take less than the launch path, this is the launch path's cost."""
+    import time
+
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
+def bench_host(rows_out: list) -> None:
+    """Per-call host cost of each launcher (direct launches on and off) and of the drop-in mode's aten
+    overrides, against the stock op, on SmolLM2-135M decode shapes (hidden 576, MLP 1536, vocab 49152)."""
+    import detinfer
+    from detinfer.kernels import _direct
+    from detinfer.kernels import matmul as mm
+    from detinfer.kernels import reduce as rd
+    from detinfer.kernels import rmsnorm as rn
+    from detinfer.kernels import silu_mul as sm_
+    from detinfer.kernels import softmax as sm
+    print("\n## host cost per call (us, best of 5 x 2000 enqueued calls; bf16, M = 1..8 rows)")
+    print(f"{'op':26s} {'ours':>7s} {'ours, no direct':>16s} {'stock':>7s} {'ours/stock':>10s}")
+    x, r = torch.randn(8, 576, device="cuda").bfloat16(), torch.randn(8, 576, device="cuda").bfloat16()
+    w, wn = torch.randn(1536, 576, device="cuda").bfloat16(), torch.rand(576, device="cuda").bfloat16()
+    big = torch.randn(1, 49152, device="cuda").bfloat16()
+    gu = torch.randn(8, 3072, device="cuda").bfloat16()
+    g, u = gu.split(1536, dim=-1)
+    bias = torch.zeros(1536, device="cuda").bfloat16()
+    cases = [
+        ("linear M=1", lambda: mm.linear(x[:1], w), lambda: F.linear(x[:1], w)),
+        ("linear M=8", lambda: mm.linear(x, w), lambda: F.linear(x, w)),
+        ("rms_norm + residual", lambda: rn.rms_norm(x, wn, 1e-6, residual=r),
+         lambda: F.rms_norm(x + r, (576,), wn, 1e-6)),
+        ("log_softmax 1 x 49152", lambda: sm.log_softmax(big, -1, torch.float32),
+         lambda: torch.log_softmax(big, -1, dtype=torch.float32)),
+        ("mean(-1)", lambda: rd.mean_dim(x, -1, keepdim=True), lambda: x.mean(-1, keepdim=True)),
+        ("silu_mul", lambda: sm_.silu_mul(g, u), lambda: F.silu(g) * u),
+    ]
+    for name, ours, stock in cases:
+        t_ours = host_us(ours)
+        _direct.set_enabled(False)
+        try:
+            t_plain = host_us(ours)
+        finally:
+            _direct.set_enabled(True)
+        t_stock = host_us(stock)
+        rows_out.append({"section": "host", "op": name, "ours_us": t_ours, "no_direct_us": t_plain,
+                         "stock_us": t_stock})
+        print(f"{name:26s} {t_ours:7.1f} {t_plain:16.1f} {t_stock:7.1f} {t_ours / t_stock:10.2f}", flush=True)
+    # The drop-in mode: the stock call, routed through the aten override (dispatch + Ops + launcher).
+    mode_cases = [("mode: F.linear M=1 (mm)", lambda: F.linear(x[:1], w)),
+                  ("mode: F.linear+bias (addmm)", lambda: F.linear(x[:1], w, bias)),
+                  ("mode: softmax", lambda: torch.softmax(big, -1)), ("mode: mean(-1)", lambda: x.mean(-1))]
+    for name, fn in mode_cases:
+        t_stock = host_us(fn)
+        with detinfer.batch_invariant():
+            t_ours = host_us(fn)
+        rows_out.append({"section": "host", "op": name, "ours_us": t_ours, "stock_us": t_stock})
+        print(f"{name:26s} {t_ours:7.1f} {'':16s} {t_stock:7.1f} {t_ours / t_stock:10.2f}", flush=True)
+
+
+SECTIONS = {"linear": bench_linear, "rmsnorm": bench_rmsnorm, "log_softmax": bench_log_softmax, "host": bench_host}
 
 
 def main() -> None:

@@ -3,7 +3,8 @@ the offline engine in this process, side by side.
 
     # against a server this script starts (and stops before the offline run, so both get the whole GPU):
     python bench/bench_server.py MODEL_DIR --start-server [--num-requests 256] [--concurrency 64] \
-        [--input-len 256] [--output-len 128] [--json FILE] [engine flags: --mode, --max-num-seqs, ...]
+        [--input-len 256] [--output-len 128] [--json FILE] [engine flags: --mode, --max-num-seqs, ...] \
+        [--no-engine-process: the server steps its engine on a thread instead of in its own process]
     # against a server already running (the offline run then shares the device with it):
     python bench/bench_server.py MODEL_DIR --url http://127.0.0.1:8000 --served-model-name NAME
 
@@ -137,10 +138,11 @@ async def run_http(url: str, name: str, prompts: list[list[int]], args) -> dict:
 
 
 def run_offline(model_dir: str, cfg: EngineConfig, device: str | None, prompts: list[list[int]], args) -> dict:
+    from detinfer.engine.core_client import EngineCoreClient
     from detinfer.engine.llm_engine import LLMEngine
     from detinfer.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(model_dir, cfg, device=device)
+    engine = (EngineCoreClient if args.offline_engine_process else LLMEngine)(model_dir, cfg, device=device)
 
     def add(i: int) -> None:
         engine.add_request(str(i), prompts[i], SamplingParams(max_tokens=args.output_len, ignore_eos=True,
@@ -167,6 +169,8 @@ def run_offline(model_dir: str, cfg: EngineConfig, device: str | None, prompts: 
                     add(nxt)
                     nxt += 1
     wall = time.perf_counter() - t0
+    if args.offline_engine_process:
+        engine.close()
     out_tokens = sum(len(o.token_ids) for o in final.values())
     return {"wall_s": wall, "requests_per_s": len(prompts) / wall, "output_tokens_per_s": out_tokens / wall,
             "output_tokens": out_tokens, "engine_steps": steps, "mean_step_s": step_s / max(steps, 1),
@@ -234,6 +238,11 @@ def main(argv: list[str] | None = None) -> int:
                         "run (GIL holder, raw stacks) into FILE")
     parser.add_argument("--server-arg", action="append", default=[], help="extra argument for `detinfer serve` "
                         "(repeat; e.g. --server-arg=--gil-switch-interval-ms --server-arg=20)")
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                        help="the started server runs its engine core in its own process (default, `detinfer "
+                        "serve`'s default) or, with --no-engine-process, on a thread of the server process")
+    parser.add_argument("--offline-engine-process", action="store_true", help="the offline run drives the engine "
+                        "core in its own process too (LLM(engine_process=True)'s client) instead of in this one")
     parser.add_argument("--no-offline", action="store_true", help="skip the offline-engine comparison")
     parser.add_argument("--json", help="write the summary (no per-request results) to this file")
     parser.add_argument("--write-random", metavar="PRESET", help="first write a checkpoint of this shape with "
@@ -261,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     proc = None
     url = args.url
     if args.start_server:
-        proc, url = start_server(args.model_dir, args.served_model_name, cfg, args.device, args.server_arg)
+        mode_flag = "--engine-process" if args.engine_process else "--no-engine-process"
+        proc, url = start_server(args.model_dir, args.served_model_name, cfg, args.device,
+                                 [mode_flag, *args.server_arg])
     try:
         for rep in range(args.http_repeat):
             prof = None
@@ -280,8 +291,9 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(120)
     summary = {"config": {k: v for k, v in vars(args).items()}, "http": {k: v for k, v in http.items()
                                                                           if k != "results"}}
+    where = "engine process" if args.engine_process else "engine thread"
     print(f"HTTP    : {args.num_requests} requests, concurrency {args.concurrency}, {args.input_len} in / "
-          f"{args.output_len} out tokens, mode {cfg.mode}")
+          f"{args.output_len} out tokens, mode {cfg.mode}{f', {where}' if args.start_server else ''}")
     print(f"          {http['wall_s']:.2f} s  {http['requests_per_s']:.2f} req/s  "
           f"{http['output_tokens_per_s']:.1f} out tok/s  latency p50 {http['latency_p50_s']:.3f} s "
           f"p99 {http['latency_p99_s']:.3f} s  TTFT p50 {http['ttft_p50_s']:.3f} s p99 {http['ttft_p99_s']:.3f} s")

@@ -1,15 +1,20 @@
-"""AsyncEngine (engine loop thread + asyncio streams) over a scripted fake engine: admission bound, aborts,
-engine failure, shutdown and drain, cancellation while adding. Each test runs its own event loop and
-bounds every wait, so a bug shows as a failure, never as a hung CI job."""
+"""The server's engine front ends over a scripted fake engine: AsyncEngine (engine loop thread + asyncio
+streams) and CoreAsyncEngine (the engine core's real loop and wire format, here with the core on a thread of
+the test process so the fake engine can be scripted): admission bound, aborts, engine failure, shutdown and
+drain, cancellation while adding. Every test runs against both, so they keep the same semantics. Each test
+runs its own event loop and bounds every wait, so a bug shows as a failure, never as a hung CI job."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 
 import pytest
 
+from detinfer.engine import core_wire as wire
+from detinfer.engine.core_process import CoreLoop, EngineCoreError
 from detinfer.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from detinfer.server.async_engine import (
     AsyncEngine,
@@ -20,6 +25,7 @@ from detinfer.server.async_engine import (
     RequestStream,
     RequestTooLargeError,
 )
+from detinfer.server.core_engine import CoreAsyncEngine
 
 WAIT_S = 10.0
 
@@ -78,8 +84,44 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, WAIT_S))
 
 
-async def _started(engine, **kw) -> AsyncEngine:
-    ae = AsyncEngine(engine, **kw)
+class ThreadCore:
+    """Stands in for a started CoreProcess: the real CoreLoop over `engine`, on a thread, across a socketpair."""
+
+    pid = 0
+
+    def __init__(self, engine):
+        self.sock, self._theirs = socket.socketpair()
+        self.thread = threading.Thread(target=self._run, args=(engine,), daemon=True)
+        self.thread.start()
+
+    def _run(self, engine) -> None:
+        try:
+            CoreLoop(engine, self._theirs).run()
+        except (EOFError, ConnectionError, EngineCoreError):
+            pass
+        finally:
+            self._theirs.close()  # what a process's exit does: the front end sees EOF
+
+    def exit_description(self) -> str:
+        return "its thread ended"
+
+    def close(self) -> None:
+        try:
+            wire.send(self.sock, ("shutdown",))
+            wire.drain_until_closed(self.sock, WAIT_S)
+        except OSError:
+            pass
+        self.sock.close()
+        self.thread.join(WAIT_S)
+
+
+@pytest.fixture(params=["thread", "core"])
+def front(request) -> str:
+    return request.param
+
+
+async def _started(front: str, engine, **kw) -> AsyncEngine:
+    ae = AsyncEngine(engine, **kw) if front == "thread" else CoreAsyncEngine(ThreadCore(engine), **kw)
     ae.start()
     return ae
 
@@ -89,11 +131,11 @@ async def _collect(stream: RequestStream):
     return outs[-1]
 
 
-def test_requests_run_on_the_engine_thread_and_finish():
+def test_requests_run_on_the_engine_thread_and_finish(front):
     fake = FakeEngine()
 
     async def main():
-        ae = await _started(fake)
+        ae = await _started(front, fake)
         streams = [await ae.add_request(f"r{i}", [1, 2], 3 + i) for i in range(4)]
         finals = await asyncio.gather(*map(_collect, streams))
         assert [len(f.outputs[0].token_ids) for f in finals] == [3, 4, 5, 6]
@@ -106,9 +148,9 @@ def test_requests_run_on_the_engine_thread_and_finish():
     assert ae.metrics.steps.get() == fake.steps and ae.metrics.engine_alive.get() == 0
 
 
-def test_refused_request_raises_and_releases_its_slot():
+def test_refused_request_raises_and_releases_its_slot(front):
     async def main():
-        ae = await _started(FakeEngine(), max_pending_requests=1)
+        ae = await _started(front, FakeEngine(), max_pending_requests=1)
         with pytest.raises(ValueError, match="empty"):
             await ae.add_request("bad", [], 3)
         assert ae.num_pending == 0
@@ -118,9 +160,9 @@ def test_refused_request_raises_and_releases_its_slot():
     run(main())
 
 
-def test_admission_bound_raises_queue_full():
+def test_admission_bound_raises_queue_full(front):
     async def main():
-        ae = await _started(FakeEngine(step_seconds=0.01), max_pending_requests=2)
+        ae = await _started(front, FakeEngine(step_seconds=0.01), max_pending_requests=2)
         a = await ae.add_request("a", [1], 50)
         b = await ae.add_request("b", [1], 50)
         with pytest.raises(QueueFullError):
@@ -136,11 +178,11 @@ def test_admission_bound_raises_queue_full():
     run(main())
 
 
-def test_abort_frees_the_request_in_the_engine():
+def test_abort_frees_the_request_in_the_engine(front):
     fake = FakeEngine(step_seconds=0.005)
 
     async def main():
-        ae = await _started(fake)
+        ae = await _started(front, fake)
         s = await ae.add_request("long", [1], 10_000)
         await s.__anext__()
         ae.abort("long")
@@ -170,9 +212,9 @@ def test_stream_skips_to_the_latest_cumulative_output():
     run(main())
 
 
-def test_engine_failure_fails_requests_and_refuses_new_ones():
+def test_engine_failure_fails_requests_and_refuses_new_ones(front):
     async def main():
-        ae = await _started(FakeEngine(fail_at_step=3))
+        ae = await _started(front, FakeEngine(fail_at_step=3))
         s = await ae.add_request("r", [1], 100)
         with pytest.raises(EngineUnavailableError, match="device lost"):
             await _collect(s)
@@ -184,11 +226,11 @@ def test_engine_failure_fails_requests_and_refuses_new_ones():
     run(main())
 
 
-def test_shutdown_aborts_in_flight_and_refuses_new():
+def test_shutdown_aborts_in_flight_and_refuses_new(front):
     fake = FakeEngine(step_seconds=0.005)
 
     async def main():
-        ae = await _started(fake)
+        ae = await _started(front, fake)
         s = await ae.add_request("r", [1], 10_000)
         await ae.shutdown()
         with pytest.raises(RequestAborted):
@@ -201,9 +243,9 @@ def test_shutdown_aborts_in_flight_and_refuses_new():
     assert fake.aborted == ["r"]
 
 
-def test_drain_lets_short_requests_finish_then_aborts_the_rest():
+def test_drain_lets_short_requests_finish_then_aborts_the_rest(front):
     async def main():
-        ae = await _started(FakeEngine(step_seconds=0.002))
+        ae = await _started(front, FakeEngine(step_seconds=0.002))
         short = await ae.add_request("short", [1], 3)
         long = await ae.add_request("long", [1], 100_000)
         t0 = time.monotonic()
@@ -221,12 +263,12 @@ def test_drain_lets_short_requests_finish_then_aborts_the_rest():
     run(main())
 
 
-def test_cancelled_add_is_undone():
+def test_cancelled_add_is_undone(front):
     """A client that disconnects while its add waits for a busy engine thread must not leak the request."""
     fake = FakeEngine(step_seconds=0.2)
 
     async def main():
-        ae = await _started(fake)
+        ae = await _started(front, fake)
         busy = await ae.add_request("busy", [1], 3)  # keeps the thread inside slow steps
         task = asyncio.ensure_future(ae.add_request("gone", [1], 10_000))
         await asyncio.sleep(0.05)
@@ -244,13 +286,13 @@ def test_cancelled_add_is_undone():
     run(main())
 
 
-def test_requests_of_one_http_request_are_admitted_together():
+def test_requests_of_one_http_request_are_admitted_together(front):
     """A request with k prompts reserves k slots at once: all fit, or none starts (429); k above the bound
     can never fit (RequestTooLargeError -> 400, not "retry later")."""
     fake = FakeEngine(step_seconds=0.01)
 
     async def main():
-        ae = await _started(fake, max_pending_requests=4)
+        ae = await _started(front, fake, max_pending_requests=4)
         with pytest.raises(RequestTooLargeError, match="more than this server ever admits"):
             await ae.add_requests([(f"big{i}", [1], 1) for i in range(5)])
         held = await ae.add_requests([("a", [1], 50), ("b", [1], 50)])
@@ -270,11 +312,11 @@ def test_requests_of_one_http_request_are_admitted_together():
     run(main())
 
 
-def test_a_request_failure_ends_only_its_stream():
+def test_a_request_failure_ends_only_its_stream(front):
     """An output carrying `error` (the engine aborted that request alone) ends its stream with RequestFailed;
     the engine stays healthy and the other requests run to the end."""
     async def main():
-        ae = await _started(FakeEngine(fail_request="bad"))
+        ae = await _started(front, FakeEngine(fail_request="bad"))
         good = await ae.add_request("good", [1], 5)
         bad = await ae.add_request("bad", [1], 5)
         with pytest.raises(RequestFailed, match="injected"):
@@ -287,7 +329,7 @@ def test_a_request_failure_ends_only_its_stream():
     run(main())
 
 
-def test_an_unexpected_add_failure_is_that_request_s_error():
+def test_an_unexpected_add_failure_is_that_request_s_error(front):
     class Exploding(FakeEngine):
         def add_request(self, request_id, prompt, params):
             if request_id == "boom":
@@ -295,7 +337,7 @@ def test_an_unexpected_add_failure_is_that_request_s_error():
             super().add_request(request_id, prompt, params)
 
     async def main():
-        ae = await _started(Exploding())
+        ae = await _started(front, Exploding())
         with pytest.raises(RequestFailed, match="could not add"):
             await ae.add_request("boom", [1], 2)
         assert ae.is_healthy and ae.num_pending == 0

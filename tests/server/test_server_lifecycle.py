@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
@@ -114,3 +116,6 @@ def test_graceful_shutdown_finishes_or_aborts_cleanly(start_server, tmp_path):
     log = server.log()
     assert "draining: 3 request(s) in flight" in log and "aborting 2 request(s)" in log, log
     assert "Traceback" not in log
+    # the engine core process (the default) was stopped with the server: no orphan
+    core_pid = int(re.search(r"engine process pid (\d+)", log).group(1))
+    assert not Path(f"/proc/{core_pid}").exists() or "\nState:\tZ" in Path(f"/proc/{core_pid}/status").read_text()

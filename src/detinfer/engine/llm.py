@@ -7,6 +7,13 @@
 Each call queues every prompt, steps the engine until all of them finish, and returns their final
 `RequestOutput`s. In deterministic mode a prompt's completion is the same whether it is generated alone
 or in a batch of any size, so batching many prompts in one call costs nothing in reproducibility.
+
+`LLM(..., engine_process=True)` runs the engine in its own process (`engine.core_client`), as `detinfer serve`
+does by default; the results are bit-identical. The default is in-process: a `generate()` caller waits for
+the engine anyway, so a second process only adds a start-up (a second CUDA context and model load) and the
+spawn rules (a script must guard its entry point with `if __name__ == "__main__":`); in-process also keeps
+debuggers and profilers working and lets `TrainableModel` and `detinfer rl` share the engine's weights. Call
+`close()` (or use `with`) to stop the engine process early; it is stopped at exit otherwise.
 """
 
 from __future__ import annotations
@@ -31,16 +38,36 @@ class LLM:
     directory or a Hugging Face hub id (see detinfer.models.hub.resolve_model_path).
 
     Keyword arguments are `EngineConfig` fields (mode, max_num_seqs, max_num_batched_tokens, block_size,
-    num_kv_blocks, max_model_len, dtype, enforce_eager, ...), plus `device` (default: cuda if available).
+    num_kv_blocks, max_model_len, dtype, enforce_eager, ...), plus `device` (default: cuda if available) and
+    `engine_process` (default False: see the module docstring).
     """
 
-    def __init__(self, model: str, *, device=None, **engine_kwargs: Any):
+    def __init__(self, model: str, *, device=None, engine_process: bool = False, **engine_kwargs: Any):
         try:
             config = EngineConfig(**engine_kwargs)
         except TypeError as e:
             raise TypeError(f"LLM: {e} (keyword arguments must be EngineConfig fields)") from None
-        self.engine = LLMEngine(model, config, device=device)
+        if not isinstance(engine_process, bool):
+            raise TypeError(f"LLM: engine_process must be True or False, got {engine_process!r}")
+        if engine_process:
+            from detinfer.engine.core_client import EngineCoreClient
+
+            self.engine = EngineCoreClient(model, config, device=device)
+        else:
+            self.engine = LLMEngine(model, config, device=device)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the engine process (engine_process=True; idempotent). The in-process engine needs nothing."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     @property
     def tokenizer(self):
@@ -96,12 +123,17 @@ class LLM:
         added: list[str] = []
         results: dict[str, RequestOutput] = {}
         try:
-            for rid, prompt, p in zip(ids, prompts, params, strict=True):
+            for i, prompt in enumerate(prompts):
                 if not isinstance(prompt, str) and not _is_token_list(prompt):
-                    raise TypeError(f"prompt {len(added)} must be a non-empty str or a non-empty list of "
+                    raise TypeError(f"prompt {i} must be a non-empty str or a non-empty list of "
                                     f"token ids, got {prompt!r:.80}")
-                engine.add_request(rid, prompt, p)
-                added.append(rid)
+            if hasattr(engine, "add_requests"):  # the engine process: one round trip, all or none
+                engine.add_requests(list(zip(ids, prompts, params, strict=True)))
+                added += ids
+            else:
+                for rid, prompt, p in zip(ids, prompts, params, strict=True):
+                    engine.add_request(rid, prompt, p)
+                    added.append(rid)
             bar = None
             if use_tqdm:
                 from tqdm.auto import tqdm

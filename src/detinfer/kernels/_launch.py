@@ -46,6 +46,13 @@ def sm_count(device: torch.device, *, off_gpu: int) -> int:
 
 def check_kernel_inputs(op: str, *tensors: torch.Tensor | None, dtypes=KERNEL_DTYPES) -> None:
     """Raise a ValueError/TypeError naming `op` if the tensors cannot go to its Triton kernel."""
+    first = tensors[0] if tensors else None
+    if isinstance(first, torch.Tensor) and first.is_cuda and first.dtype in dtypes:
+        # The usual case, decided with a few attribute reads: tensors on one CUDA device, allowed dtypes.
+        dev = first.device
+        if all(t is None or (isinstance(t, torch.Tensor) and t.dtype in dtypes and t.device == dev)
+               for t in tensors[1:]):
+            return
     present = [t for t in tensors if t is not None]
     for t in present:
         if not isinstance(t, torch.Tensor):

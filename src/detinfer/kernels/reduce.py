@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from detinfer.kernels._direct import LaunchCache
 from detinfer.kernels._fold import fold_sum
 from detinfer.kernels._launch import check_kernel_inputs, next_pow2
 
@@ -143,7 +144,9 @@ def _as_rows(x: torch.Tensor, dims: list[int], keepdim: bool):
     """Move the reduced dims last (in their order in x) and view x as [rows, N]; plus the output shape."""
     kept = [d for d in range(x.dim()) if d not in dims]
     n_rows, n_cols = _numel([x.shape[d] for d in kept]), _numel([x.shape[d] for d in dims])
-    rows = x.permute([*kept, *dims]).reshape(n_rows, n_cols)
+    # Reduced dims already last, in order (the usual mean(-1)): no permute view to build (same memory).
+    trailing = dims == list(range(x.dim() - len(dims), x.dim()))
+    rows = (x if trailing else x.permute([*kept, *dims])).reshape(n_rows, n_cols)
     if keepdim:
         out_shape = [1 if d in dims else x.shape[d] for d in range(x.dim())]
     else:
@@ -215,16 +218,23 @@ def mean_dim_ref(x: torch.Tensor, dim=None, keepdim: bool = False, dtype: torch.
     return _reduce_ref("mean_dim_ref", x, dim, keepdim, dtype, True, block_size)
 
 
+_LAUNCHES = LaunchCache(_sum_rows_kernel)
+
+
 def launch_sum_rows(rows: torch.Tensor, out: torch.Tensor, mean: bool, block_size: int) -> torch.Tensor:
     """Reduce each row of rows [M, N] (unit inner stride) into out [M]. Outputs are preallocated so tests
     can poison them; `sum_dim`/`mean_dim` are the validated entry points."""
     m, n = rows.shape
     if m == 0:
         return out
+    tensors = (rows, out)
+    key = (m, n, rows.stride(0), mean, block_size, rows.dtype, out.dtype)  # fixes grid, scalars, constexprs
+    if _LAUNCHES.try_launch(key, tensors):
+        return out
     block, per_prog, warps = tile_for(n, block_size)
-    _sum_rows_kernel[(triton.cdiv(m, per_prog),)](
-        rows, out, m, n, rows.stride(0), MEAN=mean, ROWS=per_prog, BLOCK=block,
-        LOG2_BLOCK=block.bit_length() - 1, num_warps=warps, enable_fp_fusion=False)
+    _LAUNCHES.launch(key, tensors, (-(-m // per_prog),), (m, n, rows.stride(0)),
+                     dict(MEAN=mean, ROWS=per_prog, BLOCK=block, LOG2_BLOCK=block.bit_length() - 1),
+                     num_warps=warps, enable_fp_fusion=False)
     return out
 
 

@@ -12,6 +12,7 @@ so any fixed order is exact and invariant).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -73,25 +74,29 @@ class AtenImpls:
     def __init__(self, cpu_triton: bool = False):
         self.cpu_triton = bool(cpu_triton)
         self._backends: dict = {}
+        self.mask_plans: dict = {}  # SDPA mask plans of this activation (see `_mask_plan`)
 
     def ops_for(self, *tensors: torch.Tensor | None) -> Ops:
         """The deterministic backend of the tensors' device (chosen once per device; the kernel-or-ref
         choice per dtype is the backend's)."""
-        device = next(t for t in tensors if t is not None).device
-        key = (device, interpreting())
+        first = tensors[0]
+        device = (first if first is not None else next(t for t in tensors if t is not None)).device
+        # The interpreter switch matters only for CPU tensors (cpu_triton); CUDA skips the environment read.
+        key = device if device.type == "cuda" else (device, interpreting())
         ops = self._backends.get(key)
         if ops is None:
             ops = self._backends[key] = Ops("deterministic", device, cpu_triton=self.cpu_triton)
         return ops
 
     # ------------------------------------------------------------------------------------------ matmuls
+    # Float operands (the hot path) skip `_is_int`'s scan; it still refuses complex ones.
     def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        if _is_int(a, b):
+        if not (a.is_floating_point() and b.is_floating_point()) and _is_int(a, b):
             return _int_matmul(a, b)
         return self.ops_for(a, b).mm(a, b)
 
     def bmm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        if _is_int(a, b):
+        if not (a.is_floating_point() and b.is_floating_point()) and _is_int(a, b):
             return _int_matmul(a, b)
         return self.ops_for(a, b).bmm(a, b)
 
@@ -100,7 +105,7 @@ class AtenImpls:
         fused = (beta == 1 and alpha == 1 and bias.dim() == 1 and bias.shape[0] == n
                  and bias.dtype == a.dtype and not _is_int(bias, a, b))
         if fused:  # F.linear(x, w, bias) arrives here as addmm(bias, x, w.t()): one fused kernel call
-            return self.ops_for(bias, a, b).linear(a, b.t(), bias)
+            return self.ops_for(a, b, bias).mm(a, b, bias)
         return _scale_add(bias, self.mm(a, b), beta, alpha)
 
     def baddbmm(self, base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
@@ -207,8 +212,9 @@ def _allowed(mask: torch.Tensor) -> torch.Tensor:
     return mask > torch.finfo(mask.dtype).min / 2
 
 
-def _anchor_at_first_key(k, v, attn_mask):
-    """Rotate each batch row's keys so its first attended key sits at index 0.
+def _anchor_index(attn_mask: torch.Tensor, b: int, lk: int) -> torch.Tensor | None:
+    """[B, Lk] key order that rotates each batch row's keys so its first attended key sits at index 0 (None
+    when the mask has no [B, ., ., Lk] layout to rotate by).
 
     Left padding puts a row's real keys at [pad, Lk); alone they sit at [0, L). Reductions over keys are
     anchored at index 0 (block boundaries, fold pairing), so the pad would change the order. Rotating by the
@@ -217,17 +223,72 @@ def _anchor_at_first_key(k, v, attn_mask):
     (the rotated-away pads), which contribute exact zeros — and the kernels are invariant to trailing zeros.
     A pure gather: exact, no host sync.
     """
-    b, _, lk, _ = k.shape
     allowed = _allowed(attn_mask)
     if allowed.dim() != 4 or allowed.shape[0] != b or allowed.shape[-1] != lk:
-        return k, v, attn_mask
+        return None
     first = allowed.to(torch.int32).argmax(dim=-1)                     # [B, H|1, Lq] first attended key
     anchor = first.amax(dim=(1, 2))                                    # [B]
-    idx = (torch.arange(lk, device=k.device)[None, :] + anchor[:, None]) % lk   # [B, Lk]
-    k = k.gather(2, idx[:, None, :, None].expand(k.shape))
-    v = v.gather(2, idx[:, None, :, None].expand(v.shape))
-    attn_mask = attn_mask.gather(-1, idx[:, None, None, :].expand(attn_mask.shape))
-    return k, v, attn_mask
+    return (torch.arange(lk, device=attn_mask.device)[None, :] + anchor[:, None]) % lk   # [B, Lk]
+
+
+class _MaskPlan(NamedTuple):
+    """What SDPA derives from its mask, the same in every layer of a forward pass: the key order (`idx`),
+    the (rotated) mask as it is applied to the scores (`fill`: ~mask for a bool mask, else the additive
+    float mask) and the query rows that may attend to nothing (`dead`)."""
+
+    idx: torch.Tensor | None
+    fill: torch.Tensor | None
+    dead: torch.Tensor | None
+    mask: torch.Tensor | None  # the caller's mask, held so its memory cannot be reused while cached
+
+
+_PLANS_MAX = 8  # plans kept per activation (a forward pass uses one or two masks in every layer)
+
+
+def _mask_plan(impls: AtenImpls, attn_mask, is_causal: bool, q: torch.Tensor, b: int, lk: int) -> _MaskPlan:
+    """The mask plan, computed once per mask and reused by every layer (HF passes one mask tensor to all
+    layers): ~10 small launches per layer fewer. Keyed by the mask's memory, layout, dtype and version
+    counter (bumped by any in-place write), with the mask held alive so no other tensor can take its
+    memory while the plan is cached: a hit is the same values, so the same bits."""
+    lq = q.shape[-2]
+    ident = None
+    if attn_mask is not None:
+        try:
+            version = attn_mask._version
+        except RuntimeError:  # an inference-mode tensor tracks no version: nothing proves a hit, no cache
+            return _build_mask_plan(attn_mask, is_causal, q, b, lk)
+        ident = (attn_mask.data_ptr(), tuple(attn_mask.shape), attn_mask.stride(), attn_mask.dtype,
+                 attn_mask.device, version)
+    key = (ident, bool(is_causal), q.dim(), q.shape[0], b, lq, lk, q.device)
+    plan = impls.mask_plans.get(key)
+    if plan is None:
+        plan = _build_mask_plan(attn_mask, is_causal, q, b, lk)
+        if len(impls.mask_plans) >= _PLANS_MAX:
+            impls.mask_plans.clear()
+        impls.mask_plans[key] = plan
+    return plan
+
+
+def _build_mask_plan(attn_mask, is_causal: bool, q: torch.Tensor, b: int, lk: int) -> _MaskPlan:
+    user_mask, lq = attn_mask, q.shape[-2]
+    if is_causal and attn_mask is None:
+        attn_mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
+    elif is_causal:
+        attn_mask = _allowed(attn_mask) & torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
+    if attn_mask is None:
+        return _MaskPlan(None, None, None, None)
+    idx = None
+    if q.dim() == 4:
+        if attn_mask.dim() == 4:
+            attn_mask = attn_mask.expand(q.shape[0], *attn_mask.shape[-3:])
+        idx = _anchor_index(attn_mask, b, lk)
+        if idx is not None:
+            attn_mask = attn_mask.gather(-1, idx[:, None, None, :].expand(attn_mask.shape))
+    fill = ~attn_mask if attn_mask.dtype == torch.bool else attn_mask.float()
+    # Like torch's own SDPA since 2.5: a query that may attend to nothing (a pad row) gets zeros, not
+    # NaN — a NaN there would reach real rows through later layers' P @ V (0 * NaN = NaN).
+    dead = ~_allowed(attn_mask).any(dim=-1, keepdim=True)
+    return _MaskPlan(idx, fill, dead, user_mask)
 
 
 def _sdpa(impls: AtenImpls, q, k, v, attn_mask, dropout_p, is_causal, scale) -> torch.Tensor:
@@ -236,7 +297,7 @@ def _sdpa(impls: AtenImpls, q, k, v, attn_mask, dropout_p, is_causal, scale) -> 
 
     Invariant to the batch, to right padding (extra masked keys at the end contribute exact zeros, and the
     matmul and softmax kernels are invariant to zero extension) and to left padding (keys are re-anchored
-    at each row's first attended key, see `_anchor_at_first_key`).
+    at each row's first attended key, see `_anchor_index`).
     """
     if dropout_p != 0.0:
         raise NotBatchInvariantError("batch_invariant mode: scaled_dot_product_attention with dropout_p > 0 "
@@ -252,25 +313,20 @@ def _sdpa(impls: AtenImpls, q, k, v, attn_mask, dropout_p, is_causal, scale) -> 
         k = k.repeat_interleave(hq // hk, dim=-3)
         v = v.repeat_interleave(hq // hk, dim=-3)
     lk = k.shape[-2]
-    if is_causal and attn_mask is None:
-        attn_mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
-    elif is_causal:
-        attn_mask = _allowed(attn_mask) & torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
-    if attn_mask is not None and q.dim() == 4:
-        k, v, attn_mask = _anchor_at_first_key(k, v, attn_mask.expand(q.shape[0], *attn_mask.shape[-3:])
-                                               if attn_mask.dim() == 4 else attn_mask)
+    plan = _mask_plan(impls, attn_mask, is_causal, q, k.shape[0], lk)
+    if plan.idx is not None:
+        k = k.gather(2, plan.idx[:, None, :, None].expand(k.shape))
+        v = v.gather(2, plan.idx[:, None, :, None].expand(v.shape))
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     qb, kb, vb = q.reshape(-1, lq, d), k.reshape(-1, lk, d), v.reshape(-1, lk, v.shape[-1])
     scores = (impls.bmm(qb, kb.transpose(1, 2)).float() * scale).reshape(*lead, lq, lk)   # [..., Lq, Lk]
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attn_mask, float("-inf"))
+    if plan.fill is not None:
+        if plan.fill.dtype == torch.bool:
+            scores = scores.masked_fill(plan.fill, float("-inf"))
         else:
-            scores = scores + attn_mask.float()
+            scores = scores + plan.fill
     probs = impls.softmax(scores.reshape(-1, lq, lk), -1, False).reshape(scores.shape)
-    if attn_mask is not None:
-        # Like torch's own SDPA since 2.5: a query that may attend to nothing (a pad row) gets zeros, not
-        # NaN — a NaN there would reach real rows through later layers' P @ V (0 * NaN = NaN).
-        probs = probs.masked_fill(~_allowed(attn_mask).any(dim=-1, keepdim=True), 0.0)
+    if plan.dead is not None:
+        probs = probs.masked_fill(plan.dead, 0.0)
     probs = probs.reshape(-1, lq, lk).to(q.dtype)
     return impls.bmm(probs, vb).reshape(*lead, lq, v.shape[-1])

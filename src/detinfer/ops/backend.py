@@ -9,8 +9,12 @@ methods and nothing else, so which implementation runs is decided here and only 
 
 Selection rule (`Ops.__post_init__`, from mode, device, dtype, head_dim and two switches):
 
-- mode "fast": stock torch for linear / norm / SiLU / softmax (cuBLAS, fused kernels: faster,
-  batch-variant), the split-picking `paged_attention_fast` kernel for attention.
+- mode "fast": what a serving stack runs. On CUDA: cuBLAS (`F.linear`) for every linear and the logits
+  (bf16 GEMM, then fp32), the fused RMSNorm(+residual) Triton kernel (one launch instead of ~7 stock
+  ones; its row-per-program reduction is also what fused serving kernels do), the fused SiLU*mul kernel
+  (`kernels/silu_mul.py`), torch's softmax / log_softmax / sums, and the split-picking
+  `paged_attention_fast` kernel for attention. On CPU (and for dtypes the kernels do not take): stock
+  torch, unfused.
 - mode "deterministic", dense ops (linear, matmuls, RMSNorm, softmax, sums): the Triton kernel when the
   op's tensors are on the backend's CUDA device and of a kernel dtype (bf16/fp16/fp32); otherwise the
   op's pure-torch `*_ref` (fixed-order folds, batch-invariant by construction: the CPU path, and fp64
@@ -32,6 +36,8 @@ stock routing (CUDA) or the stock HF-style loop (CPU).
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
 from dataclasses import dataclass, field, replace
 
@@ -87,6 +93,13 @@ def apply_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_fr
     return rotate_half(q, cos, sin), rotate_half(k, cos, sin)
 
 
+@functools.cache
+def _kernels(name: str):
+    """A kernels/ module, imported on first use (choosing a backend must not import Triton); cached because
+    an import statement in a per-op method costs more than the rest of the dispatch."""
+    return importlib.import_module(f"detinfer.kernels.{name}")
+
+
 def _attention_kernel_runs(device: torch.device, dtype: torch.dtype, head_dim: int | None) -> bool:
     if head_dim not in SUPPORTED_HEAD_DIMS or dtype not in KERNEL_DTYPES:
         return False
@@ -107,6 +120,8 @@ class Ops:
     # Resolved once from the fields above.
     dense_kernel_dtypes: frozenset = field(init=False, repr=False)
     attention_impl: str = field(init=False)  # "kernel" or "ref"
+    # Fast mode's fused norm / activation kernels: dtypes they run for on this device (CUDA only).
+    fused_dtypes: frozenset = field(init=False, repr=False)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -122,6 +137,8 @@ class Ops:
         else:
             dense = ()
         object.__setattr__(self, "dense_kernel_dtypes", frozenset(dense))
+        fused = KERNEL_DTYPES if self.mode == "fast" and device.type == "cuda" else ()
+        object.__setattr__(self, "fused_dtypes", frozenset(fused))
         kernel_ok = _attention_kernel_runs(device, self.dtype, self.head_dim)
         if self.attention == "kernel" and not kernel_ok:
             raise ValueError(f"the Triton attention kernels cannot run here (device {device}, dtype "
@@ -140,25 +157,38 @@ class Ops:
 
     def _kernel(self, *tensors: torch.Tensor | None) -> bool:
         """Deterministic dense ops: whether these tensors go to the Triton kernel (else the *_ref)."""
-        kinds = self.dense_kernel_dtypes
-        dev = self.device.type
-        return bool(kinds) and all(t is None or (t.device.type == dev and t.dtype in kinds) for t in tensors)
+        return self._runs_on(self.dense_kernel_dtypes, tensors)
+
+    def _fused(self, *tensors: torch.Tensor | None) -> bool:
+        """Fast mode: whether these tensors go to the fused norm / activation kernels (else stock torch).
+        Not while autograd records them: the kernels have no backward, and fast-mode training relies on
+        stock torch's autograd."""
+        if not self._runs_on(self.fused_dtypes, tensors):
+            return False
+        return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+
+    def _runs_on(self, kinds: frozenset, tensors: tuple) -> bool:
+        if not kinds:
+            return False
+        cuda = self.device.type == "cuda"  # `is_cuda` is a cheaper read than building `t.device`
+        for t in tensors:
+            if t is not None and (t.dtype not in kinds or t.is_cuda != cuda or not (cuda or t.device.type == "cpu")):
+                return False
+        return True
 
     # -- dense ops -------------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] @ weight[N, K]^T (+ bias[N]) -> [..., N]."""
         if not self.deterministic:
             return F.linear(x, weight, bias)
-        from detinfer.kernels import matmul as mm
-
+        mm = _kernels("matmul")
         return (mm.linear if self._kernel(x, weight, bias) else mm.linear_ref)(x, weight, bias)
 
     def linear_tree(self, x: torch.Tensor, weight: torch.Tensor, num_chunks: int) -> torch.Tensor:
         """x [..., K] @ weight[N, K]^T as `num_chunks` fp32 K-chunk partials added in a fixed pairwise tree ->
         fp32 [..., N] (kernels/chunked_linear.py: how row-parallel layers give the same bits at any TP size).
         Fast mode: stock matmuls per chunk, same tree."""
-        from detinfer.kernels import chunked_linear as cl
-
+        cl = _kernels("chunked_linear")
         if not self.deterministic:
             cl.check_chunks("linear_tree", x, weight, num_chunks)
             parts = torch.stack([F.linear(xc.float(), wc.float()) for xc, wc in
@@ -169,45 +199,49 @@ class Ops:
     @staticmethod
     def tree_sum(parts: torch.Tensor) -> torch.Tensor:
         """parts [C, ...] -> [...] in the fixed pairwise tree of `linear_tree` (elementwise: any mode)."""
-        from detinfer.kernels.chunked_linear import pairwise_tree_sum
+        return _kernels("chunked_linear").pairwise_tree_sum(parts)
 
-        return pairwise_tree_sum(parts)
-
-    def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """[M, K] @ [K, N] (float)."""
+    def mm(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """[M, K] @ [K, N] (float) (+ bias [N], added once after the reduction as `linear` does: aten's
+        addmm, which F.linear with a bias becomes, without building the transposed weight view)."""
         if not self.deterministic:
-            return torch.mm(a, b)
-        from detinfer.kernels import matmul as mm
-
-        return (mm.matmul if self._kernel(a, b) else mm.matmul_ref)(a, b)
+            return torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
+        mm = _kernels("matmul")
+        if self._kernel(a, b, bias):
+            return mm.matmul(a, b, bias=bias)
+        return mm.matmul_ref(a, b) if bias is None else mm.linear_ref(a, b.t(), bias)
 
     def bmm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """[B, M, K] @ [B, K, N] (float)."""
         if not self.deterministic:
             return torch.bmm(a, b)
-        from detinfer.kernels import matmul as mm
-
+        mm = _kernels("matmul")
         return (mm.bmm if self._kernel(a, b) else mm.bmm_ref)(a, b)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float,
                  residual: torch.Tensor | None = None):
         """HF-style RMSNorm over the last dim; with `residual`, returns (normed(x + residual), x + residual)."""
         if not self.deterministic:
+            if self._fused(x, weight, residual) and (residual is None or residual.dtype == x.dtype):
+                rmsnorm = _kernels("rmsnorm")
+                if x.shape[-1] <= rmsnorm.MAX_D:
+                    return rmsnorm.rms_norm(x, weight, eps, residual=residual)
             h = x if residual is None else x + residual
             hf = h.float()
             y = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
             if weight is not None:
                 y = weight * y
             return y if residual is None else (y, h)
-        from detinfer.kernels import rmsnorm
-
+        rmsnorm = _kernels("rmsnorm")
         fn = rmsnorm.rms_norm if self._kernel(x, weight, residual) else rmsnorm.rms_norm_ref
         return fn(x, weight, eps, residual=residual)
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """SiLU(gate) * up (the SwiGLU MLP's elementwise part)."""
-        if self.deterministic and not gate.is_cuda:
-            return silu_cpu(gate) * up
+        if self.deterministic:
+            return F.silu(gate) * up if gate.is_cuda else silu_cpu(gate) * up
+        if self._fused(gate, up):
+            return _kernels("silu_mul").silu_mul(gate, up)
         return F.silu(gate) * up
 
     def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor):
@@ -217,15 +251,13 @@ class Ops:
     def softmax(self, x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = torch.float32):
         if not self.deterministic:
             return torch.softmax(x, dim=dim, dtype=dtype)
-        from detinfer.kernels import softmax
-
+        softmax = _kernels("softmax")
         return (softmax.softmax if self._kernel(x) else softmax.softmax_ref)(x, dim=dim, dtype=dtype)
 
     def log_softmax(self, x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = torch.float32):
         if not self.deterministic:
             return torch.log_softmax(x, dim=dim, dtype=dtype)
-        from detinfer.kernels import softmax
-
+        softmax = _kernels("softmax")
         return (softmax.log_softmax if self._kernel(x) else softmax.log_softmax_ref)(x, dim=dim, dtype=dtype)
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -261,7 +293,10 @@ class Ops:
         return self._reduce(x, dims, keepdim, dtype, mean=True)
 
     def _reduce(self, x, dims, keepdim, dtype, mean: bool) -> torch.Tensor:
-        from detinfer.kernels import reduce
+        if not self.deterministic:
+            x = x if x.is_floating_point() else x.to(dtype)
+            return (torch.mean if mean else torch.sum)(x, dims, keepdim=keepdim, dtype=dtype)
+        reduce = _kernels("reduce")
 
         kernel = x.is_floating_point() and self._kernel(x) and dtype in (None, torch.float32, x.dtype)
         if mean:

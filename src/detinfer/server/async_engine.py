@@ -191,6 +191,12 @@ class AsyncEngine:
     def is_healthy(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
+    def _running(self) -> bool:
+        return self._thread is not None
+
+    def _failure_message(self) -> str:
+        return f"the engine failed: {self.error!r}"
+
     @property
     def num_pending(self) -> int:
         return self._num_pending
@@ -207,10 +213,10 @@ class AsyncEngine:
         added), RequestFailed for any other failure to add, RequestTooLargeError when they could never fit
         in max_pending_requests, QueueFullError when they do not fit now, EngineUnavailableError when
         shutting down or failed."""
-        if self._closing or self._thread is None:
+        if self._closing or not self._running():
             raise EngineUnavailableError("the server is shutting down")
         if self.error is not None:
-            raise EngineUnavailableError(f"the engine failed: {self.error!r}")
+            raise EngineUnavailableError(self._failure_message())
         k = len(requests)
         if k > self.max_pending_requests:
             raise RequestTooLargeError(f"this request needs {k} engine requests (one per prompt), more than "

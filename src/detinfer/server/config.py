@@ -48,11 +48,15 @@ class ServerConfig:
                                                              "choices": LOG_LEVELS})
     device: str | None = field(default=None, metadata={
         "help": "Torch device for the engine (cuda, cuda:1, cpu); default: cuda if available, else cpu."})
+    engine_process: bool = field(default=True, metadata={
+        "help": "Run the engine core (scheduler, model, sampler, detokenizer) in its own process, so HTTP work and "
+                "engine steps never wait for each other's GIL. --no-engine-process steps the engine on a thread of "
+                "the server process instead (debugging, profiling in one process); outputs are bit-identical."})
     gil_switch_interval_ms: float = field(default=20.0, metadata={
-        "help": "Python's thread switch interval in ms (sys.setswitchinterval). The engine thread and the HTTP "
-                "event loop share the GIL: a longer interval lets one engine step issue its kernels without being "
-                "preempted by per-token streaming work. Measured on an H100 (8B model, 64 streams): 5 ms (Python's "
-                "default) 2120 output tok/s, 20 ms 2235, 50 ms 2252."})
+        "help": "Python's thread switch interval in ms (sys.setswitchinterval). With --no-engine-process the "
+                "engine thread and the HTTP event loop share the GIL: a longer interval lets one engine step issue its "
+                "kernels without being preempted by per-token streaming work. Measured on an H100 (8B model, 64 "
+                "streams, engine thread): 5 ms (Python's default) 2120 output tok/s, 20 ms 2235, 50 ms 2252."})
 
     def __post_init__(self):
         if not isinstance(self.host, str) or not self.host:
@@ -72,6 +76,8 @@ class ServerConfig:
         check_float("timeout_keep_alive", self.timeout_keep_alive, minimum=0.0, min_exclusive=True)
         check_int("limit_concurrency", self.limit_concurrency, minimum=1)
         check_float("timeout_graceful_shutdown", self.timeout_graceful_shutdown, minimum=0.0)
+        if not isinstance(self.engine_process, bool):
+            raise ValueError(f"engine_process must be True or False, got {self.engine_process!r}")
         check_float("gil_switch_interval_ms", self.gil_switch_interval_ms, minimum=0.0, min_exclusive=True)
         if self.uvicorn_log_level not in LOG_LEVELS:
             raise ValueError(f"uvicorn_log_level must be one of {LOG_LEVELS}, got {self.uvicorn_log_level!r}")

@@ -124,12 +124,19 @@ def _main(argv: list[str] | None) -> int:
         sock.close()
 
 
-def _load_engine(model_dir: Path, engine_config: EngineConfig, device: str | None):
+def _load_engine(model_dir: Path, engine_config: EngineConfig, server_config: ServerConfig):
+    """(engine front end's argument, facts): the started core process or the in-process engine, and the facts
+    the server needs (`ServedModel.from_facts`). Load errors raised in the core keep their message."""
+    from detinfer.engine.core_process import CoreSpec, EngineCoreError, engine_info, start_core
     from detinfer.engine.llm_engine import LLMEngine
 
     try:
-        return LLMEngine(model_dir, engine_config, device=device)
-    except (ValueError, TypeError, OSError, KeyError, RuntimeError) as e:
+        if server_config.engine_process:
+            core = start_core(CoreSpec(str(model_dir), engine_config, server_config.device))
+            return core, core.info
+        engine = LLMEngine(model_dir, engine_config, device=server_config.device)
+        return engine, engine_info(engine)
+    except (ValueError, TypeError, OSError, KeyError, RuntimeError, EngineCoreError) as e:
         # Load errors (a malformed checkpoint, out of memory, ...) already say what is wrong and where.
         raise CLIError(f"cannot load the model in {model_dir}: {e}") from None
 
@@ -149,26 +156,41 @@ def uvicorn_config(app, server_config: ServerConfig):
 
 def _serve(model_dir: Path, name: str, server_config: ServerConfig, engine_config: EngineConfig,
            sock: socket.socket, url: str) -> int:
+    sys.setswitchinterval(server_config.gil_switch_interval_ms / 1000.0)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    engine, info = _load_engine(model_dir, engine_config, server_config)
+    try:
+        return _serve_engine(engine, info, model_dir, name, server_config, sock, url)
+    finally:
+        if server_config.engine_process:
+            engine.close()  # idempotent: normally the app's shutdown stopped it already
+
+
+def _serve_engine(engine, info: dict, model_dir: Path, name: str, server_config: ServerConfig,
+                  sock: socket.socket, url: str) -> int:
+    from detinfer.models.loader import load_tokenizer
     from detinfer.server.app import create_app
     from detinfer.server.async_engine import AsyncEngine
     from detinfer.server.context import ServedModel
-    from detinfer.server.fingerprint import model_files_digest, system_fingerprint
+    from detinfer.server.core_engine import CoreAsyncEngine
+    from detinfer.server.fingerprint import DeviceInfo, model_files_digest, system_fingerprint
 
-    sys.setswitchinterval(server_config.gil_switch_interval_ms / 1000.0)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    engine = _load_engine(model_dir, engine_config, server_config.device)
-    resolved = engine.config  # max_model_len resolved from the model
-    device, dtype = str(engine.device), str(engine.dtype).removeprefix("torch.")
+    resolved, device, dtype = info["config"], info["device"], info["dtype"]  # max_model_len resolved
+    hardware = DeviceInfo(device.split(":")[0], info["device_name"], info["capability"])  # the core's GPU facts
     fingerprint = system_fingerprint(weights_digest=model_files_digest(model_dir), dtype=dtype,
-                                     mode=resolved.mode, block_size=resolved.block_size, device=device)
-    async_engine = AsyncEngine(engine, max_pending_requests=server_config.max_pending_requests)
-    app = create_app(async_engine, server_config, ServedModel.from_engine(engine, name, fingerprint))
+                                     mode=resolved.mode, block_size=resolved.block_size, device=hardware)
+    front = CoreAsyncEngine if server_config.engine_process else AsyncEngine
+    async_engine = front(engine, max_pending_requests=server_config.max_pending_requests)
+    tokenizer = load_tokenizer(model_dir) if server_config.engine_process else engine.tokenizer
+    served = ServedModel(name, tokenizer, info["vocab_size"], resolved.max_model_len, fingerprint)
+    app = create_app(async_engine, server_config, served)
     grace = server_config.timeout_graceful_shutdown
     uv_config = uvicorn_config(app, server_config)
 
     def ready() -> None:
+        where = f"engine process pid {engine.pid}" if server_config.engine_process else "engine thread"
         print(f"detinfer serve: model {name!r} ({resolved.mode}, {dtype}, {device}, max_model_len "
-              f"{resolved.max_model_len}), fingerprint {fingerprint}: serving on {url}", flush=True)
+              f"{resolved.max_model_len}, {where}), fingerprint {fingerprint}: serving on {url}", flush=True)
 
     server = _draining_server_class()(uv_config, on_exit=lambda: async_engine.request_drain(grace), on_ready=ready)
     # uvicorn re-raises the signal that stopped it once it is done; exit 0 then instead of dying by it.

@@ -48,6 +48,9 @@ MODES = ("deterministic", "fast")
 def _resolve(source):
     """LLM | LLMEngine | Transformer -> (model, runner or None, engine or None)."""
     engine = getattr(source, "engine", source)
+    if hasattr(engine, "core"):  # EngineCoreClient: the weights live in another process
+        raise TypeError("TrainableModel shares the engine's weight tensors, but this LLM runs its engine in another "
+                        "process (engine_process=True); create it with engine_process=False (the default)")
     runner = getattr(engine, "runner", None)
     config = getattr(engine, "config", None)
     if runner is not None and (getattr(config, "tensor_parallel_size", 1) > 1

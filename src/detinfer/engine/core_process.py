@@ -1,0 +1,265 @@
+"""The engine core in its own process: `start_core()` spawns it, `run_core()` is its whole life.
+
+The core owns the `LLMEngine` (scheduler, model runner, sampler, detokenizers) and steps it in a tight loop:
+take every command queued since the last step, apply them, run one step, send that step's outputs as one
+message. It never waits for the front end between steps, and the two processes never share a GIL, so HTTP
+parsing, JSON and streaming in the API process cannot delay a step.
+
+Detokenization stays here, next to the scheduler: stop strings decide when a sequence finishes, so moving
+them out would have the core either run past a stop string or wait a round trip per token. The text a client
+gets is therefore made by the same code, in the same order, as in-process; what crosses is only its new part.
+
+Lifetime: the front end owns the core. The core exits when told ("shutdown"), when its socket reaches EOF
+(the front end exited or was killed: no orphan), or after a step that failed as a whole ("failed" first).
+It ignores SIGINT: Ctrl-C in a terminal reaches the whole process group, and the front end drains in-flight
+requests before it stops the core.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import multiprocessing
+import select
+import signal
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from detinfer.engine import core_wire as wire
+
+log = logging.getLogger("detinfer.engine.core")
+
+SOCKET_BUFFER_BYTES = 4 << 20  # a few steps' outputs fit even while the front end is busy
+STOP_TIMEOUT_S = 10.0
+_STARTUP_ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "OSError": OSError,
+                   "FileNotFoundError": FileNotFoundError, "KeyError": KeyError, "RuntimeError": RuntimeError}
+
+
+class EngineCoreError(RuntimeError):
+    """The engine core process died or failed; nothing it held can be recovered."""
+
+
+@dataclass(frozen=True)
+class CoreSpec:
+    """What the core builds its engine from (pickled to the spawned process)."""
+
+    model_dir: str
+    config: Any  # EngineConfig
+    device: str | None = None
+    attention_backend: str = "auto"
+    torch_threads: int | None = None  # the front end's intra-op thread count (CPU runs), kept by the core
+
+
+def _front_end_threads() -> int | None:
+    """The caller's torch thread count, if it chose one (torch imported): the core runs the same CPU policy as
+    the in-process engine would have in the caller's process."""
+    torch = sys.modules.get("torch")
+    return None if torch is None else torch.get_num_threads()
+
+
+def _build_engine(spec: CoreSpec):
+    import torch
+
+    from detinfer.engine.llm_engine import LLMEngine
+
+    if spec.torch_threads is not None:
+        torch.set_num_threads(spec.torch_threads)
+
+    return LLMEngine(spec.model_dir, spec.config, device=spec.device, attention_backend=spec.attention_backend)
+
+
+def engine_info(engine) -> dict[str, Any]:
+    """The facts a front end needs without the engine: resolved config, vocabulary size, device (and, on CUDA,
+    its name and compute capability, so the front end never has to touch the GPU), dtype."""
+    import torch
+
+    dev = engine.device
+    name, capability = dev.type, None
+    if dev.type == "cuda":
+        name, capability = torch.cuda.get_device_name(dev), tuple(torch.cuda.get_device_capability(dev))
+    return {"config": engine.config, "vocab_size": engine.model_config.vocab_size, "device": str(dev),
+            "device_name": name, "capability": capability, "dtype": str(engine.dtype).removeprefix("torch.")}
+
+
+def run_core(sock: socket.socket, spec: CoreSpec) -> None:
+    """The spawned process's entry point."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        engine = _build_engine(spec)
+    except BaseException as e:  # noqa: BLE001 -- every start-up failure goes back with its message
+        wire.send(sock, ("startup_error", type(e).__name__, str(e) or repr(e)))
+        sys.exit(1)
+    wire.send(sock, ("ready", engine_info(engine)))
+    try:
+        CoreLoop(engine, sock).run()
+    except (EOFError, ConnectionError):
+        pass  # the front end is gone: nothing left to serve
+    except EngineCoreError:
+        sys.exit(1)
+
+
+class CoreLoop:
+    def __init__(self, engine, sock: socket.socket):
+        self.engine, self.sock = engine, sock
+        self.encoder = wire.OutputEncoder()
+
+    def _readable(self) -> bool:
+        return bool(select.select([self.sock], [], [], 0)[0])
+
+    def run(self) -> None:
+        engine = self.engine
+        while True:
+            # Block for commands only while there is nothing to step.
+            messages = [] if engine.has_unfinished_requests() else [wire.recv(self.sock)]
+            while self._readable():
+                messages.append(wire.recv(self.sock))
+            for msg in messages:
+                if msg[0] == "shutdown":
+                    return
+                self._apply(msg)
+            if engine.has_unfinished_requests():
+                self._step()
+            elif messages:
+                wire.send(self.sock, ("stats", wire.stats_dict(engine.stats())))
+
+    def _apply(self, msg: tuple) -> None:
+        tag = msg[0]
+        if tag == "add":
+            self._add(msg[1], msg[2])
+        elif tag == "abort":
+            for request_id in msg[1]:
+                self.engine.abort_request(request_id)
+        elif tag == "call":
+            try:
+                result, err = getattr(self.engine, msg[2])(), None
+            except Exception as e:
+                result, err = None, (type(e).__name__, str(e))
+            wire.send(self.sock, ("reply", msg[1], result, err))
+        else:
+            raise ValueError(f"engine core: unknown message {tag!r}")
+
+    def _add(self, token: int, requests: tuple) -> None:
+        added: list[str] = []
+        try:
+            for request_id, prompt, params in requests:
+                self.engine.add_request(request_id, wire.decode_prompt(prompt), params)
+                added.append(request_id)
+        except Exception as e:
+            for request_id in added:  # all or none
+                self.engine.abort_request(request_id)
+            if not isinstance(e, (ValueError, TypeError)):
+                log.error("adding a request failed:\n%s", traceback.format_exc())
+            wire.send(self.sock, ("added", token, wire.error_of(e)))
+            return
+        wire.send(self.sock, ("added", token, None))
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            # The engine isolates failures it can pin on one request; a step that still raises failed as a
+            # whole and the engine's state is unknown: report it and exit rather than serve wrong numbers.
+            log.error("engine step failed; the engine core exits:\n%s", traceback.format_exc())
+            wire.send(self.sock, ("failed", repr(e)))
+            raise EngineCoreError(repr(e)) from e
+        dt = time.perf_counter() - t0
+        encode = self.encoder.encode
+        wire.send(self.sock, ("step", dt, wire.stats_dict(self.engine.stats()), [encode(o) for o in outputs]))
+
+
+class CoreProcess:
+    """The front end's handle on a started core: its socket, its process, its facts (`info`)."""
+
+    def __init__(self, process, sock: socket.socket, info: dict[str, Any]):
+        self.process, self.sock, self.info = process, sock, info
+        self._closed = False
+        atexit.register(self.close)  # runs before multiprocessing's own exit hook joins the child
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def exit_description(self) -> str:
+        """'exit code N' / 'killed by signal SIGKILL' once the process is gone (waits briefly for it)."""
+        self.process.join(0.5)
+        code = self.process.exitcode
+        if code is None:
+            return "still running"
+        if code < 0:
+            try:
+                return f"killed by signal {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit code {code}"
+
+    def close(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Stop the core (idempotent): ask, then SIGTERM, then SIGKILL; never leaves it running."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        try:
+            self.sock.setblocking(True)
+            wire.send(self.sock, ("shutdown",))
+            wire.drain_until_closed(self.sock, timeout)  # the core exits, closing its end
+        except OSError:
+            pass
+        self.sock.close()
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(5.0)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+def start_core(spec: CoreSpec, *, timeout: float | None = None) -> CoreProcess:
+    """Spawn the core and wait until its engine is built. A start-up failure in the core (bad model path,
+    out of memory) is raised here with its own message and type (ValueError, OSError, RuntimeError, ...)."""
+    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked CUDA or thread state
+    ours, theirs = socket.socketpair()
+    for s in (ours, theirs):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+    if spec.torch_threads is None:
+        spec = dataclasses.replace(spec, torch_threads=_front_end_threads())
+    process = ctx.Process(target=run_core, args=(theirs, spec), name="detinfer-engine-core")
+    try:
+        process.start()
+        theirs.close()
+        msg = _wait_ready(process, ours, timeout)
+    except BaseException:
+        ours.close()
+        if process.pid is not None:
+            process.kill()
+            process.join()
+        raise
+    if msg[0] == "startup_error":
+        ours.close()
+        process.join(STOP_TIMEOUT_S)
+        raise _STARTUP_ERRORS.get(msg[1], RuntimeError)(msg[2])
+    return CoreProcess(process, ours, msg[1])
+
+
+def _wait_ready(process, sock: socket.socket, timeout: float | None) -> tuple:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        if select.select([sock], [], [], 0.2)[0]:
+            try:
+                return wire.recv(sock)
+            except EOFError:
+                process.join(STOP_TIMEOUT_S)
+                raise EngineCoreError(f"the engine core process exited during start-up (exit code "
+                                      f"{process.exitcode}); see its log above") from None
+        if not process.is_alive():
+            raise EngineCoreError(f"the engine core process exited during start-up (exit code {process.exitcode})")
+        if deadline is not None and time.monotonic() > deadline:
+            raise EngineCoreError(f"the engine core process did not start within {timeout} s")
