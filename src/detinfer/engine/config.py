@@ -22,6 +22,7 @@ from typing import Any
 ENGINE_MODES = ("deterministic", "fast")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 MAX_SEED = (1 << 63) - 1  # seeds travel as int64 (the sampler hashes them with int64 tensor ops)
+MAX_TENSOR_PARALLEL = 64  # a sanity bound; the model's head counts decide what actually divides
 
 
 def _help(text: str, **extra: Any) -> dict:
@@ -100,6 +101,12 @@ class EngineConfig:
     seed: int | None = field(default=0, metadata=_help(
         "Seed from which per-request seeds are drawn for sampled requests that give none "
         "(None: draw them from the OS)."))
+    tensor_parallel_size: int = field(default=1, metadata=_help(
+        "Split the model over this many processes (one per GPU; gloo processes on CPU): column-parallel "
+        "qkv/gate_up, row-parallel o/down, vocab-parallel embedding and lm_head. See docs/tensor-parallel.md."))
+    tp_invariant_reduction: bool = field(default=False, metadata=_help(
+        "Deterministic mode: row-parallel layers sum fixed K chunks in a fixed tree, so TP=1, 2, 4, ... give "
+        "the same bits (also changes TP=1's bits; off by default until its cost is measured). Ignored in fast mode."))
 
     def __post_init__(self):
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
@@ -118,6 +125,13 @@ class EngineConfig:
         check_choice("mode", self.mode, ENGINE_MODES)
         check_choice("dtype", self.dtype, DTYPES)
         check_int("seed", self.seed, minimum=0, maximum=MAX_SEED, optional=True)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1, maximum=MAX_TENSOR_PARALLEL)
+        if not isinstance(self.tp_invariant_reduction, bool):
+            raise TypeError(f"tp_invariant_reduction must be a bool, got {self.tp_invariant_reduction!r}")
+        if self.tp_invariant_reduction and self.mode != "deterministic":
+            # Fast mode's all-reduce has no fixed order to make invariant: the flag means nothing there, and
+            # `--mode both` (repro) runs one flag set for both modes.
+            object.__setattr__(self, "tp_invariant_reduction", False)
         # Every running sequence must be able to decode in every step, or a step could starve one.
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "

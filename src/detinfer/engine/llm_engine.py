@@ -124,7 +124,12 @@ class LLMEngine:
             raise ValueError(f"with max_model_len resolved to {max_len} (the model's context length): {e}; "
                              "set max_model_len explicitly") from None
         self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
-        self.runner = ModelRunner(model, model_config, config, config.num_kv_blocks)
+        if config.tensor_parallel_size > 1 or config.tp_invariant_reduction:
+            from detinfer.distributed import make_runner  # rank 0 of a TP group (docs/tensor-parallel.md)
+
+            self.runner = make_runner(model, model_config, config, config.num_kv_blocks)
+        else:
+            self.runner = ModelRunner(model, model_config, config, config.num_kv_blocks)
         self.ops = self.runner.ops  # the model's numerics backend (logprobs use its log_softmax)
         eos = model_config.eos_token_ids
         if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -138,6 +143,12 @@ class LLMEngine:
         self._counters = dict(num_steps=0, prompt_tokens=0, generation_tokens=0, num_preemptions=0,
                               num_finished_requests=0, last_step_tokens=0)
         self._last_step_seconds = 0.0
+
+    def close(self) -> None:
+        """Release what outlives the object by itself: a tensor-parallel engine's worker processes."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     @property
     def device(self) -> torch.device:

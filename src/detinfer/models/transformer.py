@@ -168,12 +168,16 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         """input_ids [T], positions [T] (packed tokens of many sequences) -> normed hidden [T, hidden]."""
         ops = self.ops
-        h = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        h = self.embed(input_ids)  # [T, hidden]
         residual = None
         for layer in self.layers:
             h, residual = layer(h, residual, positions, self.rotary, attn, ops)
         h, _ = self.norm(h, ops, residual)
         return h
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> embedding rows [T, hidden] (a gather; tensor parallelism overrides it)."""
+        return F.embedding(input_ids, self.embed_tokens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] (the rows that need a next token) -> logits [S, vocab] fp32."""

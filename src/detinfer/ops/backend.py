@@ -184,6 +184,23 @@ class Ops:
         mm = _kernels("matmul")
         return (mm.linear if self._kernel(x, weight, bias) else mm.linear_ref)(x, weight, bias)
 
+    def linear_tree(self, x: torch.Tensor, weight: torch.Tensor, num_chunks: int) -> torch.Tensor:
+        """x [..., K] @ weight[N, K]^T as `num_chunks` fp32 K-chunk partials added in a fixed pairwise tree ->
+        fp32 [..., N] (kernels/chunked_linear.py: how row-parallel layers give the same bits at any TP size).
+        Fast mode: stock matmuls per chunk, same tree."""
+        cl = _kernels("chunked_linear")
+        if not self.deterministic:
+            cl.check_chunks("linear_tree", x, weight, num_chunks)
+            parts = torch.stack([F.linear(xc.float(), wc.float()) for xc, wc in
+                                 zip(x.chunk(num_chunks, -1), weight.chunk(num_chunks, -1))])
+            return cl.pairwise_tree_sum(parts)
+        return (cl.linear_tree if self._kernel(x, weight) else cl.linear_tree_ref)(x, weight, num_chunks)
+
+    @staticmethod
+    def tree_sum(parts: torch.Tensor) -> torch.Tensor:
+        """parts [C, ...] -> [...] in the fixed pairwise tree of `linear_tree` (elementwise: any mode)."""
+        return _kernels("chunked_linear").pairwise_tree_sum(parts)
+
     def mm(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """[M, K] @ [K, N] (float) (+ bias [N], added once after the reduction as `linear` does: aten's
         addmm, which F.linear with a bias becomes, without building the transposed weight view)."""

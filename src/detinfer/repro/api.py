@@ -96,6 +96,7 @@ def repro_offline(model_dir: str | Path | None, prompt: str, cfg: ReproConfig, *
                                              progress=progress, label=mode)
             prompt_text = decode(ids)
         finally:
+            engine.close()  # a tensor-parallel engine's workers hold their GPUs until stopped
             del engine
             _free_memory()
         elapsed = extra.pop("elapsed_s")

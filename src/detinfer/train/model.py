@@ -52,6 +52,11 @@ def _resolve(source):
         raise TypeError("TrainableModel shares the engine's weight tensors, but this LLM runs its engine in another "
                         "process (engine_process=True); create it with engine_process=False (the default)")
     runner = getattr(engine, "runner", None)
+    config = getattr(engine, "config", None)
+    if runner is not None and (getattr(config, "tensor_parallel_size", 1) > 1
+                               or getattr(config, "tp_invariant_reduction", False)):
+        raise ValueError("TrainableModel needs an engine with tensor_parallel_size=1 and "
+                         "tp_invariant_reduction=False (the trainer's ops have no sharded or chunk-tree layers)")
     model = runner.model if runner is not None else source
     if not (hasattr(model, "layers") and hasattr(model, "compute_logits") and hasattr(model, "embed_tokens")):
         raise TypeError("TrainableModel takes a detinfer LLM, LLMEngine or models.Transformer, got "

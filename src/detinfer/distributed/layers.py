@@ -1,0 +1,229 @@
+"""Megatron-style tensor-parallel layers for the one `Transformer`, and how its weights are sharded.
+
+Rank r of P holds:
+- qkv_proj / gate_up_proj (column-parallel): its q heads' rows, its KV heads' k and v rows (gate and up rows
+  of its slice of the intermediate dim). An output element's reduction is over the whole K, exactly as at
+  TP=1, so these layers are unchanged (the matmul's bits do not depend on N).
+- o_proj / down_proj (row-parallel, `RowParallelLinear`): the K columns matching those heads / that slice;
+  its output is a sum over ranks, see below. Biases are added once, after the sum.
+- KV heads: Hkv / P each when P divides Hkv; when Hkv < P (and P is a multiple of Hkv) each KV head is
+  replicated on the P / Hkv ranks whose q heads use it.
+- embed_tokens / lm_head (vocab-parallel): rows [r V', (r+1) V') with V' = ceil(V / P) (the last shard
+  zero-padded). A token's embedding row comes from exactly one rank: deterministic mode gathers every rank's
+  rows and picks the owner's (a copy, so bit-exact; summing "row + exact zeros" would turn -0.0 into +0.0).
+  Logits: each rank's [S, V'] columns are gathered and concatenated (exact).
+- norms, rotary: replicated.
+
+Row-parallel sums, deterministic mode: every rank computes fp32 partials with `Ops.linear_tree` and the
+ranks' results are all-gathered and added by `Ops.tree_sum` in rank order: a fixed order whatever the
+message size or batch. With `tp_invariant_reduction`, the K dim is cut into C = `tp_invariant_chunks(config)`
+chunks fixed by the model shape; rank r sums its C/P chunks with the pairwise tree and the P results finish
+the same tree, so every P dividing C gives what TP=1 gives with the same chunks (kernels/chunked_linear.py).
+Without it each rank's partial is one chunk (deterministic, but its bits depend on P). Fast mode: the plain
+matmul and the library's all-reduce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from detinfer.distributed.group import TPGroup
+from detinfer.models.config import ModelConfig
+from detinfer.models.transformer import Transformer
+from detinfer.ops import Ops
+
+# The most ranks the chunk tree is built for: one 8-GPU node, the usual limit of tensor parallelism (beyond
+# it, interconnects make pipeline parallelism the better split). C is fixed per model so the tree's shape
+# never follows the TP size; more chunks would only cost more fp32 partials at small TP sizes.
+MAX_TP_CHUNKS = 8
+
+
+def tp_invariant_chunks(config: ModelConfig) -> int:
+    """C: the largest power of two <= MAX_TP_CHUNKS dividing both row-parallel K dims' units (the attention
+    head count and the intermediate size), so every rank of any TP size dividing C owns whole chunks."""
+    c = MAX_TP_CHUNKS
+    while c > 1 and (config.num_attention_heads % c or config.intermediate_size % c):
+        c //= 2
+    return c
+
+
+def _tp_problem(config: ModelConfig, size: int, invariant: bool) -> str | None:
+    if config.num_attention_heads % size:
+        return f"num_attention_heads={config.num_attention_heads} is not a multiple of it"
+    hkv = config.num_key_value_heads
+    if hkv % size and size % hkv:
+        return f"num_key_value_heads={hkv} neither divides it nor is a multiple of it"
+    if config.intermediate_size % size:
+        return f"intermediate_size={config.intermediate_size} is not a multiple of it"
+    if invariant and tp_invariant_chunks(config) % size:
+        return (f"with tp_invariant_reduction it must divide this model's {tp_invariant_chunks(config)} "
+                "reduction chunks")
+    return None
+
+
+def check_tp_config(config: ModelConfig, size: int, invariant: bool = False) -> None:
+    """Raise a ValueError naming the problem and the TP sizes this model allows."""
+    if config.num_experts:
+        raise ValueError("tensor parallelism does not support mixture-of-experts models yet "
+                         f"({config.architecture}); use tensor_parallel_size=1")
+    problem = _tp_problem(config, size, invariant) if size > 1 else None
+    if problem is not None:
+        allowed = [p for p in range(1, config.num_attention_heads + 1) if _tp_problem(config, p, invariant) is None]
+        raise ValueError(f"tensor_parallel_size={size} does not fit {config.architecture}: {problem}; "
+                         f"allowed sizes for this model: {allowed}")
+
+
+def local_config(config: ModelConfig, size: int) -> ModelConfig:
+    """The per-rank shapes (vocab_size stays the full one: logits are gathered to the full width)."""
+    return dataclasses.replace(config, num_attention_heads=config.num_attention_heads // size,
+                               num_key_value_heads=max(1, config.num_key_value_heads // size),
+                               intermediate_size=config.intermediate_size // size)
+
+
+def vocab_shard_size(vocab: int, size: int) -> int:
+    return -(-vocab // size)
+
+
+# -- weight sharding ------------------------------------------------------------------------------------
+def _kv_heads_of(config: ModelConfig, rank: int, size: int) -> range:
+    hkv = config.num_key_value_heads
+    if hkv >= size:
+        per = hkv // size
+        return range(rank * per, (rank + 1) * per)
+    head = rank // (size // hkv)  # replicated: the KV head this rank's q heads read
+    return range(head, head + 1)
+
+
+def _shard(name: str, t: torch.Tensor, config: ModelConfig, rank: int, size: int) -> torch.Tensor:
+    d = config.head_dim
+    hq = config.num_attention_heads // size
+    if name in ("embed_tokens", "lm_head"):
+        per = vocab_shard_size(config.vocab_size, size)
+        rows = t[rank * per:(rank + 1) * per]
+        if rows.shape[0] < per:  # the last shard: zero rows past the vocab (never looked up, logits cut)
+            rows = torch.cat((rows, rows.new_zeros((per - rows.shape[0],) + tuple(rows.shape[1:]))))
+        return rows
+    if ".qkv_proj." in name:
+        kv = _kv_heads_of(config, rank, size)
+        q0, k0 = config.q_size, config.q_size + config.kv_size
+        return torch.cat((t[rank * hq * d:(rank + 1) * hq * d], t[q0 + kv.start * d:q0 + kv.stop * d],
+                          t[k0 + kv.start * d:k0 + kv.stop * d]))
+    if ".gate_up_proj." in name:
+        inter, per = config.intermediate_size, config.intermediate_size // size
+        return torch.cat((t[rank * per:(rank + 1) * per], t[inter + rank * per:inter + (rank + 1) * per]))
+    if name.endswith("o_proj.weight"):
+        return t[:, rank * hq * d:(rank + 1) * hq * d]
+    if name.endswith("down_proj.weight"):
+        per = config.intermediate_size // size
+        return t[:, rank * per:(rank + 1) * per]
+    return t  # norms, row-parallel biases: replicated
+
+
+def shard_state(model: Transformer, config: ModelConfig, rank: int, size: int,
+                device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s weights of the full `model`, as new contiguous tensors named like the local model's, on
+    `device` (default: the model's; copied there slice by slice, never as a whole shard on the model's)."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = _shard(name, p.detach(), config, rank, size)
+        out[name] = (t.clone() if device is None else t.to(device, copy=True)).contiguous()
+    return out
+
+
+# -- the layers -------------------------------------------------------------------------------------------
+class RowParallelLinear(nn.Module):
+    """o_proj / down_proj: weight [N, K / P] (+ bias [N], added once after the cross-rank sum). `group` None:
+    TP=1 running the chunk tree (tp_invariant_reduction). `chunks`: this rank's K chunks (None: one)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group: TPGroup | None,
+                 chunks: int | None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.group, self.chunks = group, chunks
+
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        g = self.group
+        if g is not None and not ops.deterministic:
+            y = g.all_reduce_sum(ops.linear(x, self.weight))  # fast mode: the library's order
+            return y if self.bias is None else y + self.bias
+        y = ops.linear_tree(x, self.weight, self.chunks or 1)  # fp32 [T, N]: this rank's subtree
+        if g is not None:
+            y = ops.tree_sum(g.all_gather(y))  # the tree's top levels, in rank order, on every rank
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype)
+
+
+class TPTransformer(Transformer):
+    """A `Transformer` over rank-local shapes (`local_config`) with vocab-parallel embedding and logits."""
+
+    tp_group: TPGroup
+    full_vocab: int
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        g, per = self.tp_group, self.embed_tokens.shape[0]
+        local = input_ids - g.rank * per
+        mine = (local >= 0) & (local < per)
+        rows = F.embedding(local.clamp(0, per - 1), self.embed_tokens)
+        rows = torch.where(mine[:, None], rows, torch.zeros_like(rows))  # [T, hidden]
+        if not self.ops.deterministic:
+            return g.all_reduce_sum(rows)
+        gathered = g.all_gather(rows)  # [P, T, hidden]; token t's row is at [owner(t), t]
+        owner = (input_ids // per)[None, :, None].expand(1, -1, rows.shape[-1])
+        return gathered.gather(0, owner)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        local = self.ops.logits(hidden, weight)  # [S, V'] fp32
+        gathered = self.tp_group.all_gather(local)  # [P, S, V']
+        full = gathered.permute(1, 0, 2).reshape(hidden.shape[0], -1)
+        return full[:, :self.full_vocab]
+
+
+def _row_parallel_layers(model: Transformer):
+    for layer in model.layers:
+        yield layer.self_attn, "o_proj"
+        if hasattr(layer.mlp, "down_proj") and isinstance(layer.mlp.down_proj, nn.Module):
+            yield layer.mlp, "down_proj"
+
+
+def build_local_model(config: ModelConfig, size: int, ops: Ops, group: TPGroup, state: dict[str, torch.Tensor],
+                      device: torch.device, invariant: bool) -> TPTransformer:
+    """Rank `group.rank`'s model from its `state` (`shard_state`), tensors moved to `device`."""
+    lc = local_config(config, size)
+    chunks = tp_invariant_chunks(config) // size if invariant else None
+    with torch.device("meta"):
+        model = TPTransformer(lc, ops)
+        for owner, name in _row_parallel_layers(model):
+            old = getattr(owner, name)
+            setattr(owner, name, RowParallelLinear(old.weight.shape[1], old.weight.shape[0], old.bias is not None,
+                                                   group, chunks))
+        per = vocab_shard_size(config.vocab_size, size)
+        model.embed_tokens = nn.Parameter(torch.empty(per, config.hidden_size), requires_grad=False)
+        if model.lm_head is not None:
+            model.lm_head = nn.Parameter(torch.empty(per, config.hidden_size), requires_grad=False)
+    model.tp_group, model.full_vocab = group, config.vocab_size
+    model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=True, assign=True)
+    model.rotary.reset_parameters(device)
+    model.eval()
+    return model
+
+
+def use_chunk_tree(model: Transformer, config: ModelConfig) -> Transformer:
+    """TP=1 with tp_invariant_reduction: o_proj / down_proj compute the C-chunk tree (same weights, in place)."""
+    check_tp_config(config, 1)
+    chunks = tp_invariant_chunks(config)
+    for owner, name in _row_parallel_layers(model):
+        old = getattr(owner, name)
+        if isinstance(old, RowParallelLinear):
+            continue
+        new = RowParallelLinear.__new__(RowParallelLinear)
+        nn.Module.__init__(new)
+        new.weight, new.bias, new.group, new.chunks = old.weight, old.bias, None, chunks
+        setattr(owner, name, new)
+    return model

@@ -1,0 +1,250 @@
+"""Rank 0 of tensor parallelism: spawns the workers, hands out their weight shards, runs its own shard.
+
+`TensorParallelRunner` stands where `ModelRunner` stands in the engine (same `execute(batch)` -> logits,
+`num_kv_blocks`, `ops`, `device`, `dtype`): each step it sends the batch's layout to every worker, then runs
+its local `ModelRunner` on its shard; the collectives inside the forward keep the ranks in step, and the
+vocab-parallel logits come back full width on rank 0.
+
+Start-up: rank 0 shards the full model it was given (loaded as for TP=1), keeps shard 0 and sends each
+worker its shard as CPU tensors (shared memory), so checkpoints, random presets and in-memory models all
+work the same way. Rank 0 therefore holds the full weights once while loading (a limit for models larger
+than one device). Steps run eagerly (collectives are not captured in CUDA graphs yet). All ranks agree on
+the KV pool size (the smallest any rank could allocate).
+
+Failures: any error in a step, or a worker's exit, is fatal for the group (collectives half done cannot be
+resumed): the workers are stopped, and this and every later `execute` raises a RuntimeError naming the
+failed rank (with its traceback when it sent one). Nothing waits forever: start-up waits check the workers'
+liveness, a dead worker's closed sockets fail gloo collectives at once, the watcher thread aborts an NCCL
+group when a worker exits, and every collective has a timeout (group.DEFAULT_TIMEOUT_S).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing.connection as mpc
+import threading
+import time
+import weakref
+
+import torch
+import torch.multiprocessing as mp
+
+from detinfer.distributed.group import DEFAULT_TIMEOUT_S, connect, master_store
+from detinfer.distributed.layers import build_local_model, check_tp_config, local_config, shard_state, use_chunk_tree
+from detinfer.distributed.worker import WorkerSpec, shrink_kv_cache, worker_main
+from detinfer.engine.config import EngineConfig
+from detinfer.engine.model_runner import ModelRunner
+from detinfer.models.config import ModelConfig
+from detinfer.models.transformer import Transformer
+
+STARTUP_TIMEOUT_S = 600.0  # spawning, importing torch and building a big shard can take minutes
+
+
+def make_runner(model: Transformer, model_config: ModelConfig, config: EngineConfig,
+                num_kv_blocks: int | None = None):
+    """The engine's runner for `config.tensor_parallel_size` (and `tp_invariant_reduction` at TP=1)."""
+    size = config.tensor_parallel_size
+    check_tp_config(model_config, size, config.tp_invariant_reduction)
+    if size == 1:
+        if config.tp_invariant_reduction:
+            use_chunk_tree(model, model_config)
+        return ModelRunner(model, model_config, config, num_kv_blocks)
+    return TensorParallelRunner(model, model_config, config, num_kv_blocks)
+
+
+# Imported once by the fork server; each worker is forked from it (no re-import of torch per worker and per
+# engine). The server is a fresh single-threaded process that never touches CUDA, so forking it is safe
+# (unlike forking the engine's own process).
+_WORKER_PRELOAD = ["detinfer.distributed.worker", "detinfer.distributed.layers", "detinfer.engine.model_runner"]
+
+
+def _process_context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_WORKER_PRELOAD)
+    return ctx
+
+
+def rank_devices(device: torch.device, size: int) -> list[torch.device]:
+    """Rank r's device: CPU for all, or the r-th CUDA device from the engine's."""
+    if device.type != "cuda":
+        return [device] * size
+    base = device.index if device.index is not None else torch.cuda.current_device()
+    count = torch.cuda.device_count()
+    if base + size > count:
+        raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs from cuda:{base}, but only {count} "
+                         "are visible (CUDA_VISIBLE_DEVICES)")
+    return [torch.device("cuda", base + r) for r in range(size)]
+
+
+class TensorParallelRunner:
+    """See the module docstring."""
+
+    def __init__(self, model: Transformer, model_config: ModelConfig, config: EngineConfig,
+                 num_kv_blocks: int | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S):
+        size = config.tensor_parallel_size
+        ops, device = model.ops, model.embed_tokens.device
+        devices = rank_devices(device, size)
+        self.config, self.size, self.model_config = config, size, model_config
+        self._procs, self._conns, self._failure, self._closing = [], [], None, False
+        eager = config.replace(enforce_eager=True)
+        store = master_store(size, timeout_s=timeout_s)
+        port = store.port
+        ctx = _process_context()
+        threads = max(1, torch.get_num_threads() // size) if device.type == "cpu" else None
+        try:
+            for r in range(1, size):
+                parent, child = ctx.Pipe()
+                spec = WorkerSpec(r, size, port, str(devices[r]), model_config, eager, ops.mode, ops.dtype,
+                                  ops.attention, ops.cpu_triton, num_kv_blocks, timeout_s, threads)
+                proc = ctx.Process(target=worker_main, args=(spec, child), name=f"detinfer-tp-rank{r}")
+                proc.start()
+                child.close()
+                self._procs.append(proc)
+                self._conns.append(parent)
+            self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns)
+            self._expect("hello")
+            self.group = connect(0, size, port, device, timeout_s=timeout_s, store=store)
+            for r, conn in enumerate(self._conns, 1):
+                conn.send(("state", shard_state(model, model_config, r, size, device="cpu")))
+            local = build_local_model(model_config, size, ops, self.group, shard_state(model, model_config, 0, size),
+                                      device, config.tp_invariant_reduction)
+            self.local = ModelRunner(local, local_config(model_config, size), eager, num_kv_blocks)
+            blocks = [self.local.num_kv_blocks] + [msg[1] for msg in self._expect("ready")]
+            if len(set(blocks)) > 1:
+                for conn in self._conns:
+                    conn.send(("shrink", min(blocks)))
+                shrink_kv_cache(self.local, min(blocks))
+        except BaseException:
+            self.close()
+            raise
+        # The thread holds a weak reference: a dropped engine must still be collected (and its workers stopped).
+        self._watcher = threading.Thread(target=_watch, args=([p.sentinel for p in self._procs], weakref.ref(self)),
+                                         name="detinfer-tp-watcher", daemon=True)
+        self._watcher.start()
+
+    # -- what the engine reads ------------------------------------------------------------------------
+    @property
+    def ops(self):
+        return self.local.ops
+
+    @property
+    def model(self):
+        return self.local.model
+
+    def __getattr__(self, name):  # device, dtype, num_kv_blocks, block_size, ...: the local runner's
+        if name == "local":
+            raise AttributeError(name)
+        return getattr(self.local, name)
+
+    # -- steps -----------------------------------------------------------------------------------------
+    def execute(self, batch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if self._failure is None:
+            self._failure = self._worker_failure()
+        if self._failure is not None:
+            raise RuntimeError(self._failure)
+        try:
+            layout = batch.layout
+            if input_ids is not None:
+                # Overlapped scheduling left some ids (the previous step's samples) on rank 0's device only:
+                # the workers get them as host data. This waits for the previous step, so under tensor
+                # parallelism overlap saves nothing yet; the bits are the same either way.
+                layout = dataclasses.replace(layout, token_ids=input_ids.tolist())
+            for conn in self._conns:
+                conn.send(("step", layout))
+            return self.local.execute(batch, input_ids=input_ids)
+        except Exception as e:
+            self._fail(self._worker_failure(wait_s=2.0) or
+                       f"tensor-parallel step failed on rank 0 ({type(e).__name__}: {e})")
+            raise RuntimeError(self._failure) from e
+        except BaseException:  # interrupted mid-step: the ranks' collectives are out of step from here on
+            self._fail("a tensor-parallel step was interrupted")
+            raise
+
+    def _fail(self, message: str) -> None:
+        self._failure = (f"{message}; the tensor-parallel group (size {self.size}) is stopped: build a new "
+                         "engine to continue")
+        self.close()
+
+    def _worker_failure(self, wait_s: float = 0.0) -> str | None:
+        """A message naming a worker that failed (its traceback if it sent one), else None."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for r, (proc, conn) in enumerate(zip(self._procs, self._conns), 1):
+                text = self._error_from(conn)
+                if text is not None or not proc.is_alive():
+                    proc.join(timeout=1.0)
+                    detail = f":\n{text}" if text else ""
+                    return f"tensor-parallel worker rank {r} failed (exit code {proc.exitcode}){detail}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    @staticmethod
+    def _error_from(conn) -> str | None:
+        try:
+            while conn.poll():
+                msg = conn.recv()
+                if msg[0] == "error":
+                    return msg[1]
+        except (EOFError, OSError):
+            return None
+        return None
+
+    def _expect(self, kind: str) -> list:
+        """One `kind` message from every worker, failing fast (with its traceback) if one dies first."""
+        got, deadline = {}, time.monotonic() + STARTUP_TIMEOUT_S
+        while len(got) < len(self._conns):
+            for r, (proc, conn) in enumerate(zip(self._procs, self._conns), 1):
+                if r in got:
+                    continue
+                try:
+                    msg = conn.recv() if conn.poll(0.05) else None
+                except (EOFError, OSError):
+                    msg = None
+                if msg is not None and msg[0] == kind:
+                    got[r] = msg
+                elif (msg is not None and msg[0] == "error") or not proc.is_alive():
+                    proc.join(timeout=1.0)
+                    detail = f":\n{msg[1]}" if msg is not None else ""
+                    raise RuntimeError(f"tensor-parallel worker rank {r} failed during start-up (exit code "
+                                       f"{proc.exitcode}){detail}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel workers did not send {kind!r} within {STARTUP_TIMEOUT_S} s")
+        return [got[r] for r in sorted(got)]
+
+    def close(self) -> None:
+        """Stop the workers (idempotent). The engine is unusable afterwards."""
+        self._closing = True
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
+        else:
+            _stop_workers(self._procs, self._conns)
+
+
+def _watch(sentinels, runner_ref) -> None:
+    """Abort the group when a worker exits unasked, so rank 0 cannot wait on it (NCCL would)."""
+    mpc.wait(sentinels)
+    runner = runner_ref()
+    group = None if runner is None else runner.__dict__.get("group")
+    if runner is not None and not runner._closing and group is not None and group.backend == "nccl":
+        group.abort()
+
+
+def _stop_workers(procs, conns, timeout_s: float = 2.0) -> None:
+    for conn in conns:
+        try:
+            conn.send(("stop",))
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=2.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=2.0)
+    for conn in conns:
+        conn.close()

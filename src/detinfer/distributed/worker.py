@@ -1,0 +1,103 @@
+"""The loop of a tensor-parallel worker rank (a process the rank-0 engine spawned).
+
+Rank 0 owns the scheduler, the block manager and the sampler (pure Python, one copy). Each step it sends
+every worker the step's `StepLayout` (plain Python data) over a pipe; the worker runs the same
+`ModelRunner.execute` on its shard, taking part in the same collectives in the same order, and discards
+the logits (rank 0 samples). Workers never reply per step: a failure is reported by an ("error", traceback)
+message followed by the worker's exit, which also closes its sockets, so rank 0's pending collective fails
+instead of waiting (and rank 0's watcher aborts NCCL groups on a worker's exit).
+
+Messages to a worker: ("state", {name: cpu tensor}), ("step", layout), ("shrink", num_blocks), ("stop",).
+Messages from a worker: ("hello",), ("ready", num_kv_blocks), ("error", text).
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from detinfer.cache.layout import StepLayout
+from detinfer.engine.config import EngineConfig
+from detinfer.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    rank: int
+    size: int
+    port: int
+    device: str
+    model_config: ModelConfig
+    engine_config: EngineConfig  # enforce_eager set: collectives are not captured in CUDA graphs
+    mode: str
+    dtype: torch.dtype
+    attention: str
+    cpu_triton: bool
+    num_kv_blocks: int | None
+    timeout_s: float
+    num_threads: int | None
+
+
+@dataclass(frozen=True)
+class LayoutBatch:
+    """What `ModelRunner.execute` reads of a `ScheduledBatch`: the layout."""
+
+    layout: StepLayout
+    is_empty: bool = False
+
+
+def shrink_kv_cache(runner, num_blocks: int) -> None:
+    """Use only the first `num_blocks` blocks of every pool (all ranks must agree on the block count)."""
+    runner.kv_cache = [(k[:num_blocks], v[:num_blocks]) for k, v in runner.kv_cache]
+    runner.num_kv_blocks = num_blocks
+
+
+def worker_main(spec: WorkerSpec, conn) -> None:
+    """Entry point of worker rank `spec.rank` (multiprocessing spawn target)."""
+    try:
+        if spec.num_threads:
+            torch.set_num_threads(spec.num_threads)
+        from detinfer.distributed.group import connect
+        from detinfer.distributed.layers import build_local_model, local_config
+        from detinfer.engine.model_runner import ModelRunner
+        from detinfer.ops import Ops
+
+        conn.send(("hello",))
+        device = torch.device(spec.device)
+        group = connect(spec.rank, spec.size, spec.port, device, timeout_s=spec.timeout_s)
+        kind, state = conn.recv()
+        if kind != "state":
+            raise RuntimeError(f"expected the weights first, got {kind!r}")
+        cfg = spec.model_config
+        ops = Ops(spec.mode, device, spec.dtype, head_dim=cfg.head_dim, attention=spec.attention,
+                  cpu_triton=spec.cpu_triton)
+        model = build_local_model(cfg, spec.size, ops, group, state, device,
+                                  spec.engine_config.tp_invariant_reduction)
+        del state
+        runner = ModelRunner(model, local_config(cfg, spec.size), spec.engine_config, spec.num_kv_blocks)
+        conn.send(("ready", runner.num_kv_blocks))
+        _serve(conn, runner)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        sys.exit(0)  # rank 0 went away: nothing to report to
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except Exception:  # noqa: BLE001 - rank 0 may be gone already
+            pass
+        sys.exit(1)
+
+
+def _serve(conn, runner) -> None:
+    while True:
+        msg = conn.recv()
+        if msg[0] == "step":
+            runner.execute(LayoutBatch(msg[1]))
+        elif msg[0] == "shrink":
+            shrink_kv_cache(runner, msg[1])
+        elif msg[0] == "stop":
+            return
+        else:
+            raise RuntimeError(f"unknown message {msg[0]!r}")

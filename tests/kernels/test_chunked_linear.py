@@ -1,0 +1,139 @@
+"""The chunk-tree linear (kernels/chunked_linear.py) behind tensor parallelism's same-bits-at-every-TP-size.
+
+The property tensor parallelism relies on, asserted bitwise: for P ranks each owning a contiguous 1/P of K
+(C/P chunks), "each rank's tree over its chunks, then the tree over the ranks' results" equals the tree over
+all C chunks (what TP=1 computes). Also: rows are independent (f(x)[m:n] == f(x[m:n])), the result is
+accurate against float64, and the tree's order is the documented one. The Triton path runs in Triton's
+interpreter on CPU (fp32) and for real on a GPU (bf16, fp32; marker gpu).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from detinfer.kernels import chunked_linear as cl
+from detinfer.ops import Ops
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def rand(shape, seed, dtype=torch.float32, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1).to(dtype).to(device)
+
+
+IMPLS = [pytest.param(cl.linear_tree_ref, id="ref"), pytest.param(cl.linear_tree, id="triton")]
+
+
+def _ranks_then_tree(fn, x, w, chunks, ranks):
+    kp = w.shape[1] // ranks
+    parts = [fn(x[:, r * kp:(r + 1) * kp], w[:, r * kp:(r + 1) * kp].contiguous(), chunks // ranks)
+             for r in range(ranks)]
+    return cl.pairwise_tree_sum(torch.stack(parts))
+
+
+def _check_rank_subtrees(fn, m, n, unit, seed):
+    chunks = 8
+    k = chunks * unit
+    x, w = rand((m, k), seed), rand((n, k), seed + 1)
+    full = fn(x, w, chunks)
+    assert full.dtype == torch.float32
+    for ranks in (2, 4, 8):
+        assert torch.equal(_ranks_then_tree(fn, x, w, chunks, ranks), full), f"{ranks} ranks differ"
+
+
+@settings(deadline=None)
+@given(m=st.integers(1, 9), n=st.integers(1, 40), unit=st.integers(1, 24), seed=st.integers(0, 2**31))
+def test_rank_subtrees_equal_the_full_tree(m, n, unit, seed):
+    """What TP = 2, 4, 8 compute (each rank its chunks, then the ranks) == what TP=1 computes, bitwise."""
+    _check_rank_subtrees(cl.linear_tree_ref, m, n, unit, seed)
+
+
+def test_rank_subtrees_equal_the_full_tree_triton():
+    """The same for the Triton path (few shapes: every new shape compiles again in the interpreter)."""
+    _check_rank_subtrees(cl.linear_tree, 7, 33, 9, 1)
+
+
+@settings(deadline=None)
+@given(m=st.integers(2, 12), data=st.data(), seed=st.integers(0, 2**31))
+def test_rows_are_independent(m, data, seed):
+    a = data.draw(st.integers(0, m - 1))
+    b = data.draw(st.integers(a + 1, m))
+    x, w = rand((m, 96), seed), rand((24, 96), seed + 1)
+    assert torch.equal(cl.linear_tree_ref(x, w, 4)[a:b], cl.linear_tree_ref(x[a:b], w, 4))
+
+
+def test_rows_are_independent_triton():
+    x, w = rand((9, 96), 2), rand((24, 96), 3)
+    assert torch.equal(cl.linear_tree(x, w, 4)[2:5], cl.linear_tree(x[2:5], w, 4))
+
+
+@pytest.mark.parametrize("fn", IMPLS)
+def test_accurate_against_float64(fn):
+    x, w = rand((5, 256), 3), rand((33, 256), 4)
+    exact = x.double() @ w.double().T
+    err = (fn(x, w, 8).double() - exact).abs().max().item()
+    assert err <= 256 * 2.0**-24 * (x.abs().double() @ w.abs().double().T).max().item()
+
+
+def test_tree_order_is_adjacent_pairs():
+    """((p0 + p1) + (p2 + p3)), not the halves fold ((p0 + p2) + (p1 + p3)): values where the two differ."""
+    tiny = 2.0**-24
+    p = torch.tensor([1.0, -1.0, tiny, tiny], dtype=torch.float32)
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+    tree = (f32(1.0) + f32(-1.0)) + (f32(tiny) + f32(tiny))
+    halves = (f32(1.0) + f32(tiny)) + (f32(-1.0) + f32(tiny))
+    assert tree.item() != halves.item()
+    assert torch.equal(cl.pairwise_tree_sum(p), tree)
+    odd = torch.arange(5, dtype=torch.float32)
+    assert cl.pairwise_tree_sum(odd).item() == ((0 + 1) + (2 + 3)) + 4
+
+
+def test_bad_chunks_are_refused():
+    x, w = rand((2, 30), 0), rand((4, 30), 1)
+    with pytest.raises(ValueError, match="not a multiple of num_chunks=4"):
+        cl.linear_tree_ref(x, w, 4)
+    with pytest.raises(ValueError, match="num_chunks must be a positive int"):
+        cl.linear_tree_ref(x, w, 0)
+    with pytest.raises(ValueError, match="at least one part"):
+        cl.pairwise_tree_sum(torch.empty(0, 3))
+
+
+def test_ops_dispatch_and_fast_mode():
+    x, w = rand((3, 64), 5), rand((16, 64), 6)
+    det = Ops("deterministic", "cpu", torch.float32)
+    assert torch.equal(det.linear_tree(x, w, 4), cl.linear_tree_ref(x, w, 4))
+    fast = Ops("fast", "cpu", torch.float32).linear_tree(x, w, 4)
+    torch.testing.assert_close(fast, x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_rank_subtrees_equal_the_full_tree(dtype):
+    """The Triton path on a GPU, at Qwen3-8B's row-parallel shapes (o_proj K=4096, down_proj K=12288)."""
+    for m, n, k in ((1, 4096, 4096), (37, 4096, 12288), (300, 1024, 4096)):
+        x, w = rand((m, k), m, dtype, "cuda"), rand((n, k), k, dtype, "cuda") / 64
+        full = cl.linear_tree(x, w, 8)
+        for ranks in (2, 4, 8):
+            assert torch.equal(_ranks_then_tree(cl.linear_tree, x, w, 8, ranks), full)
+        assert torch.equal(cl.linear_tree(x[: m // 2 + 1], w, 8), full[: m // 2 + 1])
+
+
+@settings(deadline=None)
+@given(m=st.integers(1, 6), n=st.integers(1, 20), kc=st.sampled_from([1, 16, 100, 128, 200, 256]),
+       chunks=st.sampled_from([1, 2, 4, 8]), seed=st.integers(0, 2**31))
+def test_ref_batched_partials_equal_per_chunk_linear_ref(m, n, kc, chunks, seed):
+    """The ref's one-product path gives each chunk exactly `linear_ref` of that K slice."""
+    from detinfer.kernels import matmul as mm
+
+    x, w = rand((m, kc * chunks), seed), rand((n, kc * chunks), seed + 1)
+    parts = torch.stack([mm.linear_ref(x[:, c * kc:(c + 1) * kc], w[:, c * kc:(c + 1) * kc]) for c in range(chunks)])
+    assert torch.equal(cl.linear_tree_ref(x, w, chunks), cl.pairwise_tree_sum(parts))
+    x[0, 0] = float("inf")  # the per-chunk fallback: the same definition
+    parts = torch.stack([mm.linear_ref(x[:, c * kc:(c + 1) * kc], w[:, c * kc:(c + 1) * kc]) for c in range(chunks)])
+    # zero tolerance, NaN == NaN (an inf row's products may hold inf - inf)
+    torch.testing.assert_close(cl.linear_tree_ref(x, w, chunks), cl.pairwise_tree_sum(parts), rtol=0, atol=0,
+                               equal_nan=True)
