@@ -6,11 +6,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from detinfer.kernels._launch import interpreting
 from detinfer.kernels.rope_qk import qk_norm_rope, qk_norm_rope_ref
 from detinfer.ops import Ops
 from detinfer.ops.backend import apply_rope
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+# fp32 kernel tests: on the GPU where there is one, else in Triton's interpreter (TRITON_INTERPRET=1).
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+interpreter_only = pytest.mark.skipif(not interpreting(), reason="Ops(cpu_triton=True) needs TRITON_INTERPRET=1")
 
 
 def inv_freq_for(d: int, theta: float = 10000.0) -> torch.Tensor:
@@ -45,7 +49,7 @@ CASES = st.tuples(st.integers(1, 9), st.sampled_from([(4, 2), (2, 2), (3, 1)]), 
 @given(CASES, st.data())
 def test_kernel_matches_reference_and_row_slices(case, data):
     t, (hq, hkv), d, norm, seed = case
-    pos, q, k, inv, wq, wk = make_case(t, hq, hkv, d, norm, seed)
+    pos, q, k, inv, wq, wk = make_case(t, hq, hkv, d, norm, seed, device=DEV)
     got = qk_norm_rope(pos, q, k, inv, wq, wk, 1e-6)
     assert got[0].shape == (t, hq, d) and got[1].shape == (t, hkv, d) and got[0].is_contiguous()
     assert_accurate(got, pos, q, k, inv, wq, wk, 1e-6, 2e-5)
@@ -56,7 +60,7 @@ def test_kernel_matches_reference_and_row_slices(case, data):
 
 
 def test_contiguous_and_strided_inputs_give_the_same_bits():
-    pos, q, k, inv, wq, wk = make_case(5, 4, 2, 16, True, 3)
+    pos, q, k, inv, wq, wk = make_case(5, 4, 2, 16, True, 3, device=DEV)
     strided = qk_norm_rope(pos, q, k, inv, wq, wk, 1e-5)
     packed = qk_norm_rope(pos, q.contiguous(), k.contiguous(), inv, wq, wk, 1e-5)
     assert not q.is_contiguous()
@@ -75,6 +79,7 @@ def test_ops_dispatch_cpu_definition_unchanged():
     assert torch.equal(plain[0], want[0]) and torch.equal(plain[1], want[1])
 
 
+@interpreter_only
 def test_ops_runs_the_kernel_under_the_interpreter_switch():
     pos, q, k, inv, wq, wk = make_case(3, 2, 2, 8, True, 7)
     got = Ops(cpu_triton=True).qk_norm_rope(pos, q, k, inv, wq, wk, 1e-6)
@@ -89,7 +94,7 @@ def test_ops_runs_the_kernel_under_the_interpreter_switch():
     (dict(eps=-1.0), "eps"),
 ])
 def test_bad_input_is_a_clear_error(bad, match):
-    pos, q, k, inv, wq, wk = make_case(3, 2, 2, 8, True, 1)
+    pos, q, k, inv, wq, wk = make_case(3, 2, 2, 8, True, 1, device=DEV)
     args = dict(positions=pos, q=q, k=k, inv_freq=inv, q_weight=wq, k_weight=wk, eps=1e-6) | bad
     with pytest.raises((ValueError, TypeError), match=match):
         qk_norm_rope(**args)

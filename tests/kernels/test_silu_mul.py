@@ -6,11 +6,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from detinfer.kernels._launch import interpreting
 from detinfer.kernels.silu_mul import silu_mul, silu_mul_ref
 from detinfer.ops import Ops
 from detinfer.ops.backend import silu_cpu
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+# fp32 kernel tests: on the GPU where there is one, else in Triton's interpreter (TRITON_INTERPRET=1).
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+interpreter_only = pytest.mark.skipif(not interpreting(), reason="Ops(cpu_triton=True) needs TRITON_INTERPRET=1")
 
 
 def gate_up_halves(t, n, seed, dtype=torch.float32, device="cpu"):
@@ -28,7 +32,7 @@ def assert_accurate(out, gate, up, rtol):
 @settings(max_examples=15, deadline=None)
 @given(st.integers(1, 12), st.sampled_from([1, 7, 64, 1000, 1500]), st.integers(0, 2**16), st.data())
 def test_kernel_matches_reference_and_row_slices(t, n, seed, data):
-    gate, up = gate_up_halves(t, n, seed)
+    gate, up = gate_up_halves(t, n, seed, device=DEV)
     out = silu_mul(gate, up)
     assert out.shape == (t, n) and out.is_contiguous()
     assert_accurate(out, gate, up, 1e-5)
@@ -39,12 +43,13 @@ def test_kernel_matches_reference_and_row_slices(t, n, seed, data):
 
 
 def test_leading_dims_and_empty():
-    gate, up = gate_up_halves(6, 10, 1)
+    gate, up = gate_up_halves(6, 10, 1, device=DEV)
     out = silu_mul(gate.reshape(2, 3, 10), up.reshape(2, 3, 10))
     assert torch.equal(out.reshape(6, 10), silu_mul(gate, up))
     assert silu_mul(gate[:0], up[:0]).shape == (0, 10)
 
 
+@interpreter_only
 def test_ops_dispatch():
     gate, up = gate_up_halves(4, 9, 2)
     assert torch.equal(Ops().silu_mul(gate, up), silu_cpu(gate) * up)  # the CPU definition, unchanged
@@ -55,7 +60,7 @@ def test_ops_dispatch():
 
 
 def test_bad_input_is_a_clear_error():
-    gate, up = gate_up_halves(2, 4, 3)
+    gate, up = gate_up_halves(2, 4, 3, device=DEV)
     with pytest.raises(ValueError, match="one shape"):
         silu_mul(gate, up[:, :3])
     with pytest.raises(TypeError, match="dtype"):
