@@ -7,10 +7,8 @@ report.json, report.html, summary.png (every section's plots in one picture) and
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import html
-import io
 import json
 import math
 import re
@@ -19,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from detinfer.report_html import BASE_CSS, figure_png, img_tag, pyplot
 from detinfer.repro.analysis import Completion, Summary
 
 REPORT_FORMAT = "detinfer-repro/1"
@@ -113,17 +112,6 @@ def report_dict(sections: Sequence[Section], experiment: dict[str, Any]) -> dict
 # --- plots -----------------------------------------------------------------------------------------
 
 
-def _pyplot():
-    try:
-        import matplotlib
-    except ImportError:
-        raise ImportError("the repro report draws its plots with matplotlib: pip install 'detinfer[repro]'") \
-            from None
-    matplotlib.use("Agg")  # files only; never needs a display
-    import matplotlib.pyplot as plt
-
-    return plt
-
 
 def _draw_histogram(ax, s: Section) -> None:
     """Runs per distinct completion, most common first. Past MAX_BARS the rest (each no more frequent
@@ -190,56 +178,37 @@ def _draw_divergence(ax, s: Section) -> None:
     ax.set_title(f"{s.label}: where runs diverge", fontsize=10)
 
 
-def _png(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight", metadata={"Software": None})
-    return buf.getvalue()
-
 
 def section_pngs(s: Section) -> tuple[bytes, bytes]:
     """(histogram, divergence plot) of one section, as PNG bytes."""
-    plt = _pyplot()
+    plt = pyplot()
     out = []
     for draw in (_draw_histogram, _draw_divergence):
         fig, ax = plt.subplots(figsize=(5, 3))
         draw(ax, s)
-        out.append(_png(fig))
-        plt.close(fig)
+        out.append(figure_png(fig))
     return out[0], out[1]
 
 
 def summary_png(sections: Sequence[Section]) -> bytes:
     """Every section's histogram (top row) and divergence plot (bottom row), side by side."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(2, len(sections), figsize=(4.6 * len(sections), 6), squeeze=False)
     for col, s in enumerate(sections):
         _draw_histogram(axes[0][col], s)
         _draw_divergence(axes[1][col], s)
     fig.tight_layout()
-    data = _png(fig)
-    plt.close(fig)
-    return data
+    return figure_png(fig)
 
 
 # --- HTML ------------------------------------------------------------------------------------------
 
-_CSS = """
-body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}
-.cols{display:flex;gap:1.5em;flex-wrap:wrap;align-items:flex-start}
-.col{flex:1 1 480px;min-width:420px;border:1px solid #ddd;border-radius:6px;padding:0 1em 1em}
-table{border-collapse:collapse;font-size:13px;margin:.5em 0}td,th{border:1px solid #ddd;padding:3px 6px;
-vertical-align:top;text-align:left}pre{white-space:pre-wrap;margin:0;max-height:12em;overflow:auto;
-font-size:12px}.ok{color:#1a7f37;font-weight:bold}.bad{color:#cf222e;font-weight:bold}
-img{max-width:100%}.a{background:#e6f4ea}.b{background:#fde7e9}.muted{color:#777}
-"""
+_CSS = BASE_CSS + ".a{background:#e6f4ea}.b{background:#fde7e9}pre{max-height:12em;overflow:auto}"
 
 
 def _e(x: Any) -> str:
     return html.escape(str(x))
 
-
-def _img(png: bytes, alt: str) -> str:
-    return f'<img alt="{_e(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
 
 
 def _fmt(x: Any) -> str:
@@ -264,7 +233,7 @@ def _section_html(s: Section, pngs: tuple[bytes, bytes]) -> str:
             ("wall time", f"{s.elapsed_s:.1f} s")] + [(k, v) for k, v in s.extra.items()]
     parts = [f"<div class=col><h2>{_e(s.label)}</h2><p class=muted>{_e(s.target)}</p><p>{verdict_html}</p>",
              "<table>" + "".join(f"<tr><th>{_e(k)}</th><td>{_e(_fmt(v))}</td></tr>" for k, v in rows) + "</table>",
-             _img(pngs[0], f"{s.label} histogram"), _img(pngs[1], f"{s.label} divergence positions"),
+             img_tag(pngs[0], f"{s.label} histogram"), img_tag(pngs[1], f"{s.label} divergence positions"),
              "<h3>Distinct completions</h3><table><tr><th>#</th><th>runs</th><th>diverges from #0</th>"
              "<th>logprob variants</th><th>text</th></tr>"]
     for g, d in list(zip(sm.groups, sm.divergence_from_mode))[:MAX_BARS]:

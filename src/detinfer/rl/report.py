@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from detinfer.repro.report import _img, _png, _pyplot
+from detinfer.report_html import BASE_CSS, figure_png, img_tag, pyplot
 from detinfer.rl.checkpoint import jsonable
 
 REPORT_FORMAT = "detinfer-rl/1"
@@ -58,7 +58,7 @@ def arm_summary(history: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def summary_png(histories: Mapping[str, Sequence[Mapping[str, Any]]]) -> bytes:
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
@@ -83,19 +83,10 @@ def summary_png(histories: Mapping[str, Sequence[Mapping[str, Any]]]) -> bytes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    data = _png(fig)
-    plt.close(fig)
-    return data
+    return figure_png(fig)
 
 
-_CSS = """
-body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}
-.cols{display:flex;gap:1.5em;flex-wrap:wrap;align-items:flex-start}
-.col{flex:1 1 360px;min-width:320px;border:1px solid #ddd;border-radius:6px;padding:0 1em 1em}
-table{border-collapse:collapse;font-size:13px;margin:.5em 0}td,th{border:1px solid #ddd;padding:3px 6px;
-vertical-align:top;text-align:left}.ok{color:#1a7f37;font-weight:bold}.bad{color:#cf222e;font-weight:bold}
-img{max-width:100%}.muted{color:#777}pre{white-space:pre-wrap;font-size:12px;margin:0}
-"""
+_CSS = BASE_CSS + "body{--col-width:360px}"
 
 
 def _e(x: Any) -> str:
@@ -133,7 +124,7 @@ def report_html(histories: Mapping[str, Sequence[Mapping[str, Any]]], experiment
     if times.get("deterministic") and times.get("fast"):
         info += (f"<p>step time deterministic / fast: <b>{times['deterministic'] / times['fast']:.2f}x</b> "
                  "(mean over steps 2.., rollout + training)</p>")
-    body = _img(png, "reward and mismatch per step") + "<div class=cols>" + \
+    body = img_tag(png, "reward and mismatch per step") + "<div class=cols>" + \
         "".join(_arm_html(a, h) for a, h in histories.items()) + "</div>"
     return head + info + body + "<p class=muted>every step's metrics: report.json</p></body></html>\n"
 
