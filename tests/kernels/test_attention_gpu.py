@@ -191,3 +191,31 @@ def test_gpu_head_dim_256_and_default_split():
     decoded = PagedRunner(seqs, seed=1).run(prefill_then_decode(lengths, [n - 4 for n in lengths]), scale)
     assert_same(whole, decoded, "head_dim 256")
     check_accuracy(whole, seqs, scale, torch.bfloat16)
+
+
+@pytest.mark.parametrize("kv", [1, 63, 110, 256, 257, 600])
+def test_gpu_short_decode_bits_do_not_depend_on_schedule_grid_or_pipeline_depth(kv, monkeypatch):
+    """Decode over short key ranges (one split up to 256 keys: the partial chain of a single split is the
+    final result in both schedules): sequential vs split-parallel + merge, max_kv_len exact vs the table's
+    capacity (the CUDA-graph grid), and 1 vs 3 pipeline stages all give the same bits."""
+    from detinfer.kernels import attention as A
+
+    g = torch.Generator(device="cuda").manual_seed(kv)
+    bs, blocks = 4, 64
+    kc = torch.randn((bs * blocks, 16, 8, 128), device="cuda", dtype=torch.bfloat16, generator=g)
+    vc = torch.randn(kc.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    bt = torch.randperm(bs * blocks, device="cuda", generator=g).to(torch.int32).view(bs, blocks)
+    q = torch.randn((bs, 32, 128), device="cuda", dtype=torch.bfloat16, generator=g)
+    kv_lens = torch.tensor([kv, max(1, kv - 5), kv, 1], device="cuda", dtype=torch.int32)
+    cu = torch.arange(bs + 1, device="cuda", dtype=torch.int32)
+    outs = {}
+    for stages, short in ((3, 4), (3, 0), (1, 1 << 20)):
+        monkeypatch.setitem(A._TUNE, "stages", stages)
+        monkeypatch.setitem(A._TUNE, "short_walk_tiles", short)
+        for sched in ("sequential", "parallel", "auto"):
+            for max_kv in (kv, blocks * 16):
+                outs[(stages, short, sched, max_kv)] = paged_attention(
+                    q, kc, vc, bt, kv_lens, cu, 0.088, max_q_len=1, max_kv_len=max_kv, schedule=sched)
+    first = next(iter(outs.values()))
+    for key, out in outs.items():
+        assert torch.equal(out, first), f"{key} changed the bits"

@@ -6,7 +6,7 @@ positions, no batch dimension and no padding (vLLM / gpt-fast style). Attention 
 tokens, and it is supplied by the caller as `attn(layer_idx, q, k, v)`: the engine's callable writes k/v into
 its paged cache and runs paged attention; `attention_ref.ReferenceAttention` is a plain-torch one for tests.
 
-Every numeric op (matmuls, norms, SiLU * up, rotary, the logits) goes through the model's one numerics
+Every numeric op (matmuls, norms, SiLU * up, q/k norm + rotary, the logits) goes through the model's one numerics
 backend `self.ops` (see detinfer.ops.backend), so under a deterministic `Ops` each token's result is
 independent of what else is in the batch. The submodules hold weights only: the backend is passed down
 in forward, so `set_ops` switches a model between modes (same weight tensors, no copy, no rebuild). The
@@ -80,9 +80,11 @@ class Attention(nn.Module):
         q = q.reshape(T, self.n_heads, self.head_dim)  # [T, Hq, D]
         k = k.reshape(T, self.n_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.reshape(T, self.n_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q, ops), self.k_norm(k, ops)
-        q, k = ops.rope(positions, q, k, rotary.inv_freq)
+        # One op (one launch where the kernels run): per-head q/k norm when the model has it, then rotary,
+        # reading q/k straight out of qkv by strides.
+        q_w, k_w, eps = (None, None, 0.0) if self.q_norm is None else \
+            (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        q, k = ops.qk_norm_rope(positions, q, k, rotary.inv_freq, q_w, k_w, eps)
         out = attn(self.layer_idx, q, k, v)  # [T, Hq, D]
         return self.o_proj(out.reshape(T, self.q_size), ops)  # [T, hidden]
 

@@ -26,6 +26,11 @@ Selection rule (`Ops.__post_init__`, from mode, device, dtype, head_dim and two 
   `attention="kernel"` / `"ref"` forces one side (a kernel that cannot run here is an error).
 - SiLU in deterministic mode on CPU is spelled with exp and a division: torch's vectorized CPU SiLU
   rounds a tensor's SIMD tail differently, so an element's bits would depend on its position.
+- SiLU*mul and the attention prologue (`qk_norm_rope`: per-head q/k RMSNorm + RoPE), both modes: one
+  fused elementwise Triton launch each where the dense kernels run (CUDA), reading their inputs by strides
+  out of the fused projections' outputs; they are row-wise, so batch-invariant in either mode. Under
+  autograd (fast-mode training) they fall back to the torch composition; the deterministic trainer wraps
+  the kernel itself (train/adapter.py). Elsewhere: the torch composition, the CPU definition.
 - RoPE, and the sampler's reductions (`fold_sum`, `cumsum`), are the same in both modes: elementwise or
   fixed-order, so batch-invariant on any device.
 
@@ -236,17 +241,39 @@ class Ops:
         fn = rmsnorm.rms_norm if self._kernel(x, weight, residual) else rmsnorm.rms_norm_ref
         return fn(x, weight, eps, residual=residual)
 
+    def _fused_kernel(self, *tensors: torch.Tensor | None) -> bool:
+        """Elementwise fused kernels (SiLU*mul, qk-norm + RoPE), both modes: where the dense kernels run,
+        and not under autograd (the kernels have no backward; the trainer wraps these ops itself)."""
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+            return False
+        return self._kernel(*tensors)
+
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """SiLU(gate) * up (the SwiGLU MLP's elementwise part)."""
-        if self.deterministic:
-            return F.silu(gate) * up if gate.is_cuda else silu_cpu(gate) * up
-        if self._fused(gate, up):
+        """SiLU(gate) * up (the SwiGLU MLP's elementwise part). Where the kernels run: one Triton launch
+        reading gate/up by strides (`kernels.silu_mul`, both modes); else torch."""
+        if self._fused_kernel(gate, up):
             return _kernels("silu_mul").silu_mul(gate, up)
+        if self.deterministic and not gate.is_cuda:
+            return silu_cpu(gate) * up
         return F.silu(gate) * up
 
     def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor):
         """Rotary embedding of q and k (`apply_rope`)."""
         return apply_rope(positions, q, k, inv_freq)
+
+    def qk_norm_rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor,
+                     q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+                     eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention prologue: per-head RMSNorm of q [T, Hq, D] and k [T, Hkv, D] (when the weights are
+        given: Qwen3's qk_norm), then RoPE. Where the kernels run: one Triton launch reading q/k by strides
+        (`kernels.rope_qk`, both modes); else `rms_norm` per head then `rope` (the CPU definition)."""
+        from detinfer.kernels import rope_qk
+
+        if self._fused_kernel(q, k, q_weight, k_weight) and rope_qk.kernel_takes(q, k, q_weight):
+            return rope_qk.qk_norm_rope(positions, q, k, inv_freq, q_weight, k_weight, eps)
+        if q_weight is not None:
+            q, k = self.rms_norm(q, q_weight, eps), self.rms_norm(k, k_weight, eps)
+        return self.rope(positions, q, k, inv_freq)
 
     def softmax(self, x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = torch.float32):
         if not self.deterministic:

@@ -3,7 +3,8 @@
 Contract with the model (all that training relies on; `TrainingForward` is the adapter class):
   * the model computes with its one numerics backend `model.ops` (see detinfer.ops.backend), passed down
     to every submodule in forward: `ops.linear`, `ops.rms_norm(x, w, eps, residual=)`, `ops.silu_mul`,
-    `ops.rope(positions, q, k, inv_freq)`, `ops.logits(hidden, weight)`, `ops.log_softmax`;
+    `ops.qk_norm_rope(positions, q, k, inv_freq, q_weight, k_weight, eps)`, `ops.rope(positions, q, k,
+    inv_freq)`, `ops.logits(hidden, weight)`, `ops.log_softmax`;
   * `model(input_ids [T], positions [T], attn) -> hidden [T, H]` with `attn(layer_idx, q, k, v)`,
     and `model.compute_logits(hidden) -> fp32 logits` (through `ops.logits`);
   * `F.embedding(ids, model.embed_tokens)`;
@@ -32,6 +33,7 @@ from detinfer.train.functions import (
     AttentionFn,
     EmbeddingFn,
     LinearFn,
+    QKNormRopeFn,
     RMSNormFn,
     RotaryFn,
     SiLUMulFn,
@@ -89,6 +91,12 @@ class DifferentiableOps:
         if not _needs_grad(q, k):
             return self.base.rope(positions, q, k, inv_freq)
         return RotaryFn.apply(q, k, positions, _Rope(inv_freq, self.base))
+
+    def qk_norm_rope(self, positions, q, k, inv_freq, q_weight=None, k_weight=None, eps=1e-6):
+        """The engine's fused prologue in the forward (the same kernel and bits), unfused backwards."""
+        if not _needs_grad(q, k, q_weight, k_weight):
+            return self.base.qk_norm_rope(positions, q, k, inv_freq, q_weight, k_weight, eps)
+        return QKNormRopeFn.apply(q, k, q_weight, k_weight, positions, inv_freq, eps, self.base.qk_norm_rope)
 
     def softmax(self, x, dim=-1, dtype=torch.float32):
         return self.base.softmax(x, dim=dim, dtype=dtype)

@@ -23,7 +23,8 @@ from detinfer.kernels.rmsnorm_backward import rms_norm_backward_ref
 from detinfer.kernels.rope_backward import rope_angles, rope_backward_ref
 from detinfer.kernels.silu_mul_backward import silu_mul_backward_ref
 
-__all__ = ["AttentionFn", "EmbeddingFn", "LinearFn", "LogprobFn", "RMSNormFn", "RotaryFn", "SiLUMulFn"]
+__all__ = ["AttentionFn", "EmbeddingFn", "LinearFn", "LogprobFn", "QKNormRopeFn", "RMSNormFn", "RotaryFn",
+           "SiLUMulFn"]
 
 
 class LinearFn(torch.autograd.Function):
@@ -87,6 +88,38 @@ class RotaryFn(torch.autograd.Function):
         dq = None if dq is None else rope_backward_ref(dq, cos, sin, ctx.dtypes[0])
         dk = None if dk is None else rope_backward_ref(dk, cos, sin, ctx.dtypes[1])
         return dq, dk, None, None
+
+
+class QKNormRopeFn(torch.autograd.Function):
+    """(q, k) -> rotary(per-head RMSNorm (q, k)), the backend's fused attention prologue (`Ops.qk_norm_rope`)
+    in the forward; the backward is the unfused ops' backwards (rotary, then the norm) from saved inputs,
+    the same arithmetic as RotaryFn followed by RMSNormFn."""
+
+    @staticmethod
+    def forward(ctx, q, k, q_weight, k_weight, positions, inv_freq, eps: float, fwd: Callable):
+        ctx.save_for_backward(q, k, q_weight, k_weight, positions, inv_freq)
+        ctx.eps = eps
+        return fwd(positions, q, k, inv_freq, q_weight, k_weight, eps)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        q, k, q_weight, k_weight, positions, inv_freq = ctx.saved_tensors
+        cos, sin = rope_angles(positions, inv_freq)
+        grads = []
+        for dout, x, w in ((dq, q, q_weight), (dk, k, k_weight)):
+            if dout is None:
+                grads.append((None, None))
+                continue
+            # the rotation's input was the normed x, of dtype promote(w, x) (x itself without a norm)
+            normed_dtype = x.dtype if w is None else torch.promote_types(w.dtype, x.dtype)
+            dn = rope_backward_ref(dout, cos, sin, normed_dtype)
+            if w is None:
+                grads.append((dn, None))
+            else:
+                dx, _, dw = rms_norm_backward_ref(dn, None, x, None, w, ctx.eps)
+                grads.append((dx, dw))
+        (dq_in, dwq), (dk_in, dwk) = grads
+        return dq_in, dk_in, dwq, dwk, None, None, None, None
 
 
 class EmbeddingFn(torch.autograd.Function):

@@ -1,0 +1,69 @@
+"""Per-kernel device time of one eager decode step (torch profiler) on a random Qwen3-8B-shaped model.
+
+Where the time of a decode step goes besides the matmuls (norms, rotary, activations, copies, attention),
+per batch size: the batch decodes a few steps eagerly, then one step is profiled and the CUDA kernels are
+listed by total device time (all layers summed), with the launch count.
+
+    python bench/profile_decode_step.py --layers 36 --batches 1,64 --mode deterministic
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from bench_e2e import HBM_BYTES_PER_S, matmul_weight_bytes, model_in_mode, qwen3_8b_config, random_model  # noqa: E402
+from detinfer.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+
+
+def profile_batch(engine: LLMEngine, batch: int, vocab: int, top: int) -> None:
+    rng = random.Random(batch)
+    for i in range(batch):
+        engine.add_request(f"p{batch}-{i}", [rng.randrange(vocab) for _ in range(100)],
+                           SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    for _ in range(6):  # prefill(s), then warm decode steps (compiles every variant)
+        engine.step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    rows.sort(key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in rows)
+    print(f"batch {batch}: {total / 1e3:.2f} ms device time in one decode step")
+    for e in rows[:top]:
+        print(f"  {e.self_device_time_total:9.1f} us  x{e.count:<5d} {e.key[:100]}")
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--mode", default="deterministic")
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("profile_decode_step needs a CUDA GPU", file=sys.stderr)
+        return 2
+    cfg = qwen3_8b_config(args.layers, 1024)
+    model = model_in_mode(random_model(cfg, torch.device("cuda"), seed=0), cfg, args.mode)
+    roof = matmul_weight_bytes(model) / HBM_BYTES_PER_S
+    print(f"{torch.cuda.get_device_name()}  layers {args.layers}  mode {args.mode}  roofline {roof * 1e3:.2f} ms")
+    engine = LLMEngine.from_model(model, cfg, EngineConfig(mode=args.mode, max_num_seqs=256, max_model_len=1024,
+                                                           enforce_eager=True))
+    for b in args.batches.split(","):
+        profile_batch(engine, int(b), cfg.vocab_size, args.top)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
