@@ -26,6 +26,7 @@ from detinfer.cache.layout import StepLayout
 from detinfer.distributed import check_tp_config, tp_invariant_chunks
 from detinfer.distributed.worker import LayoutBatch
 from detinfer.engine import EngineConfig, LLMEngine, SamplingParams
+from detinfer.engine.testing import drive
 from detinfer.models.config import ModelConfig
 from detinfer.models.testing import tiny_config_dict, write_tiny_checkpoint
 
@@ -39,34 +40,9 @@ def model_dir(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tp") / "llama", "LlamaForCausalLM", seed=7, **MODEL)
 
 
-def _hex(x):
-    return None if x is None else float(x).hex()
-
-
-def signature(out):
-    """Everything observable about a finished request, floats as exact hex strings."""
-    def lp(e):
-        return None if e is None else (e.token_id, _hex(e.logprob), e.rank,
-                                       tuple((t, _hex(v)) for t, v in e.top_logprobs.items()))
-    comps = tuple((c.token_ids, c.finish_reason, _hex(c.cumulative_logprob),
-                   None if c.logprobs is None else tuple(lp(e) for e in c.logprobs)) for c in out.outputs)
-    prompt = None if out.prompt_logprobs is None else tuple(lp(e) for e in out.prompt_logprobs)
-    return comps, prompt, out.error
-
-
 def run(engine, requests, max_steps=400):
     """requests: [(arrival_step, id, prompt ids, params)] -> {id: signature}."""
-    pending, results, step = sorted(requests, key=lambda r: r[0]), {}, 0
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][0] <= step:
-            _, rid, prompt, params = pending.pop(0)
-            engine.add_request(rid, prompt, params)
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = signature(out)
-        step += 1
-        assert step < max_steps, "engine made no progress"
-    return results
+    return drive(engine, requests, max_steps=max_steps)
 
 
 def greedy(n, **kw):
@@ -124,7 +100,7 @@ def test_model_shapes_exercise_the_edge_cases(model_dir):
 def test_alone_equals_batched_at_each_tp_size(invariant_runs, tp):
     batched, alone, _ = invariant_runs[tp]
     assert batched == alone
-    assert all(sig[2] is None and len(sig[0][0][0]) > 0 for sig in batched.values())
+    assert all(sig.error is None and len(sig.completions[0].token_ids) > 0 for sig in batched.values())
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -193,13 +169,13 @@ def test_fast_mode_runs_and_a_killed_worker_is_an_error_not_a_hang(model_dir):
     engine = engine_at(model_dir, 2, mode="fast")
     try:
         out = run(engine, [(0, "fast", [5, 6, 7, 8], greedy(3))])["fast"]
-        assert out[2] is None and len(out[0][0][0]) == 3  # fast mode (library all-reduce) generates
+        assert out.error is None and len(out.completions[0].token_ids) == 3  # fast mode (library all-reduce) generates
         worker = engine.runner._procs[0]
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(timeout=30)
         start = time.monotonic()
         dead = run(engine, [(0, "after", [5, 6, 7], greedy(3))])["after"]
-        assert "tensor-parallel worker rank 1 failed" in dead[2]
+        assert "tensor-parallel worker rank 1 failed" in dead.error
         with pytest.raises(RuntimeError, match="worker rank 1 failed"):
             engine.runner.execute(LayoutBatch(StepLayout.build([[0]], [0], [1], 4, token_ids=[[5]], num_logits=[1])))
         assert time.monotonic() - start < 60

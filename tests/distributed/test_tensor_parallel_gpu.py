@@ -77,6 +77,6 @@ def test_tp2_fast_mode_runs(model_dir, two_gpus):
     engine = engine_at(model_dir, 2, device="cuda", mode="fast")
     try:
         out = run(engine, [(0, "x", [5, 6, 7, 8], greedy(4))])["x"]
-        assert out[2] is None and len(out[0][0][0]) == 4
+        assert out.error is None and len(out.completions[0].token_ids) == 4
     finally:
         engine.close()

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 import detinfer.engine.device_step as device_step
 from detinfer.engine import EngineConfig, LLMEngine, SamplingParams
+from detinfer.engine.testing import drive as drive_engine
 from detinfer.models.loader import load_model, load_tokenizer
 
 STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260k"
@@ -43,19 +44,6 @@ def stories():
     return model, model_config, tokenizer, common
 
 
-def _hex(x):
-    return None if x is None else float(x).hex()
-
-
-def signature(out):
-    """Everything a caller sees of a finished request, floats as exact hex strings."""
-    def lp(e):
-        return None if e is None else (e.token_id, _hex(e.logprob), e.rank,
-                                       tuple((t, _hex(v)) for t, v in e.top_logprobs.items()))
-
-    comps = tuple((c.index, c.token_ids, c.text, c.finish_reason, c.stop_reason, _hex(c.cumulative_logprob),
-                   None if c.logprobs is None else tuple(lp(e) for e in c.logprobs)) for c in out.outputs)
-    return comps, None if out.prompt_logprobs is None else tuple(lp(e) for e in out.prompt_logprobs), out.error
 
 
 def drive(stories, config: dict, requests, aborts=None):
@@ -65,22 +53,15 @@ def drive(stories, config: dict, requests, aborts=None):
     model, model_config, tokenizer, _ = stories
     engine = LLMEngine.from_model(model, model_config, EngineConfig(**config), tokenizer)
     bm = engine.scheduler.block_manager
-    pending, aborts = sorted(requests, key=lambda r: r[0]), dict(aborts or {})
-    results, step = {}, 0
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][0] <= step:
-            _, rid, prompt, params = pending.pop(0)
-            engine.add_request(rid, prompt, params)
-        for out in engine.step():
-            if out.finished:
-                assert out.request_id not in results
-                results[out.request_id] = signature(out)
-            elif out.request_id in aborts and len(out.outputs[0].token_ids) >= aborts[out.request_id]:
-                del aborts[out.request_id]
-                engine.abort_request(out.request_id)
-        engine.scheduler.check_invariants()
-        step += 1
-        assert step < 1000, "engine made no progress"
+    aborts = dict(aborts or {})
+
+    def abort_when_seen(engine, out):  # once its streamed output shows >= k tokens
+        if out.request_id in aborts and len(out.outputs[0].token_ids) >= aborts[out.request_id]:
+            del aborts[out.request_id]
+            engine.abort_request(out.request_id)
+
+    results = drive_engine(engine, requests, on_output=abort_when_seen,
+                           after_step=lambda e: e.scheduler.check_invariants())
     assert engine.get_num_unfinished_requests() == 0
     bm.check_invariants([])  # every block free, ref counts 0, free lists and cache map consistent
     assert bm.num_free_blocks == bm.num_blocks and engine.stats().kv_blocks_used == 0
@@ -124,7 +105,7 @@ def test_overlap_is_exercised_and_changes_nothing(stories, count_pending_inputs)
     ]
     config = dict(max_num_batched_tokens=16, max_num_seqs=4, block_size=4, num_kv_blocks=64, max_model_len=128)
     on, engine_on, engine_off = both_ways(stories, config, requests)
-    assert on["stop-id"][0][0][3] == "stop" and on["stop-str"][0][0][4] == "Lily"
+    assert on["stop-id"].completions[0].finish_reason == "stop" and on["stop-str"].completions[0].stop_reason == "Lily"
     gathered = count_pending_inputs[0]
     assert gathered > 10, "overlap on should feed decodes from the device"
     # Off: every step reads its ids back before the next is scheduled, so nothing is ever pending.
@@ -140,7 +121,8 @@ def test_stop_finish_discards_the_step_in_flight(stories):
                                                              stop_token_ids=[common[4]], logprobs=3))]
     config = dict(max_num_batched_tokens=64, max_num_seqs=2, block_size=4, num_kv_blocks=32, max_model_len=128)
     on, engine_on, engine_off = both_ways(stories, config, requests)
-    assert len(on["a"][0][0][1]) == common.index(common[4]) + 1 and on["a"][0][0][3] == "stop"
+    a = on["a"].completions[0]
+    assert len(a.token_ids) == common.index(common[4]) + 1 and a.finish_reason == "stop"
     assert engine_on.stats().num_steps == engine_off.stats().num_steps + 1
     # A finish by length is known without the token id: no extra step.
     requests = [(0, "b", "Once upon a time", SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))]
@@ -162,7 +144,7 @@ def test_penalties_abort_and_preemption(stories):
     ]
     config = dict(max_num_batched_tokens=16, max_num_seqs=4, block_size=4, num_kv_blocks=18, max_model_len=128)
     on, engine_on, engine_off = both_ways(stories, config, requests, aborts={"abort": 5})
-    assert on["abort"][0][0][3] == "abort" and len(on["abort"][0][0][1]) == 5
+    assert on["abort"].completions[0].finish_reason == "abort" and len(on["abort"].completions[0].token_ids) == 5
     assert engine_on.stats().num_preemptions > 0 and engine_off.stats().num_preemptions > 0
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from detinfer.engine import EngineConfig, LLMEngine, SamplingParams
+from detinfer.engine.testing import drive
 from detinfer.models.testing import write_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -39,17 +40,7 @@ def signature(out):
 
 
 def run(engine, requests):
-    pending = sorted(requests, key=lambda r: r[0])
-    results, step = {}, 0
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][0] <= step:
-            _, rid, prompt, params = pending.pop(0)
-            engine.add_request(rid, prompt, params)
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = signature(out)
-        step += 1
-        assert step < 5000
+    results = drive(engine, requests, max_steps=5000, signature_of=signature)
     engine.scheduler.check_invariants()
     return results
 

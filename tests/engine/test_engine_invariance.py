@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from detinfer.engine import EngineConfig, LLMEngine, SamplingParams
+from detinfer.engine.testing import drive
 from detinfer.models.testing import write_tiny_checkpoint
 
 VOCAB = 320
@@ -28,22 +29,6 @@ def model_dir(tmp_path_factory):
                                  num_key_value_heads=1, head_dim=64)
 
 
-def _hex(x):
-    return None if x is None else float(x).hex()
-
-
-def signature(out):
-    """Everything a caller can observe about a finished request, floats as exact hex strings."""
-    def lp(entry):
-        if entry is None:
-            return None
-        return (entry.token_id, _hex(entry.logprob), entry.rank,
-                tuple((t, _hex(v)) for t, v in entry.top_logprobs.items()))
-
-    comps = tuple((c.index, c.token_ids, c.text, c.finish_reason, _hex(c.cumulative_logprob),
-                   None if c.logprobs is None else tuple(lp(e) for e in c.logprobs)) for c in out.outputs)
-    prompt = None if out.prompt_logprobs is None else tuple(lp(e) for e in out.prompt_logprobs)
-    return out.prompt_token_ids, comps, prompt
 
 
 def run(model_dir, requests, engine=None, **config):
@@ -51,19 +36,7 @@ def run(model_dir, requests, engine=None, **config):
     at its arrival step, checking the scheduler/block-manager invariants after every step. Returns
     ({request_id: signature}, engine)."""
     engine = engine or LLMEngine(model_dir, EngineConfig(**config), device="cpu")
-    pending = sorted(requests, key=lambda r: r[0])
-    results, step = {}, 0
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][0] <= step:
-            _, rid, prompt, params = pending.pop(0)
-            engine.add_request(rid, prompt, params)
-        for out in engine.step():
-            if out.finished:
-                assert out.request_id not in results
-                results[out.request_id] = signature(out)
-        engine.scheduler.check_invariants()
-        step += 1
-        assert step < 500, "engine made no progress"
+    results = drive(engine, requests, max_steps=500, after_step=lambda e: e.scheduler.check_invariants())
     assert engine.stats().kv_blocks_used == 0
     return results, engine
 
@@ -179,12 +152,11 @@ def test_decode_logprob_equals_prompt_logprob_fed_back(model_dir):
     rng = random.Random(21)
     p = prompt(rng, 11)
     first, _ = run(model_dir, [(0, "gen", p, sampled(6, seed=4))], **ALONE)
-    ids, comps, _ = first["gen"]
-    out_ids, out_lps = comps[0][1], comps[0][5]
+    out_ids, out_lps = first["gen"].completions[0].token_ids, first["gen"].completions[0].logprobs
     back, _ = run(model_dir, [(0, "back", list(p) + list(out_ids),
                                SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2))],
                   max_num_batched_tokens=16, max_num_seqs=4, block_size=4, num_kv_blocks=32)
-    prompt_lps = back["back"][2]
+    prompt_lps = back["back"].prompt_logprobs
     assert prompt_lps[len(p):] == out_lps
 
 

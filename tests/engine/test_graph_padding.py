@@ -23,6 +23,7 @@ from detinfer.engine.cuda_graphs import (
     pad_layout,
     pick_shape,
 )
+from detinfer.engine.testing import drive
 from detinfer.models.testing import write_tiny_checkpoint
 
 VOCAB = 320
@@ -156,16 +157,8 @@ def test_padded_step_equals_eager_step(model_dir, attention, seed):
     assert engine.runner.backend == attention and not engine.runner.use_graphs
     assert engine.runner.mixed_graph_tokens == [16, 32, 48]
     checked, bad = check_every_step(engine)
-    pending, step, finished = random_requests(rng, 8 if attention == "ref" else 5), 0, {}
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][0] <= step:
-            _, rid, prompt, params = pending.pop(0)
-            engine.add_request(rid, prompt, params)
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out.outputs[0].finish_reason
-        step += 1
-        assert step < 300
+    finished = drive(engine, random_requests(rng, 8 if attention == "ref" else 5), max_steps=300,
+                     signature_of=lambda out: out.outputs[0].finish_reason)
     assert not bad, bad[:3]
     assert set(finished.values()) == {"length"}, finished  # no request failed inside a step
     assert "mixed" in checked and "decode" in checked, checked

@@ -1,0 +1,82 @@
+"""Helpers for tests that drive an engine and compare what requests got, bit for bit.
+
+`signature(out)` is everything a caller can observe about a finished request, with every float as its exact
+hex string (so -0.0 vs 0.0 or one ULP differ); `drive(engine, requests)` adds each request at its arrival
+step and steps the engine until every request has finished, returning their signatures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+from detinfer.engine.outputs import RequestOutput
+
+# (arrival step, request id, prompt (ids or text), SamplingParams)
+TimedRequest = tuple[int, str, Any, Any]
+
+
+def exact(x: float | None) -> str | None:
+    return None if x is None else float(x).hex()
+
+
+def _logprob(entry) -> tuple | None:
+    if entry is None:
+        return None
+    return entry.token_id, exact(entry.logprob), entry.rank, tuple((t, exact(v)) for t, v in
+                                                                 entry.top_logprobs.items())
+
+
+class CompletionSignature(NamedTuple):
+    index: int
+    token_ids: tuple
+    text: str | None
+    finish_reason: str | None
+    stop_reason: Any
+    cumulative_logprob: str | None
+    logprobs: tuple | None  # per token (id, logprob, rank, top-k), floats as hex
+
+
+class Signature(NamedTuple):
+    prompt_token_ids: tuple
+    completions: tuple  # of CompletionSignature
+    prompt_logprobs: tuple | None
+    error: str | None
+
+
+def signature(out: RequestOutput) -> Signature:
+    """Everything a caller sees of a finished request (a tuple: equal signatures are equal bit for bit)."""
+    comps = tuple(CompletionSignature(c.index, tuple(c.token_ids), c.text, c.finish_reason, c.stop_reason,
+                                      exact(c.cumulative_logprob),
+                                      None if c.logprobs is None else tuple(_logprob(e) for e in c.logprobs))
+                  for c in out.outputs)
+    prompt = None if out.prompt_logprobs is None else tuple(_logprob(e) for e in out.prompt_logprobs)
+    return Signature(tuple(out.prompt_token_ids or ()), comps, prompt, out.error)
+
+
+def drive(engine, requests: Sequence[TimedRequest], *, max_steps: int = 1000,
+          on_output: Callable[[Any, RequestOutput], None] | None = None,
+          after_step: Callable[[Any], None] | None = None,
+          signature_of: Callable[[RequestOutput], Any] = signature) -> dict[str, Any]:
+    """Add each request at its arrival step, step until all finished; {request id: signature_of(final
+    output)}. `on_output`
+    sees every streamed output (e.g. to abort mid-stream), `after_step` runs after every step (e.g. invariant
+    checks). A request finishing twice, or `max_steps` steps without the end, fails."""
+    pending = sorted(requests, key=lambda r: r[0])
+    results: dict[str, Any] = {}
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            _, rid, prompt, params = pending.pop(0)
+            engine.add_request(rid, prompt, params)
+        for out in engine.step():
+            if out.finished:
+                assert out.request_id not in results, f"request {out.request_id} finished twice"
+                results[out.request_id] = signature_of(out)
+            elif on_output is not None:
+                on_output(engine, out)
+        if after_step is not None:
+            after_step(engine)
+        step += 1
+        assert step < max_steps, f"the engine made no progress in {max_steps} steps"
+    return results
