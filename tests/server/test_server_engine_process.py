@@ -1,8 +1,9 @@
 """The server's engine core in its own process (the default) against the engine thread (--no-engine-process):
 the same requests, sent concurrently, get bit-identical text and logprobs from the shared server, a server with
 the engine thread and a freshly started server; a killed core fails in-flight requests with clear errors
-(no hang), /health turns 503 and new requests get 503; a killed API process leaves no core behind;
-a start-up error in the core reads exactly as in-process."""
+(no hang); with restarts off /health turns 503 and new requests get 503 for good; with restarts on a fresh core
+is started (503 "restarting" meanwhile) and gives bit-identical answers, until the restart budget is spent; a
+killed API process leaves no core behind; a start-up error in the core reads exactly as in-process."""
 
 from __future__ import annotations
 
@@ -83,9 +84,10 @@ def _run_all(url: str) -> list[dict]:
 
 
 def _core_pid(server) -> int:
-    found = re.search(r"engine process pid (\d+)", server.log())
+    """The current core's pid: the last one the server logged (at start-up, or after a restart)."""
+    found = re.findall(r"engine process pid (\d+)", server.log())
     assert found, server.log()
-    return int(found.group(1))
+    return int(found[-1])
 
 
 def _alive(pid: int) -> bool:
@@ -116,11 +118,13 @@ def test_engine_thread_server_gives_bit_identical_answers(start_server, referenc
     thread_server.stop()
 
 
-def test_killed_core_fails_requests_clearly_and_a_fresh_server_agrees(start_server, reference):
-    srv = start_server()
-    assert _run_all(srv.url) == reference  # a freshly started server (and core) gives the same bits
+LONG = dict(model=MODEL, prompt="once upon a time", max_tokens=200, ignore_eos=True, temperature=0.0)
+
+
+def _kill_core_under_load(srv) -> dict[str, object]:
+    """Kill -9 the core while a plain and a streamed request run; their answers (both must end within 10 s)."""
     pid = _core_pid(srv)
-    long = dict(model=MODEL, prompt="once upon a time", max_tokens=200, ignore_eos=True, temperature=0.0)
+    long = LONG
     results: dict[str, object] = {}
 
     def blocking() -> None:
@@ -146,10 +150,73 @@ def test_killed_core_fails_requests_clearly_and_a_fresh_server_agrees(start_serv
     assert plain.status_code == 500 and "killed by signal SIGKILL" in plain.json()["error"]["message"]
     lines = results["lines"]
     assert lines[-1] == "data: [DONE]" and "engine core process" in lines[-2] and '"error"' in lines[-2]
+    return results
+
+
+def _unavailable(srv) -> tuple[str, str]:
+    """(/health's 503 message, a new request's 503 message)."""
     health = httpx.get(f"{srv.url}/health", timeout=10.0)
-    assert health.status_code == 503
-    again = httpx.post(f"{srv.url}/v1/completions", json=dict(long, max_tokens=2), timeout=10.0)
-    assert again.status_code == 503 and "stopped unexpectedly" in again.json()["error"]["message"]
+    again = httpx.post(f"{srv.url}/v1/completions", json=dict(LONG, max_tokens=2), timeout=10.0)
+    assert health.status_code == 503 and again.status_code == 503, (health.text, again.text)
+    return health.json()["error"]["message"], again.json()["error"]["message"]
+
+
+def _wait_healthy(srv, timeout: float = 90.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if httpx.get(f"{srv.url}/health", timeout=10.0).status_code == 200:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_killed_core_fails_requests_clearly_and_a_fresh_server_agrees(start_server, reference):
+    srv = start_server("--max-core-restarts", "0")
+    assert _run_all(srv.url) == reference  # a freshly started server (and core) gives the same bits
+    results = _kill_core_under_load(srv)
+    assert "restarts are off" in results["plain"].json()["error"]["message"]
+    time.sleep(1.0)  # restarts are off: it stays down
+    for message in _unavailable(srv):
+        assert "stopped unexpectedly" in message and "restarts are off" in message, message
+    assert "restarting the engine core" not in srv.log()
+    assert srv.stop(timeout=30) == 0
+
+
+def test_killed_core_is_restarted_bit_identically_until_the_budget_is_spent(start_server, reference):
+    srv = start_server("--max-core-restarts", "1")
+    first_pid = _core_pid(srv)
+    results = _kill_core_under_load(srv)
+    assert "restarting the engine core" in results["plain"].json()["error"]["message"]
+    for message in _unavailable(srv):  # the new core is still starting (spawn, imports, model load)
+        assert message.startswith("engine core restarting after the engine core process"), message
+        assert "killed by signal SIGKILL" in message
+    assert _wait_healthy(srv), srv.log()
+    assert _core_pid(srv) != first_pid and "restarting the engine core (restart 1 of at most 1" in srv.log()
+    assert _run_all(srv.url) == reference  # issue 16: after a core restart, bit-identical text and logprobs
+    _kill_core_under_load(srv)  # the budget (1) is spent: it stays down and says why
+    time.sleep(1.0)
+    for message in _unavailable(srv):
+        assert "already restarted 1 time(s)" in message and "--max-core-restarts 1" in message, message
+    assert srv.stop(timeout=30) == 0
+
+
+def test_a_core_that_cannot_start_again_is_not_restarted_forever(start_server, tiny_model_dir, tmp_path):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    srv = start_server("--max-core-restarts", "2", model_dir=model)
+    weights = next(model.glob("*.safetensors"))
+    weights.unlink()  # a new file, not the one the running core may have mapped (truncating it: SIGBUS)
+    weights.write_bytes(b"not a safetensors file")  # every restart now fails
+    _kill_core_under_load(srv)
+    deadline = time.monotonic() + 90
+    while "already restarted 2 time(s)" not in httpx.get(f"{srv.url}/health", timeout=10.0).text:
+        assert time.monotonic() < deadline, srv.log()
+        time.sleep(0.2)
+    for message in _unavailable(srv):
+        assert message.startswith("the engine core is down after a failed engine core restart"), message
+    assert srv.log().count("restarting the engine core failed") == 2
     assert srv.stop(timeout=30) == 0
 
 

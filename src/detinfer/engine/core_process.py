@@ -177,8 +177,9 @@ class CoreLoop:
 class CoreProcess:
     """The front end's handle on a started core: its socket, its process, its facts (`info`)."""
 
-    def __init__(self, process, sock: socket.socket, info: dict[str, Any]):
+    def __init__(self, process, sock: socket.socket, info: dict[str, Any], spec: CoreSpec | None = None):
         self.process, self.sock, self.info = process, sock, info
+        self.spec = spec  # what it was started from (resolved): a restart starts the same core again
         self._closed = False
         atexit.register(self.close)  # runs before multiprocessing's own exit hook joins the child
 
@@ -246,7 +247,7 @@ def start_core(spec: CoreSpec, *, timeout: float | None = None) -> CoreProcess:
         ours.close()
         process.join(STOP_TIMEOUT_S)
         raise _STARTUP_ERRORS.get(msg[1], RuntimeError)(msg[2])
-    return CoreProcess(process, ours, msg[1])
+    return CoreProcess(process, ours, msg[1], spec)
 
 
 def _wait_ready(process, sock: socket.socket, timeout: float | None) -> tuple:

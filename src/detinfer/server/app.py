@@ -34,8 +34,9 @@ TOKENIZER_THREADS = 2
 
 
 async def health(request: Request):
-    if not state_of(request).engine.is_healthy:
-        raise P.APIError(503, "the engine is not running")
+    reason = state_of(request).engine.unavailable_reason()
+    if reason is not None:
+        raise P.APIError(503, reason)
     return {"status": "ok"}
 
 

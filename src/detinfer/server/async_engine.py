@@ -194,6 +194,12 @@ class AsyncEngine:
     def _running(self) -> bool:
         return self._thread is not None
 
+    def unavailable_reason(self) -> str | None:
+        """Why /health answers 503 (None: healthy)."""
+        if self.is_healthy:
+            return None
+        return self._failure_message() if self.error is not None else "the engine is not running"
+
     def _failure_message(self) -> str:
         return f"the engine failed: {self.error!r}"
 

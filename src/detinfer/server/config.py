@@ -52,6 +52,10 @@ class ServerConfig:
         "help": "Run the engine core (scheduler, model, sampler, detokenizer) in its own process, so HTTP work and "
                 "engine steps never wait for each other's GIL. --no-engine-process steps the engine on a thread of "
                 "the server process instead (debugging, profiling in one process); outputs are bit-identical."})
+    max_core_restarts: int = field(default=3, metadata={
+        "help": "With the engine core in its own process: how many times within 10 minutes the server starts a fresh "
+                "core (same model and flags) after the core died (crash, kill); requests in flight fail, new ones get "
+                "503 until it is ready. Beyond it the server stays down (503). 0: never restart."})
     gil_switch_interval_ms: float = field(default=20.0, metadata={
         "help": "Python's thread switch interval in ms (sys.setswitchinterval). With --no-engine-process the "
                 "engine thread and the HTTP event loop share the GIL: a longer interval lets one engine step issue its "
@@ -78,6 +82,7 @@ class ServerConfig:
         check_float("timeout_graceful_shutdown", self.timeout_graceful_shutdown, minimum=0.0)
         if not isinstance(self.engine_process, bool):
             raise ValueError(f"engine_process must be True or False, got {self.engine_process!r}")
+        check_int("max_core_restarts", self.max_core_restarts, minimum=0)
         check_float("gil_switch_interval_ms", self.gil_switch_interval_ms, minimum=0.0, min_exclusive=True)
         if self.uvicorn_log_level not in LOG_LEVELS:
             raise ValueError(f"uvicorn_log_level must be one of {LOG_LEVELS}, got {self.uvicorn_log_level!r}")

@@ -14,13 +14,23 @@ the answer comes (the core received it after the add, too).
 Failure: a core that dies (killed, crashed) closes its socket; the EOF fails every in-flight request with
 EngineUnavailableError (HTTP 500; streams get an error event and [DONE]), /health turns 503 and new requests
 get 503 naming how the core ended. A step that failed as a whole in the core ("failed") is handled the same way.
+
+Restart (like a supervisor): given `restart` (a callable that starts the same core again), the front end then
+starts a fresh core in the background (a thread; the event loop keeps answering). Meanwhile /health and new
+requests get 503 "engine core restarting after ..."; once the new core is ready it is attached and serving
+resumes. At most `max_restarts` restarts within RESTART_WINDOW_S, failed start-ups included, so a core that
+dies at start-up does not loop forever; beyond that the server stays down with a message saying so. A fresh
+core holds no state of the old one, so in deterministic mode it answers a request with the same bits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 from detinfer.engine import core_wire as wire
@@ -42,6 +52,7 @@ from detinfer.server.metrics import ServerMetrics
 log = logging.getLogger("detinfer.server")
 READ_CHUNK = 1 << 20
 SHUTTING_DOWN = "the server is shutting down"
+RESTART_WINDOW_S = 600.0  # max_restarts counts the restarts of the last ten minutes
 
 
 class _CommandSink:
@@ -57,9 +68,14 @@ class _CommandSink:
 class CoreAsyncEngine(AsyncEngine):
     """See the module docstring. All methods run on the event loop (request_drain is also signal-safe)."""
 
-    def __init__(self, core: CoreProcess, *, max_pending_requests: int = 1024, metrics: ServerMetrics | None = None):
+    def __init__(self, core: CoreProcess, *, max_pending_requests: int = 1024, metrics: ServerMetrics | None = None,
+                 restart: Callable[[], CoreProcess] | None = None, max_restarts: int = 0):
         super().__init__(None, max_pending_requests=max_pending_requests, metrics=metrics)
         self.core = core
+        self._restart = restart
+        self.max_restarts = max_restarts if restart is not None else 0
+        self._restart_times: collections.deque[float] = collections.deque()
+        self._restart_task: asyncio.Task | None = None
         self._commands = _CommandSink(self)
         self._started = False
         self._streams: dict[str, RequestStream] = {}
@@ -76,9 +92,18 @@ class CoreAsyncEngine(AsyncEngine):
         if self._started:
             raise RuntimeError("CoreAsyncEngine already started")
         self._loop = asyncio.get_running_loop()
-        self.core.sock.setblocking(False)
-        self._loop.add_reader(self.core.sock.fileno(), self._on_readable)
+        self._attach(self.core)
         self._started = True
+
+    def _attach(self, core: CoreProcess) -> None:
+        """Read from `core` from now on (at start, and a restarted core with fresh per-connection state)."""
+        self.core = core
+        self._reader = wire.FrameReader()
+        self._assembler = wire.OutputAssembler()
+        self._out.clear()
+        core.sock.setblocking(False)
+        self._loop.add_reader(core.sock.fileno(), self._on_readable)
+        self.error = None
         self.metrics.engine_alive.set(1)
 
     def _running(self) -> bool:
@@ -96,6 +121,8 @@ class CoreAsyncEngine(AsyncEngine):
         self._closing = True
         if not self._started:
             return
+        if self._restart_task is not None:
+            await self._restart_task  # a core it is starting is closed once started (we are closing)
         self._command(Stop())
         self._detach()
         await asyncio.to_thread(self._close_core)
@@ -197,13 +224,15 @@ class CoreAsyncEngine(AsyncEngine):
     def _core_gone(self) -> None:
         if self.error is None and not self._closing:
             how = self.core.exit_description()
-            self._fail(f"the engine core process (pid {self.core.pid}) stopped unexpectedly ({how}); "
-                       "requests in flight are lost and the server cannot serve until it is restarted")
+            self._fail(f"the engine core process (pid {self.core.pid}) stopped unexpectedly ({how})")
         self._detach()
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, cause: str) -> None:
         if self.error is not None:
             return
+        restarting = self._can_restart()
+        then = "the server is restarting the engine core" if restarting else self._down_reason()
+        message = f"{cause}; requests in flight are lost and {then}"
         log.error("%s", message)
         self.error = EngineUnavailableError(message)
         self.metrics.engine_alive.set(0)
@@ -212,6 +241,54 @@ class CoreAsyncEngine(AsyncEngine):
         for token in list(self._adds):
             self._answer_add(token, EngineUnavailableError(message))
         self._out.clear()
+        if restarting:
+            self.error = EngineUnavailableError(f"engine core restarting after {cause}")
+            self._restart_task = self._loop.create_task(self._restart_core(cause))
+
+    # -- restart -------------------------------------------------------------------------------------
+    def _can_restart(self) -> bool:
+        now = time.monotonic()
+        while self._restart_times and now - self._restart_times[0] > RESTART_WINDOW_S:
+            self._restart_times.popleft()
+        return not self._closing and len(self._restart_times) < self.max_restarts
+
+    def _down_reason(self) -> str:
+        if self.max_restarts == 0:
+            return "the server cannot serve until it is restarted (automatic engine core restarts are off)"
+        return (f"the server cannot serve until it is restarted (the engine core was already restarted "
+                f"{len(self._restart_times)} time(s) in the last {RESTART_WINDOW_S:.0f} s, --max-core-restarts "
+                f"{self.max_restarts})")
+
+    async def _restart_core(self, cause: str) -> None:
+        """Start fresh cores until one is ready or the restart budget is spent (see the module docstring)."""
+        old: CoreProcess | None = self.core
+        while True:
+            self._restart_times.append(time.monotonic())
+            log.warning("restarting the engine core (restart %d of at most %d within %.0f s) after %s",
+                        len(self._restart_times), self.max_restarts, RESTART_WINDOW_S, cause)
+            try:
+                core = await asyncio.to_thread(self._start_replacement, old)
+            except Exception as e:  # noqa: BLE001 -- any start-up failure counts as a failed restart
+                old = None
+                cause = f"a failed engine core restart ({type(e).__name__}: {e})"
+                log.error("restarting the engine core failed: %s: %s", type(e).__name__, e)
+                if self._can_restart():
+                    self.error = EngineUnavailableError(f"engine core restarting after {cause}")
+                    continue
+                self.error = EngineUnavailableError(f"the engine core is down after {cause}; {self._down_reason()}")
+                log.error("%s", self.error)
+                return
+            if self._closing:
+                await asyncio.to_thread(core.close)
+                return
+            self._attach(core)
+            log.warning("engine core restarted (engine process pid %d); serving again", core.pid)
+            return
+
+    def _start_replacement(self, old: CoreProcess | None) -> CoreProcess:
+        if old is not None:
+            old.close()  # reaps the dead process and closes its socket
+        return self._restart()
 
     # -- messages from the core ----------------------------------------------------------------------
     def _handle(self, msg: tuple) -> None:

@@ -179,8 +179,14 @@ def _serve_engine(engine, info: dict, model_dir: Path, name: str, server_config:
     hardware = DeviceInfo(device.split(":")[0], info["device_name"], info["capability"])  # the core's GPU facts
     fingerprint = system_fingerprint(weights_digest=model_files_digest(model_dir), dtype=dtype,
                                      mode=resolved.mode, block_size=resolved.block_size, device=hardware)
-    front = CoreAsyncEngine if server_config.engine_process else AsyncEngine
-    async_engine = front(engine, max_pending_requests=server_config.max_pending_requests)
+    if server_config.engine_process:
+        from detinfer.engine.core_process import start_core
+
+        async_engine = CoreAsyncEngine(engine, max_pending_requests=server_config.max_pending_requests,
+                                       restart=lambda: start_core(engine.spec),
+                                       max_restarts=server_config.max_core_restarts)
+    else:
+        async_engine = AsyncEngine(engine, max_pending_requests=server_config.max_pending_requests)
     tokenizer = load_tokenizer(model_dir) if server_config.engine_process else engine.tokenizer
     served = ServedModel(name, tokenizer, info["vocab_size"], resolved.max_model_len, fingerprint)
     app = create_app(async_engine, server_config, served)
