@@ -1,0 +1,122 @@
+"""CoreAsyncEngine's restart of a dead engine core, over the scripted fake engine (the core's real loop on a
+thread, see test_server_async_engine.py): requests in flight fail, new ones get 503 "restarting" until the
+fresh core is attached, then they are served; failed start-ups count against the bound; a shutdown during a
+restart closes the core being started; restarts off leaves the engine down. (The real process, kill -9 and
+bit-identical answers after a restart: tests/server/test_server_engine_process.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from test_server_async_engine import FakeEngine, ThreadCore, _collect, run
+
+from detinfer.server.async_engine import EngineUnavailableError
+from detinfer.server.core_engine import CoreAsyncEngine
+
+
+class Restarts:
+    """The `restart` callable: each call waits for `release`, then starts the next scripted core (or raises)."""
+
+    def __init__(self, *results):
+        self.results, self.started, self.calls = list(results), [], 0
+        self.release = threading.Event()
+
+    def __call__(self):
+        self.calls += 1
+        assert self.release.wait(5.0)
+        result = self.results.pop(0)
+        if isinstance(result, BaseException):
+            raise result
+        core = ThreadCore(result)
+        self.started.append(core)
+        return core
+
+
+async def _until(predicate, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.01)
+
+
+def test_a_failed_core_is_replaced_and_serves_again():
+    restarts = Restarts(FakeEngine())
+
+    async def main():
+        ae = CoreAsyncEngine(ThreadCore(FakeEngine(fail_at_step=3)), restart=restarts, max_restarts=1)
+        ae.start()
+        s = await ae.add_request("r", [1], 100)
+        with pytest.raises(EngineUnavailableError, match="requests in flight are lost and the server is restarting"):
+            await _collect(s)
+        await _until(lambda: restarts.calls == 1)
+        assert not ae.is_healthy
+        assert ae.unavailable_reason() == "engine core restarting after the engine failed: RuntimeError('device lost')"
+        with pytest.raises(EngineUnavailableError, match="^engine core restarting after the engine failed"):
+            await ae.add_request("r2", [1], 1)
+        restarts.release.set()
+        await _until(lambda: ae.is_healthy)
+        assert ae.core is restarts.started[0] and ae.unavailable_reason() is None
+        final = await _collect(await ae.add_request("r3", [1, 2], 4))
+        assert final.finished and final.outputs[0].token_ids == (7, 7, 7, 7)
+        await ae.shutdown()
+
+    run(main())
+
+
+def test_failed_start_ups_count_against_the_bound():
+    restarts = Restarts(RuntimeError("out of memory"), RuntimeError("out of memory"))
+    restarts.release.set()
+
+    async def main():
+        ae = CoreAsyncEngine(ThreadCore(FakeEngine(fail_at_step=1)), restart=restarts, max_restarts=2)
+        ae.start()
+        s = await ae.add_request("r", [1], 100)
+        with pytest.raises(EngineUnavailableError):
+            await _collect(s)
+        await _until(lambda: restarts.calls == 2 and "down" in (ae.unavailable_reason() or ""))
+        reason = ae.unavailable_reason()
+        assert reason.startswith("the engine core is down after a failed engine core restart (RuntimeError: out of")
+        assert "already restarted 2 time(s)" in reason and "--max-core-restarts 2" in reason
+        with pytest.raises(EngineUnavailableError, match="the engine core is down"):
+            await ae.add_request("r2", [1], 1)
+        await ae.shutdown()
+
+    run(main())
+    assert restarts.calls == 2  # not a third time
+
+
+def test_shutdown_during_a_restart_closes_the_core_being_started():
+    restarts = Restarts(FakeEngine())
+
+    async def main():
+        ae = CoreAsyncEngine(ThreadCore(FakeEngine(fail_at_step=1)), restart=restarts, max_restarts=3)
+        ae.start()
+        s = await ae.add_request("r", [1], 100)
+        with pytest.raises(EngineUnavailableError):
+            await _collect(s)
+        await _until(lambda: restarts.calls == 1)
+        shutting_down = asyncio.ensure_future(ae.shutdown())
+        await asyncio.sleep(0.05)
+        restarts.release.set()
+        await shutting_down
+        assert not ae.is_healthy and ae.core is not restarts.started[0]
+
+    run(main())
+    restarts.started[0].thread.join(5.0)
+    assert not restarts.started[0].thread.is_alive()  # it was told to shut down
+
+
+def test_restarts_off_leaves_the_engine_down():
+    async def main():
+        ae = CoreAsyncEngine(ThreadCore(FakeEngine(fail_at_step=1)), restart=Restarts(), max_restarts=0)
+        ae.start()
+        s = await ae.add_request("r", [1], 100)
+        with pytest.raises(EngineUnavailableError, match="automatic engine core restarts are off"):
+            await _collect(s)
+        await asyncio.sleep(0.1)
+        assert "restarts are off" in ae.unavailable_reason()
+        await ae.shutdown()
+
+    run(main())
