@@ -85,9 +85,17 @@ def graph_calls(engine):
 def test_invariance_graphs_on_and_off(model_dir, mode):
     """Deterministic: the target alone (graphs) == among others, budgets 64/512, graphs on/off, bitwise.
     Fast (negative control): the same comparisons find at least one difference."""
-    target, others = workload(0)
+    assert_invariance_graphs_on_and_off(model_dir, mode, seed=0)
+
+
+def assert_invariance_graphs_on_and_off(model_dir, mode, seed, moe_layers=None):
+    """The target alone (graphs) vs among others at budgets 64/512, graphs on and off: deterministic mode
+    equal bitwise; fast mode (negative control) differs at least once."""
+    target, others = workload(seed)
     alone_engine = make(model_dir, mode=mode)
     assert alone_engine.runner.use_graphs
+    if moe_layers is not None:
+        assert alone_engine.model_config.moe_layers == moe_layers
     alone = run(alone_engine, [target])["target"]
     del alone_engine
     mismatches = []

@@ -3,7 +3,7 @@ layer): bitwise invariance with CUDA graphs on and off in deterministic mode (th
 (stock routing, M-chosen tiles) as the negative control; both modes keep CUDA graphs. Skipped without CUDA."""
 
 import pytest
-from test_engine_gpu import VOCAB, graph_calls, make, run, workload
+from test_engine_gpu import VOCAB, assert_invariance_graphs_on_and_off
 
 from detinfer.models.testing import write_tiny_checkpoint
 
@@ -22,21 +22,4 @@ def moe_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["deterministic", "fast"])
 def test_moe_invariance_graphs_on_and_off(moe_dir, mode):
-    target, others = workload(1)
-    alone_engine = make(moe_dir, mode=mode)
-    assert alone_engine.runner.use_graphs and alone_engine.model_config.moe_layers == (0, 1, 2)
-    alone = run(alone_engine, [target])["target"]
-    del alone_engine
-    mismatches = []
-    for budget in (64, 512):
-        for eager in (False, True):
-            engine = make(moe_dir, mode=mode, max_num_batched_tokens=budget, enforce_eager=eager)
-            calls = graph_calls(engine)
-            got = run(engine, [target, *others])
-            assert bool(calls) == (not eager)
-            mismatches.append(got["target"] != alone)
-            del engine
-    if mode == "deterministic":
-        assert not any(mismatches)
-    else:
-        assert any(mismatches), "fast mode showed no batch variance in these scenarios"
+    assert_invariance_graphs_on_and_off(moe_dir, mode, seed=1, moe_layers=(0, 1, 2))
