@@ -299,7 +299,9 @@ def main(argv=None) -> int:
         res["all_wall_s"] = [r["wall_s"] for r in runs]
         res["graph_steps"], res["eager_steps"] = counts["graph"] // len(runs), counts["eager"] // len(runs)
         res["mixed_graph_steps"] = counts["mixed_graph"] // len(runs)
-        res["step_ms"] = {k: v for k, v in counts["step_ms"].items()}
+        # copies taken now: decode_rate below steps the same (still wrapped) engine
+        res["step_ms"] = {k: list(v) for k, v in counts["step_ms"].items()}
+        toks = sorted(counts["mixed_tokens"])
         res.update(mode=mode, async_scheduling=overlap, init_s=init_s, warmup_s=warm_s,
                    kv_blocks=engine.runner.num_kv_blocks, graphs=engine.runner.graph_sizes)
         res["decode"] = [decode_rate(engine, int(b), cfg.vocab_size, args.decode_steps, seed=3)
@@ -312,7 +314,6 @@ def main(argv=None) -> int:
               f"kv blocks {res['kv_blocks']}", flush=True)
         for k, ms in res["step_ms"].items():
             print(f"[{key}] {k} steps (all timed runs): {step_summary(ms)}", flush=True)
-        toks = sorted(counts["mixed_tokens"])
         if toks:
             print(f"[{key}] mixed-step tokens: min {toks[0]}, median {toks[len(toks) // 2]}, max {toks[-1]}, "
                   f"<= 512: {sum(t <= 512 for t in toks)}, <= 2048: {sum(t <= 2048 for t in toks)} of {len(toks)}",

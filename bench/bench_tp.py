@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import statistics
 import sys
@@ -28,31 +27,20 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_e2e import qwen3_8b_config, random_model  # noqa: E402
 from detinfer.distributed.group import TPGroup, connect, free_port  # noqa: E402
 from detinfer.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from detinfer.models.config import ModelConfig  # noqa: E402
-from detinfer.models.families import preset_hf_config  # noqa: E402
 from detinfer.models.transformer import Transformer  # noqa: E402
 from detinfer.ops import Ops  # noqa: E402
 
 
-def build_model(layers: int, max_len: int, mode: str, seed: int = 0) -> tuple[Transformer, ModelConfig]:
-    cfg = ModelConfig.from_dict({**preset_hf_config("qwen3-8b"), "num_hidden_layers": layers,
-                                 "max_position_embeddings": max_len, "torch_dtype": "bfloat16"})
-    dev = torch.device("cuda", 0)
-    with torch.device("meta"):
-        model = Transformer(cfg, Ops(mode, dev, torch.bfloat16, head_dim=cfg.head_dim))
-    model.to_empty(device=dev)
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            t = torch.empty(p.shape, device=dev, dtype=torch.float32)
-            t.normal_(1.0, 0.1, generator=gen) if name.endswith("norm.weight") else \
-                t.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=gen)
-            p.copy_(t)
-    model.rotary.reset_parameters(dev)
-    return model.eval(), cfg
+def build_model(layers: int, max_len: int) -> tuple[Transformer, ModelConfig]:
+    """bench_e2e's random Qwen3-8B-shaped bf16 model on GPU 0 (the same shapes and weights as there)."""
+    cfg = qwen3_8b_config(layers, max_len)
+    return random_model(cfg, torch.device("cuda", 0), seed=0), cfg
 
 
 class CommTimer:
@@ -116,7 +104,7 @@ def bench_engines(args) -> list[dict]:
     runs = [("deterministic", 1, False, False), ("deterministic", 1, False, True),
             ("deterministic", args.tp, False, True), ("fast", 1, False, False), ("fast", args.tp, False, True),
             ("deterministic", args.tp, True, True), ("deterministic", 1, True, True)]
-    model, cfg = build_model(args.layers, args.max_len, "deterministic")
+    model, cfg = build_model(args.layers, args.max_len)
     for mode, tp, invariant, eager in runs:
         model.set_ops(model.ops.replace(mode=mode))
         config = EngineConfig(mode=mode, tensor_parallel_size=tp, tp_invariant_reduction=invariant,

@@ -23,7 +23,6 @@ stream with `RequestFailed`; the engine and every other request carry on. Only a
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import queue
 import threading
@@ -32,6 +31,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from detinfer.engine.core_wire import stats_dict
 from detinfer.server.metrics import ServerMetrics
 
 log = logging.getLogger("detinfer.server")
@@ -129,13 +129,6 @@ def _resolve(fut: asyncio.Future, exc: BaseException | None) -> None:
     # Runs on the event loop.
     if not fut.done():
         fut.set_exception(exc) if exc is not None else fut.set_result(None)
-
-
-def _normalize_stats(raw: Any) -> dict[str, float]:
-    """Engine stats (a dict or a dataclass) as a plain dict of numbers."""
-    if dataclasses.is_dataclass(raw) and not isinstance(raw, type):
-        raw = dataclasses.asdict(raw)
-    return {k: v for k, v in dict(raw or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 class AsyncEngine:
@@ -405,7 +398,7 @@ class AsyncEngine:
 
     def _snapshot_stats(self) -> None:
         try:
-            stats = _normalize_stats(self._engine.stats())
+            stats = stats_dict(self._engine.stats())
         except Exception:
             log.exception("engine.stats() failed")
             return

@@ -231,10 +231,11 @@ class CoreAsyncEngine(AsyncEngine):
         if self.error is not None:
             return
         restarting = self._can_restart()
-        then = "the server is restarting the engine core" if restarting else self._down_reason()
+        then = (SHUTTING_DOWN if self._closing else
+                "the server is restarting the engine core" if restarting else self._down_reason())
         message = f"{cause}; requests in flight are lost and {then}"
         log.error("%s", message)
-        self.error = EngineUnavailableError(message)
+        self.error = EngineUnavailableError(message)  # set first: deliveries below must not re-enter _fail
         self.metrics.engine_alive.set(0)
         for request_id in list(self._streams):
             self._deliver(self._streams.pop(request_id), EngineUnavailableError(message), True)

@@ -202,7 +202,12 @@ def _serve_engine(engine, info: dict, model_dir: Path, name: str, server_config:
     # uvicorn re-raises the signal that stopped it once it is done; exit 0 then instead of dying by it.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit_cleanly)
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        live = getattr(async_engine, "core", None)  # after a restart: not the core `_serve` started
+        if live is not None and live is not engine:
+            live.close()  # idempotent: normally the app's shutdown stopped it already
     return 0
 
 
