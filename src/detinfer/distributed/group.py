@@ -53,9 +53,9 @@ class TPGroup:
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's `t` (same shape and dtype on all ranks), stacked in rank order: [P, *t.shape]."""
         t = t.contiguous()
-        outs = [torch.empty_like(t) for _ in range(self.size)]
-        self.pg.allgather([outs], [t]).wait()
-        return torch.stack(outs)
+        out = t.new_empty((self.size, *t.shape))  # gathered straight into the stacked result
+        self.pg.allgather([list(out.unbind(0))], [t]).wait()
+        return out
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         """In-place sum over ranks in the library's order (fast mode only; see the module doc)."""

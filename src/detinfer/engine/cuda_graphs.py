@@ -264,10 +264,6 @@ class StepGraphs:
         self._graphs[shape.key].replay()
         return self._logits[:num_logit_rows]
 
-    def run(self, layout: StepLayout, shape: GraphShape) -> torch.Tensor:
-        self.prepare(layout, shape)
-        return self.replay(shape, len(layout.logit_rows))
-
 
 def buffer_sizes(shapes: list[GraphShape], width: int) -> dict[str, int]:
     """Elements of the shared static input buffers: the largest any shape needs."""

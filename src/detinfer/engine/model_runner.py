@@ -73,7 +73,6 @@ GRAPH_RESERVE_SLACK_BYTES = 256 << 20
 # 256 MiB (2.2x); decode graphs alone: 278 MiB for 225 MiB (1.24x).
 GRAPH_POOL_FACTOR = 2.5
 
-graph_batch_sizes = decode_batch_sizes  # the decode graphs' batch sizes (older name)
 
 
 class PagedAttention:

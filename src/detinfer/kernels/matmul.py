@@ -228,7 +228,7 @@ def _run(a, sa, b, sb, c, sc, bias, nb: int, m: int, n: int, k: int, cfg: Matmul
     if not explicit:
         # Everything below is a function of this key (plus the device and the operands' alignment, which
         # the launch cache adds): a repeated shape skips the config lookup and Triton's argument binding.
-        key = (nb, m, n, k, a.dtype, has_bias, sa, sb, sc)
+        key = (nb, m, n, k, a.dtype, c.dtype, has_bias, sa, sb, sc)  # c.dtype: fp32 partials take bf16 inputs
         if _POINTER_LAUNCHES.try_launch(key, tensors):
             return
         cfg = _config(m, n, k, a.dtype, a.device)

@@ -267,8 +267,7 @@ class Ops:
         """The attention prologue: per-head RMSNorm of q [T, Hq, D] and k [T, Hkv, D] (when the weights are
         given: Qwen3's qk_norm), then RoPE. Where the kernels run: one Triton launch reading q/k by strides
         (`kernels.rope_qk`, both modes); else `rms_norm` per head then `rope` (the CPU definition)."""
-        from detinfer.kernels import rope_qk
-
+        rope_qk = _kernels("rope_qk")
         if self._fused_kernel(q, k, q_weight, k_weight) and rope_qk.kernel_takes(q, k, q_weight):
             return rope_qk.qk_norm_rope(positions, q, k, inv_freq, q_weight, k_weight, eps)
         if q_weight is not None:
