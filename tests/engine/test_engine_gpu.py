@@ -134,13 +134,16 @@ def test_padded_graph_batches_do_not_change_real_rows(model_dir):
 
 
 def test_graph_capture_sizes_and_memory(model_dir):
-    engine = make(model_dir, max_num_seqs=40, num_kv_blocks=None, gpu_memory_utilization=0.5)
+    # The budget is what is in use now plus 6 GiB: under pytest-xdist other workers hold GPU memory too, so
+    # a fixed fraction of the card can already be taken by them.
+    free, total = torch.cuda.mem_get_info()
+    utilization = min(0.95, (total - free + 6 * 2**30) / total)
+    engine = make(model_dir, max_num_seqs=40, num_kv_blocks=None, gpu_memory_utilization=utilization)
     runner = engine.runner
     assert runner.graph_sizes == [1, 2, 4, 8, 16, 32, 40]
     assert runner.mixed_graph_tokens == [16, 32, 64, 128, 160, 192, 224, 256, 320, 384, 448, 512]
-    total = torch.cuda.get_device_properties(0).total_memory
     assert runner.num_kv_blocks >= runner.max_blocks_per_seq
-    assert torch.cuda.memory_allocated() < 0.5 * total
+    assert torch.cuda.memory_allocated() < utilization * total
     # The reserve kept out of the KV pool covers what the capture really took.
     print(f"capture {runner.graphs.capture_seconds:.2f} s, pool {runner.graphs.pool_bytes / 2**20:.0f} MiB, "
           f"reserve {runner.graph_reserve_bytes / 2**20:.0f} MiB")
