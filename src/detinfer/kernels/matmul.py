@@ -53,14 +53,42 @@ def _tile_coords(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
 
 
 @triton.jit
+def _load_a_block(a_ptrs, m_ok, offs_k, k_left, EVEN_K: tl.constexpr):
+    """One [BLOCK_M, BLOCK_K] block of A. Rows past the edge load zeros (a mask constant along K keeps the
+    K loads vectorized); the K tail (k >= k_left) loads exact zeros: zero products leave the accumulator
+    unchanged (contract B)."""
+    if EVEN_K:
+        a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+    else:
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & (offs_k < k_left)[None, :], other=0.0)
+    return a
+
+
+@triton.jit
+def _load_b_block(b_ptrs, n_ok, offs_k, k_left, EVEN_K: tl.constexpr):
+    """One [BLOCK_K, BLOCK_N] block of B, edges as `_load_a_block`."""
+    if EVEN_K:
+        b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+    else:
+        b = tl.load(b_ptrs, mask=(offs_k < k_left)[:, None] & n_ok[None, :], other=0.0)
+    return b
+
+
+@triton.jit
+def _add_bias(acc, bias_ptr, offs_n, n_ok, HAS_BIAS: tl.constexpr):
+    """Bias is added once, in fp32, after the whole reduction (same bits for every config)."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
 def _store_tile(acc, c_ptr, bias_ptr, pid_m, pid_n, M, N, stride_cm, stride_cn,
                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    if HAS_BIAS:
-        # Bias is added once, in fp32, after the whole reduction (same bits for every config).
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    acc = _add_bias(acc, bias_ptr, offs_n, n_ok, HAS_BIAS)
     c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & n_ok[None, :])
 
@@ -97,14 +125,8 @@ def _matmul_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
-        else:
-            # The K tail loads exact zeros: zero products leave the accumulator unchanged (contract B).
-            k_ok = offs_k < K - kb * BLOCK_K
-            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        a = _load_a_block(a_ptrs, m_ok, offs_k, K - kb * BLOCK_K, EVEN_K)
+        b = _load_b_block(b_ptrs, n_ok, offs_k, K - kb * BLOCK_K, EVEN_K)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk

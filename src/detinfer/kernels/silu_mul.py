@@ -25,6 +25,20 @@ _BLOCK = 1024  # elements of a row per program (4 warps, 8 values per thread)
 
 
 @triton.jit
+def silu_mul_values(g, u, o_ptr, LIBDEVICE: tl.constexpr):
+    """silu(g) * u for fp32 g, u holding model-dtype values, rounded to o_ptr's element type (only its type
+    is read). The one spelling of the formula: kernels/linear_silu_mul.py's epilogue calls it too, so the
+    fused gate_up projection gives these bits."""
+    dt = o_ptr.dtype.element_ty
+    if LIBDEVICE:
+        e = libdevice.exp(-g)
+    else:  # Triton's interpreter has no libdevice (numpy's exp there)
+        e = tl.exp(-g)
+    s = (g / (1.0 + e)).to(dt).to(tl.float32)
+    return (s * u).to(dt)
+
+
+@triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, n_cols, g_st, u_st, o_st, BLOCK: tl.constexpr,
                      LIBDEVICE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -32,13 +46,7 @@ def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, n_cols, g_st, u_st, o_st, BLOCK: tl.co
     ok = cols < n_cols
     g = tl.load(g_ptr + row * g_st + cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * u_st + cols, mask=ok, other=0.0).to(tl.float32)
-    dt = o_ptr.dtype.element_ty
-    if LIBDEVICE:
-        e = libdevice.exp(-g)
-    else:  # Triton's interpreter has no libdevice (numpy's exp there)
-        e = tl.exp(-g)
-    s = (g / (1.0 + e)).to(dt).to(tl.float32)
-    tl.store(o_ptr + row * o_st + cols, (s * u).to(dt), mask=ok)
+    tl.store(o_ptr + row * o_st + cols, silu_mul_values(g, u, o_ptr, LIBDEVICE), mask=ok)
 
 
 # Compiled kernels remembered per launch key (kernels/_direct.py): one decode step launches this per layer.
