@@ -99,9 +99,13 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias)
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x, ops).split(self.intermediate_size, dim=-1)  # [T, I] each
-        # via ops: stock CPU SiLU rounds differently in a tensor's SIMD tail, i.e. depends on position
-        return self.down_proj(ops.silu_mul(gate, up), ops)  # [T, hidden]
+        proj = self.gate_up_proj
+        if proj._forward_hooks or proj._forward_pre_hooks:  # someone records gate_up's output (repro audit)
+            gate, up = proj(x, ops).split(self.intermediate_size, dim=-1)  # [T, I] each
+            return self.down_proj(ops.silu_mul(gate, up), ops)
+        # One backend op: gate_up_proj, split into [T, I] halves, silu_mul (via ops: stock CPU SiLU rounds
+        # differently in a tensor's SIMD tail); on decode batches one fused launch with the same bits.
+        return self.down_proj(ops.linear_silu_mul(x, proj.weight, proj.bias), ops)  # [T, hidden]
 
 
 class SparseMoE(nn.Module):

@@ -31,6 +31,9 @@ Selection rule (`Ops.__post_init__`, from mode, device, dtype, head_dim and two 
   out of the fused projections' outputs; they are row-wise, so batch-invariant in either mode. Under
   autograd (fast-mode training) they fall back to the torch composition; the deterministic trainer wraps
   the kernel itself (train/adapter.py). Elsewhere: the torch composition, the CPU definition.
+- The SwiGLU MLP's gate_up projection + SiLU*mul (`linear_silu_mul`), deterministic mode: one launch with
+  the same bits as the two (kernels/linear_silu_mul.py) for 16-bit decode-sized batches where the kernels
+  run; otherwise (and in fast mode) `linear` then `silu_mul` as above.
 - RoPE, and the sampler's reductions (`fold_sum`, `cumsum`), are the same in both modes: elementwise or
   fixed-order, so batch-invariant on any device.
 
@@ -58,6 +61,8 @@ ATTENTION_BACKENDS = ("auto", "kernel", "ref")
 # dtypes the kernels run correctly in Triton's CPU interpreter (its bf16 math is wrong).
 _INTERPRETER_DENSE_DTYPES = frozenset({torch.float32, torch.float16})
 _INTERPRETER_ATTENTION_DTYPES = frozenset({torch.float32})
+# The fused gate_up + SiLU*mul launch: 16-bit models (fp32 keeps two launches; no model runs it for speed).
+_FUSED_SWIGLU_DTYPES = frozenset({torch.float16, torch.bfloat16})
 
 
 # Position-independent spellings of the activations whose stock CPU kernels are not (see module doc).
@@ -256,6 +261,23 @@ class Ops:
         if self.deterministic and not gate.is_cuda:
             return silu_cpu(gate) * up
         return F.silu(gate) * up
+
+    # Rows up to which the gate_up projection runs fused with SiLU*mul. Speed only: both paths give the same
+    # bits (tests/kernels/test_linear_silu_mul.py proves it on the GPU), so the launch choice may look at
+    # the batch. Decode batches are weight-bandwidth bound, where dropping the second launch pays; larger
+    # M is compute bound and keeps the plain matmul's TMA tiles.
+    FUSED_SWIGLU_MAX_ROWS = 64
+
+    def linear_silu_mul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        """The SwiGLU MLP up to down_proj: silu_mul of the two halves of linear(x, weight [2I, K], bias)
+        (gate rows, then up rows) -> [..., I]. Deterministic mode, 16-bit, where the kernels run, not under
+        autograd, at most FUSED_SWIGLU_MAX_ROWS rows: one launch (`kernels.linear_silu_mul`, the same bits);
+        otherwise `linear` then `silu_mul`, exactly as two calls."""
+        if (self.deterministic and x.dtype in _FUSED_SWIGLU_DTYPES and x.dim() >= 1
+                and x.numel() <= self.FUSED_SWIGLU_MAX_ROWS * x.shape[-1] and self._fused_kernel(x, weight, bias)):
+            return _kernels("linear_silu_mul").linear_silu_mul(x, weight, bias)
+        gate, up = self.linear(x, weight, bias).split(weight.shape[0] // 2, dim=-1)
+        return self.silu_mul(gate, up)
 
     def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor):
         """Rotary embedding of q and k (`apply_rope`)."""

@@ -3,6 +3,7 @@
 Contract with the model (all that training relies on; `TrainingForward` is the adapter class):
   * the model computes with its one numerics backend `model.ops` (see detinfer.ops.backend), passed down
     to every submodule in forward: `ops.linear`, `ops.rms_norm(x, w, eps, residual=)`, `ops.silu_mul`,
+    `ops.linear_silu_mul(x, w, b)` (the MLP's gate_up + SiLU*mul),
     `ops.qk_norm_rope(positions, q, k, inv_freq, q_weight, k_weight, eps)`, `ops.rope(positions, q, k,
     inv_freq)`, `ops.logits(hidden, weight)`, `ops.log_softmax`;
   * `model(input_ids [T], positions [T], attn) -> hidden [T, H]` with `attn(layer_idx, q, k, v)`,
@@ -73,6 +74,14 @@ class DifferentiableOps:
         if not _needs_grad(gate, up):
             return self.base.silu_mul(gate, up)
         return SiLUMulFn.apply(gate, up, self.base.silu_mul)
+
+    def linear_silu_mul(self, x, weight, bias=None):
+        """The MLP's gate_up + SiLU*mul: the base's fused op without autograd; with it, `linear` then
+        `silu_mul` through their Functions (the same forward bits, kernels/linear_silu_mul.py)."""
+        if not _needs_grad(x, weight, bias):
+            return self.base.linear_silu_mul(x, weight, bias)
+        gate, up = self.linear(x, weight, bias).split(weight.shape[0] // 2, dim=-1)
+        return self.silu_mul(gate, up)
 
     def embedding(self, ids, weight):
         """For a backend that routes the embedding gather through ops (today the model calls F.embedding)."""
