@@ -7,6 +7,8 @@ linear       bf16 Llama-3-8B shapes x M in {1, 4, 16, 64, 256, 1024, 4096, 8192}
 rmsnorm      detinfer.kernels.rmsnorm.rms_norm vs torch's F.rms_norm, hidden 4096, rows {1, 64, 1024, 8192}
 log_softmax  detinfer.kernels.softmax.log_softmax vs torch.log_softmax (bf16 in, fp32 out), vocab 128256 /
              151936, rows {1, 64, 1024, 8192}
+swiglu       fused gate_up + SiLU*mul (kernels/linear_silu_mul.py) vs linear then silu_mul (deterministic
+             kernels), bf16, H 4096, I 12288 (Qwen3-8B), M in {1, 16, 64}; asserts identical bits first
 host         per-call host cost (calls enqueued without syncs) of each launcher with direct launches on and
              off, and of the drop-in mode's overrides, vs the stock op, on SmolLM2-135M decode shapes
 Inputs that fit in L2 are rotated over several copies so that no repeated call can be served from cache.
@@ -187,6 +189,33 @@ def bench_rmsnorm(rows_out: list) -> None:
               f"{row['stock_bw']:8.2f}", flush=True)
 
 
+def bench_swiglu(rows_out: list) -> None:
+    from detinfer.kernels import linear_silu_mul as lsm
+    from detinfer.kernels import matmul as mm
+    from detinfer.kernels import silu_mul as sm
+    h, i = 4096, 12288
+    print("\n## swiglu, bf16, H 4096, I 12288: fused linear_silu_mul vs linear + silu_mul (ratio = two / fused; "
+          "wBW = gate_up weight bytes / fused time / 3.0 TB/s)")
+    print(f"{'M':>5s} {'fused us':>9s} {'two us':>9s} {'ratio':>6s} {'wBW':>6s}")
+
+    def two(x, w):
+        gate, up = mm.linear(x, w).split(i, dim=-1)
+        return sm.silu_mul(gate, up)
+    for m in (1, 16, 64):
+        w_bytes = 2 * i * h * 2
+        sets = [((torch.randn(m, h, device="cuda") * 0.5).bfloat16(),
+                 (torch.randn(2 * i, h, device="cuda") / h**0.5).bfloat16()) for _ in range(copies_for(w_bytes))]
+        if not torch.equal(lsm.linear_silu_mul(*sets[0]), two(*sets[0])):
+            raise AssertionError(f"swiglu M={m}: the fused kernel's bits differ from linear + silu_mul")
+        t_o, t_s = both(rotated(lsm.linear_silu_mul, sets), rotated(two, sets))[TIMERS[0]]
+        row = {"section": "swiglu", "M": m, "ours_us": t_o * 1e3, "stock_us": t_s * 1e3, "ratio": t_s / t_o,
+               "ours_wbw": w_bytes / (t_o * 1e-3) / PEAK_BW}
+        rows_out.append(row)
+        print(f"{m:5d} {row['ours_us']:9.1f} {row['stock_us']:9.1f} {row['ratio']:6.3f} {row['ours_wbw']:6.2f}",
+              flush=True)
+        del sets
+
+
 def bench_log_softmax(rows_out: list) -> None:
     from detinfer.kernels import softmax as sm
     print("\n## log_softmax, bf16 in / fp32 out (BW = (2 + 4 bytes per element) / time / 3.0 TB/s)")
@@ -277,7 +306,8 @@ def bench_host(rows_out: list) -> None:
         print(f"{name:26s} {t_ours:7.1f} {'':16s} {t_stock:7.1f} {t_ours / t_stock:10.2f}", flush=True)
 
 
-SECTIONS = {"linear": bench_linear, "rmsnorm": bench_rmsnorm, "log_softmax": bench_log_softmax, "host": bench_host}
+SECTIONS = {"linear": bench_linear, "rmsnorm": bench_rmsnorm, "log_softmax": bench_log_softmax,
+            "swiglu": bench_swiglu, "host": bench_host}
 
 
 def main() -> None:

@@ -34,7 +34,8 @@ from detinfer.kernels import matmul as mm
 from detinfer.kernels._direct import LaunchCache
 from detinfer.kernels._launch import interpreting
 from detinfer.kernels.matmul import _add_bias, _load_a_block, _load_b_block, _tile_coords
-from detinfer.kernels.matmul_configs import MatmulConfig, gpu_configs as matmul_gpu_configs
+from detinfer.kernels.matmul_configs import MatmulConfig
+from detinfer.kernels.matmul_configs import gpu_configs as matmul_gpu_configs
 from detinfer.kernels.silu_mul import silu_mul_ref, silu_mul_values
 
 __all__ = ["linear_silu_mul", "linear_silu_mul_ref", "fused_config", "gpu_configs"]
