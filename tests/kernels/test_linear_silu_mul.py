@@ -134,3 +134,25 @@ def test_gpu_fast_mode_is_unchanged():
     ops = Ops("fast", "cuda", torch.bfloat16)
     gate, up = torch.nn.functional.linear(x, w).split(128, dim=-1)
     assert torch.equal(ops.linear_silu_mul(x, w), silu_mul(gate, up))
+
+
+def test_mlp_keeps_gate_up_visible_to_forward_hooks():
+    """MLP.forward calls the one fused op, except while a forward hook watches gate_up_proj (the repro
+    audit records every module's output): then the module runs, with the same bits."""
+    from types import SimpleNamespace
+
+    from detinfer.models.transformer import MLP
+
+    mlp = MLP(SimpleNamespace(hidden_size=32, intermediate_size=24, mlp_bias=True))
+    x, w, b = operands(5, 32, 24, 9, True, device="cpu")
+    mlp.gate_up_proj.weight.data, mlp.gate_up_proj.bias.data = w, b
+    mlp.down_proj.weight.data.normal_(), mlp.down_proj.bias.data.normal_()
+    ops = Ops()
+    plain = mlp(x, ops)
+    seen = []
+    handle = mlp.gate_up_proj.register_forward_hook(lambda mod, args, out: seen.append(out))
+    try:
+        assert torch.equal(mlp(x, ops), plain)
+    finally:
+        handle.remove()
+    assert len(seen) == 1 and seen[0].shape == (5, 48)
