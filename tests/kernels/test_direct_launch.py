@@ -154,7 +154,7 @@ def test_no_runtime_no_direct_launch(monkeypatch):
 # ------------------------------------------------------------------------------------------------- GPU
 def _launches(name):
     """(module, its LaunchCache, a call of the launcher) for every launcher that uses one."""
-    from detinfer.kernels import matmul, reduce, rmsnorm, silu_mul, softmax
+    from detinfer.kernels import linear_silu_mul, matmul, reduce, rmsnorm, silu_mul, softmax
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(37, 576, device="cuda", generator=g).bfloat16()
@@ -168,6 +168,7 @@ def _launches(name):
         "softmax": (softmax._LAUNCHES, lambda: softmax.log_softmax(x, dim=-1, dtype=torch.float32)),
         "reduce": (reduce._LAUNCHES, lambda: reduce.mean_dim(x, -1, keepdim=True)),
         "silu_mul": (silu_mul._LAUNCHES, lambda: silu_mul.silu_mul(x[:, :288], x[:, 288:])),
+        "linear_silu_mul": (linear_silu_mul._LAUNCHES, lambda: linear_silu_mul.linear_silu_mul(x, w, bias)),
     }
     return table[name]
 
@@ -177,7 +178,8 @@ def _flat(out):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["matmul", "matmul-strided", "rmsnorm", "softmax", "reduce", "silu_mul"])
+@pytest.mark.parametrize("name", ["matmul", "matmul-strided", "rmsnorm", "softmax", "reduce", "silu_mul",
+                                  "linear_silu_mul"])
 def test_gpu_direct_launch_is_bit_identical_and_skips_triton_run(name, monkeypatch):
     cache, call = _launches(name)
     _direct.set_enabled(False)
