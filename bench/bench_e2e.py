@@ -238,6 +238,8 @@ def main(argv=None) -> int:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--cuda-graph-max-tokens", type=int, default=EngineConfig.cuda_graph_max_tokens,
                     help="largest graphed step with prefill chunks (0: mixed steps run eagerly)")
+    ap.add_argument("--cuda-graph-short-kv", action=argparse.BooleanOptionalAction, default=True,
+                    help="also capture decode graphs bounded to 256 keys (A/B: --no-cuda-graph-short-kv)")
     ap.add_argument("--async-scheduling", default="on",
                     help="on, off, or on,off: overlapped scheduling setting(s) to run each mode with")
     ap.add_argument("--repeat", type=int, default=1, help="timed e2e runs per mode (the median is reported)")
@@ -273,11 +275,14 @@ def main(argv=None) -> int:
         engine = LLMEngine.from_model(model_in_mode(fast_model, cfg, mode), cfg, EngineConfig(
             mode=mode, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
-            cuda_graph_max_tokens=args.cuda_graph_max_tokens, async_scheduling=overlap == "on"))
+            cuda_graph_max_tokens=args.cuda_graph_max_tokens, cuda_graph_short_kv=args.cuda_graph_short_kv,
+            async_scheduling=overlap == "on"))
         init_s = time.perf_counter() - t
         graphs = engine.runner.graphs
         if graphs is not None:
-            print(f"[{key}] captured {len(graphs.shapes)} CUDA graphs ({len(engine.runner.graph_sizes)} decode, "
+            bounds = len({s.max_kv_len for s in graphs.shapes.values() if s.kind == "decode"})
+            print(f"[{key}] captured {len(graphs.shapes)} CUDA graphs ({len(engine.runner.graph_sizes)} decode "
+                  f"(x{bounds} kv bounds), "
                   f"{len(engine.runner.mixed_graph_tokens)} mixed up to "
                   f"{(engine.runner.mixed_graph_tokens or [0])[-1]} tokens) in {graphs.capture_seconds:.1f} s; "
                   f"pool {graphs.pool_bytes / 2**20:.0f} MiB + static {graphs.static_bytes() / 2**20:.0f} MiB, "

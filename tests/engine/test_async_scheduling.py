@@ -195,3 +195,73 @@ def test_flag_and_default():
     assert from_args(EngineConfig, parser.parse_args(["--async-scheduling"])).async_scheduling is True
     with pytest.raises(TypeError, match="async_scheduling must be a bool"):
         EngineConfig(async_scheduling="yes")
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("where", ["read back", "launch"])
+def test_an_interrupted_step_aborts_its_requests_and_the_engine_goes_on(stories, monkeypatch, overlap, where):
+    """Ctrl-C (or any error) while a step is launched or read back: that step's requests end with "abort",
+    the call raises, and the engine stays usable: a later request gets the bits it gets on a fresh engine,
+    and every KV block comes back."""
+    import detinfer.engine.llm_engine as llm_engine
+    from detinfer.engine.testing import signature
+
+    model, model_config, tokenizer, _ = stories
+    config = EngineConfig(max_num_batched_tokens=16, max_num_seqs=4, block_size=4, num_kv_blocks=64,
+                          max_model_len=128, async_scheduling=overlap)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+
+    def fresh_c():
+        engine = LLMEngine.from_model(model, model_config, config, tokenizer)
+        engine.add_request("c", "The dog", params)
+        return run_to_end(engine)["c"]
+
+    def run_to_end(engine):
+        final = {}
+        for _ in range(200):
+            if not engine.has_unfinished_requests():
+                break
+            for out in engine.step():
+                final[out.request_id] = out
+            engine.scheduler.check_invariants()
+        assert not engine.has_unfinished_requests()
+        return final
+
+    engine = LLMEngine.from_model(model, model_config, config, tokenizer)
+    engine.add_request("a", "Once upon a time", params)
+    engine.add_request("b", "The cat", params)
+    for _ in range(4):
+        engine.step()
+    calls = [0]
+    if where == "read back":
+        real = device_step.LaunchedStep.read
+
+        def interrupted(self):
+            calls[0] += 1
+            if calls[0] == 1:
+                raise KeyboardInterrupt
+            return real(self)
+
+        monkeypatch.setattr(device_step.LaunchedStep, "read", interrupted)
+    else:
+        real = llm_engine.launch_step
+
+        def interrupted(*args):
+            calls[0] += 1
+            if calls[0] == 1:
+                raise KeyboardInterrupt
+            return real(*args)
+
+        monkeypatch.setattr(llm_engine, "launch_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    engine.add_request("c", "The dog", params)
+    final = run_to_end(engine)
+    assert calls[0] > 1, "the engine stepped on after the interrupt"
+    for rid in ("a", "b"):
+        assert final[rid].finished and final[rid].outputs[0].finish_reason == "abort"
+    assert final["c"].outputs[0].finish_reason == "length"
+    assert signature(final["c"]) == signature(fresh_c())
+    bm = engine.scheduler.block_manager
+    bm.check_invariants([])
+    assert bm.num_free_blocks == bm.num_blocks

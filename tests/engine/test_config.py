@@ -46,6 +46,7 @@ def test_invalid_values_are_rejected_with_field_and_range(changes, match):
     ({"max_num_seqs": True}, r"max_num_seqs must be an int"),
     ({"num_kv_blocks": "8"}, r"num_kv_blocks must be an int or None"),
     ({"enforce_eager": 1}, r"enforce_eager must be a bool"),
+    ({"cuda_graph_short_kv": "no"}, r"cuda_graph_short_kv must be a bool, got 'no'"),
     ({"cuda_graph_max_tokens": 64.0}, r"cuda_graph_max_tokens must be an int"),
     ({"gpu_memory_utilization": "0.5"}, r"gpu_memory_utilization must be a number"),
 ])
@@ -87,12 +88,13 @@ def test_flags_parse_into_a_validated_config():
         "--max-num-batched-tokens", "512", "--max-num-seqs", "32", "--block-size", "32",
         "--num-kv-blocks", "100", "--no-enable-prefix-caching", "--max-model-len", "2048",
         "--mode", "fast", "--dtype", "bfloat16", "--enforce-eager", "--seed", "none",
-        "--gpu-memory-utilization", "0.5",
+        "--gpu-memory-utilization", "0.5", "--no-cuda-graph-short-kv",
     ])
     cfg = from_args(EngineConfig, ns)
     assert cfg == EngineConfig(max_num_batched_tokens=512, max_num_seqs=32, block_size=32, num_kv_blocks=100,
                                enable_prefix_caching=False, max_model_len=2048, mode="fast", dtype="bfloat16",
-                               enforce_eager=True, seed=None, gpu_memory_utilization=0.5)
+                               enforce_eager=True, seed=None, gpu_memory_utilization=0.5,
+                               cuda_graph_short_kv=False)
 
 
 def test_bad_flag_values_fail_at_parse_or_validation(capsys):

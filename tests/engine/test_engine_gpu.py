@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from detinfer.engine import EngineConfig, LLMEngine, SamplingParams
+from detinfer.engine.cuda_graphs import SHORT_KV_TOKENS
 from detinfer.engine.testing import drive
 from detinfer.models.testing import write_tiny_checkpoint
 
@@ -149,14 +150,17 @@ def test_graph_capture_sizes_and_memory(model_dir):
           f"reserve {runner.graph_reserve_bytes / 2**20:.0f} MiB")
     assert 0 < runner.graphs.pool_bytes + runner.graphs.static_bytes() <= runner.graph_reserve_bytes
     off = make(model_dir, max_num_seqs=40, cuda_graph_max_tokens=0)
-    assert off.runner.mixed_graph_tokens == [] and len(off.runner.graphs.shapes) == 7
+    # 7 decode batch sizes x 2 kv bounds (the table's 1024 tokens and SHORT_KV_TOKENS), no mixed graphs.
+    assert off.runner.mixed_graph_tokens == [] and len(off.runner.graphs.shapes) == 14
+    assert sorted(key[1:] for key in off.runner.graphs.shapes) == sorted(
+        (b, kv) for b in off.runner.graph_sizes for kv in (1024, SHORT_KV_TOKENS))
 
 
 def graph_vs_eager_every_step(engine):
     """Every step with a graph shape runs its graph, then (KV pools restored) eagerly: the logits and the
-    KV pools afterwards are compared bitwise. Returns (shape kinds replayed, mismatches); mismatches are
+    KV pools afterwards are compared bitwise. Returns (shapes replayed, mismatches); mismatches are
     recorded, not raised, because the engine turns an exception inside a step into failed requests."""
-    runner, kinds, bad = engine.runner, [], []
+    runner, replayed, bad = engine.runner, [], []
 
     def pools():
         return [t.clone() for pair in runner.kv_cache for t in pair]
@@ -176,11 +180,11 @@ def graph_vs_eager_every_step(engine):
             bad.append(f"{shape}: logits differ")
         if not all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(after_graph, pools())):
             bad.append(f"{shape}: KV pools differ")
-        kinds.append(shape.kind)
+        replayed.append(shape)
         return eager
 
     runner.execute = execute
-    return kinds, bad
+    return replayed, bad
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -190,14 +194,46 @@ def test_mixed_graph_steps_replay_eager_bits(model_dir, seed):
     output equals its output alone."""
     target, others = workload(100 + seed, n_other=14)
     engine = make(model_dir, max_num_batched_tokens=(64, 128, 256, 512)[seed])
-    kinds, bad = graph_vs_eager_every_step(engine)
+    replayed, bad = graph_vs_eager_every_step(engine)
     got = run(engine, [target, *others])
     assert not bad, bad[:4]
+    kinds = [s.kind for s in replayed]
     assert kinds.count("mixed") >= 3 and "decode" in kinds, kinds
     del engine
     for req in (target, *others[:4]):
         alone = run(make(model_dir), [(0, *req[1:])])
         assert got[req[1]] == alone[req[1]], f"{req[1]} differs from its run alone"
+
+
+def test_short_and_long_kv_decode_graphs_replay_eager_bits(model_dir):
+    """Decodes crossing SHORT_KV_TOKENS keys, alone (batch 1) and in a padded batch of 5 with short and long
+    sequences: steps whose sequences are all short replay the short-KV decode graphs, the others the
+    capacity ones; every replay gives the eager step's logits and KV bits, and the outputs equal those of
+    an eager engine and of an engine without the short-KV graphs."""
+    rng = random.Random(21)
+
+    def prompt(n):
+        return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=3, max_tokens=24, logprobs=2, ignore_eos=True)
+    # "solo" decodes alone (kv 251 -> 274) and finishes before the others arrive; of those, 236 and 244
+    # cross 256 keys mid-run while 30 and 60 stay short.
+    requests = [(0, "solo", prompt(250), params)] + [
+        (40, f"b{i}", prompt(n), sampled if i % 2 else params) for i, n in enumerate((236, 244, 30, 60, 240))]
+    engine = make(model_dir)
+    assert engine.runner.kv_capacity == 1024
+    replayed, bad = graph_vs_eager_every_step(engine)
+    got = run(engine, requests)
+    assert not bad, bad[:4]
+    decodes = {(s.tokens, s.max_kv_len) for s in replayed if s.kind == "decode"}
+    for shape in ((1, SHORT_KV_TOKENS), (1, 1024), (8, SHORT_KV_TOKENS), (8, 1024)):
+        assert shape in decodes, f"expected a decode replay of {shape} (batch size, kv bound), saw {decodes}"
+    del engine
+    assert got == run(make(model_dir, enforce_eager=True), requests)
+    without = make(model_dir, cuda_graph_short_kv=False)
+    assert {key[2] for key in without.runner.graphs.shapes} == {1024}
+    assert got == run(without, requests)
 
 
 def test_fast_mode_mixed_graphs_replay(model_dir):

@@ -123,6 +123,21 @@ def test_killed_core_raises_instead_of_hanging_and_close_leaves_nothing(model_di
     assert not _alive(pid)
 
 
+def test_a_cancelled_start_up_kills_the_half_started_core(model_dir):
+    import multiprocessing
+
+    from detinfer.engine.core_process import CoreSpec, start_core
+
+    before = {p.pid for p in multiprocessing.active_children()}  # the module's own core may be running
+    cancel = threading.Event()
+    threading.Timer(0.2, cancel.set).start()  # long before the spawned interpreter has imported torch
+    t0 = time.monotonic()
+    with pytest.raises(EngineCoreError, match="start-up cancelled"):
+        start_core(CoreSpec(str(model_dir), EngineConfig(**KW), "cpu"), cancel=cancel)
+    assert time.monotonic() - t0 < 5
+    assert {p.pid for p in multiprocessing.active_children()} <= before, "the half-started core is still running"
+
+
 def test_close_stops_the_core_process(proc_llm):
     """Runs last in this module: it closes the module's engine process."""
     pid = proc_llm.engine.core.pid

@@ -119,6 +119,24 @@ def test_each_row_gets_the_same_scores_and_token_in_any_batch(case, rnd):
     assert torch.equal(tokens, full.argmax(-1))
 
 
+def greedy_batch_agrees_with_the_fp64_scores(logits, rows):
+    # An all-greedy batch takes the argmax of the fp32 rows (no fp64 copy): the same token as the
+    # argmax of the fp64 scores, ties, -inf and NaN rows included.
+    rows = [dict(r, params=SamplingParams(temperature=0.0, repetition_penalty=r["params"].repetition_penalty))
+            for r in rows]
+    logits = logits.clone()
+    logits[0, 1] = float("nan")  # a NaN is the maximum for argmax on both paths
+    if logits.shape[0] > 1:
+        logits[1] = float("-inf")
+    tokens = sample(logits, *row_args(rows))
+    assert torch.equal(tokens, run_rows(logits, rows).argmax(-1))
+
+
+@given(sampling_rows())
+def test_all_greedy_batches_match_the_fp64_argmax(case):
+    greedy_batch_agrees_with_the_fp64_scores(*case)
+
+
 def test_greedy_is_argmax_with_ties_to_the_lowest_id():
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0]])
     greedy = SamplingParams(temperature=0, top_k=1, seed=5)
@@ -310,3 +328,10 @@ def test_cuda_rows_get_the_same_scores_in_any_batch(case, rnd):
     order = list(range(len(rows))) * 2
     rnd.shuffle(order)
     assert torch.equal(run_rows(logits[order], [rows[i] for i in order]), full[order])
+
+
+@pytest.mark.gpu
+@given(sampling_rows())
+def test_cuda_all_greedy_batches_match_the_fp64_argmax(case):
+    logits, rows = case
+    greedy_batch_agrees_with_the_fp64_scores(logits.cuda(), rows)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 from test_server_async_engine import FakeEngine, ThreadCore, _collect, run
 
+from detinfer.engine.core_process import EngineCoreError
 from detinfer.server.async_engine import EngineUnavailableError
 from detinfer.server.core_engine import CoreAsyncEngine
 
@@ -19,13 +21,19 @@ from detinfer.server.core_engine import CoreAsyncEngine
 class Restarts:
     """The `restart` callable: each call waits for `release`, then starts the next scripted core (or raises)."""
 
-    def __init__(self, *results):
+    def __init__(self, *results, honour_cancel: bool = False):
         self.results, self.started, self.calls = list(results), [], 0
         self.release = threading.Event()
+        self.honour_cancel, self.cancelled = honour_cancel, False
 
-    def __call__(self):
+    def __call__(self, cancel: threading.Event):
         self.calls += 1
-        assert self.release.wait(5.0)
+        deadline = time.monotonic() + 5.0
+        while not self.release.wait(0.01):
+            if self.honour_cancel and cancel.is_set():
+                self.cancelled = True
+                raise EngineCoreError("engine core start-up cancelled")
+            assert time.monotonic() < deadline
         result = self.results.pop(0)
         if isinstance(result, BaseException):
             raise result
@@ -106,6 +114,25 @@ def test_shutdown_during_a_restart_closes_the_core_being_started():
     run(main())
     restarts.started[0].thread.join(5.0)
     assert not restarts.started[0].thread.is_alive()  # it was told to shut down
+
+
+def test_shutdown_cancels_a_start_up_that_is_still_loading():
+    restarts = Restarts(FakeEngine(), honour_cancel=True)  # never released: a model load that takes forever
+
+    async def main():
+        ae = CoreAsyncEngine(ThreadCore(FakeEngine(fail_at_step=1)), restart=restarts, max_restarts=3)
+        ae.start()
+        s = await ae.add_request("r", [1], 100)
+        with pytest.raises(EngineUnavailableError):
+            await _collect(s)
+        await _until(lambda: restarts.calls == 1)
+        t = time.monotonic()
+        await ae.shutdown()
+        assert time.monotonic() - t < 2.0, "shutdown waited for the start-up"
+        assert restarts.cancelled and not restarts.started and not ae.is_healthy
+
+    run(main())
+    assert restarts.calls == 1  # a cancelled start-up is not retried
 
 
 def test_restarts_off_leaves_the_engine_down():

@@ -95,6 +95,9 @@ class EngineConfig:
         "Largest token count of a step with prefill chunks that replays a CUDA graph (padded to a captured "
         "size: 16, 32, 64, 128, then 4 sizes per doubling); larger ones run eagerly (they are compute-bound). "
         "0: only decode-only steps use graphs. Capped at max_num_batched_tokens."))
+    cuda_graph_short_kv: bool = field(default=True, metadata=_help(
+        "Also capture each decode graph with attention bounded to 256 keys, replayed by decode steps whose "
+        "sequences are all that short (attention then skips its long-walk schedule; same bits)."))
     async_scheduling: bool = field(default=True, metadata=_help(
         "Overlap the host's work for the next step (scheduling, inputs, output processing) with the "
         "device's current step; outputs come one step later, with the same bits as without it."))
@@ -117,7 +120,8 @@ class EngineConfig:
         check_int("num_kv_blocks", self.num_kv_blocks, minimum=1, optional=True)
         check_float("gpu_memory_utilization", self.gpu_memory_utilization, minimum=0.0, maximum=1.0,
                     min_exclusive=True)
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "async_scheduling"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "cuda_graph_short_kv",
+                     "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         check_int("max_model_len", self.max_model_len, minimum=1, optional=True)

@@ -25,6 +25,7 @@ import select
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -222,9 +223,11 @@ class CoreProcess:
             self.process.join()
 
 
-def start_core(spec: CoreSpec, *, timeout: float | None = None) -> CoreProcess:
+def start_core(spec: CoreSpec, *, timeout: float | None = None, cancel: threading.Event | None = None) -> CoreProcess:
     """Spawn the core and wait until its engine is built. A start-up failure in the core (bad model path,
-    out of memory) is raised here with its own message and type (ValueError, OSError, RuntimeError, ...)."""
+    out of memory) is raised here with its own message and type (ValueError, OSError, RuntimeError, ...).
+    Setting `cancel` (from another thread) stops the wait within ~0.2 s: the half-started core is killed and
+    EngineCoreError raised (a server shutting down while it restarts a core does not wait for a model load)."""
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked CUDA or thread state
     ours, theirs = socket.socketpair()
     for s in (ours, theirs):
@@ -236,7 +239,7 @@ def start_core(spec: CoreSpec, *, timeout: float | None = None) -> CoreProcess:
     try:
         process.start()
         theirs.close()
-        msg = _wait_ready(process, ours, timeout)
+        msg = _wait_ready(process, ours, timeout, cancel)
     except BaseException:
         ours.close()
         if process.pid is not None:
@@ -250,9 +253,11 @@ def start_core(spec: CoreSpec, *, timeout: float | None = None) -> CoreProcess:
     return CoreProcess(process, ours, msg[1], spec)
 
 
-def _wait_ready(process, sock: socket.socket, timeout: float | None) -> tuple:
+def _wait_ready(process, sock: socket.socket, timeout: float | None, cancel: threading.Event | None) -> tuple:
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
+        if cancel is not None and cancel.is_set():
+            raise EngineCoreError("engine core start-up cancelled")
         if select.select([sock], [], [], 0.2)[0]:
             try:
                 return wire.recv(sock)

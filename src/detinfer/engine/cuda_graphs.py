@@ -2,11 +2,16 @@
 
 Two families of graphs, one memory pool and one set of static buffers:
 
-- decode graphs, for steps whose chunks are all one token long (decodes, 1-token prefill chunks): one per
-  batch size (`decode_batch_sizes`), captured with max_q_len = 1 so attention keeps its 16-row decode tiles.
+- decode graphs, for steps whose chunks are all one token long (decodes, 1-token prefill chunks): per batch
+  size (`decode_batch_sizes`), captured with max_q_len = 1 so attention keeps its 16-row decode tiles, and
+  with two kv bounds: max_kv_len = the block table's capacity, and max_kv_len = SHORT_KV_TOKENS for steps
+  whose sequences all attend to at most that many keys (where the capacity is larger and
+  EngineConfig.cuda_graph_short_kv is on). max_kv_len is the host-side bound attention picks its schedule
+  and pipeline depth from: with the capacity, a step of short sequences pays the long-walk path
+  (split-parallel + merge at small batches, a 3-stage pipeline prologue at large ones).
 - mixed graphs, for steps with a prefill chunk: one per token count (`mixed_token_sizes`, up to
   EngineConfig.cuda_graph_max_tokens), the sequence count padded to min(tokens, max_num_seqs) (a step has
-  at least one token per sequence), captured with max_q_len = the token count.
+  at least one token per sequence), captured with max_q_len = the token count, max_kv_len = the capacity.
 
 A step runs in the smallest shape that holds it (`pick_shape`); `pad_layout` appends padding tokens (id 0,
 position 0, KV slot -1: `write_kv` skips them, no sequence owns them, so attention never writes or reads
@@ -18,14 +23,16 @@ Why padding does not move a bit in deterministic mode: every op outside attentio
 batch-invariant (a row's bits do not depend on the other rows, padding included); attention cuts keys
 into fixed `split_size` splits anchored at key 0, so its reduction order depends on neither the grid
 nor the bounds a graph is captured with. Those bounds (max_q_len = the token count, max_kv_len = the
-block table's capacity) only change the query-tile height, the number of (empty) programs and the
-sequential / split-parallel schedule, which the kernel tests prove give the same bits. Fast mode uses
-the same padding; its kernels pick work splits from the padded shape, so its bits may move with the
-bucket (what fast mode trades for speed).
+table's capacity or SHORT_KV_TOKENS) only change the query-tile height, the number of (empty) programs,
+the sequential / split-parallel schedule and the pipeline depth, which the kernel tests prove give the
+same bits. Fast mode uses the same padding; its kernels pick work splits from the padded shape and the
+kv bound, so its bits may move with the bucket (what fast mode trades for speed).
 
 Inputs are refreshed by one host->device copy per buffer (int64 ids/positions/slots/logits rows, int32
 kv lens / cu_q_lens, and the used columns of the block tables); a caller that keeps sampled ids on the
-device can overwrite `input_ids(shape)` between `prepare` and `replay`.
+device can overwrite `input_ids(shape)` between `prepare` and `replay`. Every shape reads the full-width
+block table buffer: the kernel reads no column past a sequence's kv length, and its table width is only a
+mask bound, so a narrower view for the short graphs would change nothing.
 """
 
 from __future__ import annotations
@@ -44,6 +51,12 @@ logger = logging.getLogger(__name__)
 # Smallest mixed-step graph: a step with a prefill chunk has >= 2 tokens, and below 16 tokens the padded
 # rows cost less than a second graph would take to capture.
 MIN_MIXED_TOKENS = 16
+
+# kv bound of the short decode graphs: the attention kernel's short walk. 256 keys are one split of its
+# deterministic split size (kernels.attention.DEFAULT_SPLIT_SIZE: one split -> the sequential schedule, no
+# split-parallel merge) and 4 tiles of 64 keys (_TUNE["short_walk_tiles"] x block_n_for(head_dim <= 128):
+# a 1-stage pipeline). tests/engine/test_graph_padding.py checks the link to those constants.
+SHORT_KV_TOKENS = 256
 
 # A step with no sequence: padded to a shape, it is all padding (what capture warms up on).
 EMPTY_STEP = StepLayout([], [], [], [], [], [], [], [])
@@ -75,38 +88,53 @@ def mixed_token_sizes(max_tokens: int) -> list[int]:
 @dataclass(frozen=True)
 class GraphShape:
     """A captured step shape: family ("decode" or "mixed"), token rows, sequences, logits rows, and the
-    max_q_len bound attention is captured with (1 for decode graphs, the token count for mixed ones)."""
+    attention bounds it is captured with: max_q_len (1 for decode graphs, the token count for mixed ones)
+    and max_kv_len (the block table's capacity, or SHORT_KV_TOKENS for short-KV decode graphs)."""
     kind: str
     tokens: int
     seqs: int
     logit_rows: int
     max_q_len: int
+    max_kv_len: int
 
     @property
-    def key(self) -> tuple[str, int]:
-        return (self.kind, self.tokens)
+    def key(self) -> tuple[str, int, int]:
+        return (self.kind, self.tokens, self.max_kv_len)
 
 
-def graph_shapes(decode_sizes: list[int], mixed_sizes: list[int], max_num_seqs: int) -> list[GraphShape]:
-    shapes = [GraphShape("decode", b, b, b, 1) for b in decode_sizes]
+def decode_kv_bounds(kv_capacity: int, short_kv: bool = True) -> list[int]:
+    """The kv bounds decode graphs are captured with, largest first: the capacity, and SHORT_KV_TOKENS when
+    `short_kv` and the capacity is larger (otherwise the capacity already is a short bound)."""
+    return [kv_capacity] + ([SHORT_KV_TOKENS] if short_kv and kv_capacity > SHORT_KV_TOKENS else [])
+
+
+def graph_shapes(decode_sizes: list[int], mixed_sizes: list[int], max_num_seqs: int, kv_capacity: int,
+                 short_kv: bool = True) -> list[GraphShape]:
+    """Every captured shape: decode graphs per batch size and kv bound (`decode_kv_bounds`), then mixed
+    graphs per token count (max_kv_len = `kv_capacity`, the block table's tokens)."""
+    shapes = [GraphShape("decode", b, b, b, 1, kv) for kv in decode_kv_bounds(kv_capacity, short_kv)
+              for b in decode_sizes]
     for t in mixed_sizes:
         s = min(t, max_num_seqs)
-        shapes.append(GraphShape("mixed", t, s, s, t))
+        shapes.append(GraphShape("mixed", t, s, s, t, kv_capacity))
     return shapes
 
 
-def pick_shape(layout: StepLayout, shapes: dict[tuple[str, int], GraphShape], decode_sizes: list[int],
-               mixed_sizes: list[int]) -> GraphShape | None:
-    """The smallest captured shape that holds this step, or None (it runs eagerly)."""
+def pick_shape(layout: StepLayout, shapes: dict[tuple[str, int, int], GraphShape], decode_sizes: list[int],
+               mixed_sizes: list[int], kv_capacity: int) -> GraphShape | None:
+    """The smallest captured shape that holds this step, or None (it runs eagerly). A decode step whose
+    sequences all attend to at most SHORT_KV_TOKENS keys (this step's token included) replays the short-KV
+    graph of its batch size where there is one."""
     n_tok, n_seq, n_rows = layout.num_tokens, len(layout.query_lens), len(layout.logit_rows)
     if n_seq == 0:
         return None
     if layout.all_single_token:
         size = next((b for b in decode_sizes if b >= n_seq), None)
-        shape = None if size is None else shapes[("decode", size)]
+        short = layout.max_kv_len <= SHORT_KV_TOKENS and ("decode", size, SHORT_KV_TOKENS) in shapes
+        shape = None if size is None else shapes[("decode", size, SHORT_KV_TOKENS if short else kv_capacity)]
     else:
         size = next((t for t in mixed_sizes if t >= n_tok), None)
-        shape = None if size is None else shapes[("mixed", size)]
+        shape = None if size is None else shapes[("mixed", size, kv_capacity)]
     # Prompt logprobs can ask for more logits rows than the shape gathers: such a step runs eagerly.
     if shape is None or n_seq > shape.seqs or n_rows > shape.logit_rows:
         return None
@@ -136,10 +164,8 @@ class StepGraphs:
     `run(layout, shape)` pads the step, copies it into the buffers, replays, and returns the [R, V] fp32
     logits of the real rows: a view of the static logits buffer, valid until the next replay."""
 
-    def __init__(self, runner, decode_sizes: list[int], mixed_sizes: list[int]):
+    def __init__(self, runner, shapes: list[GraphShape]):
         self.runner = runner
-        self.decode_sizes, self.mixed_sizes = decode_sizes, mixed_sizes
-        shapes = graph_shapes(decode_sizes, mixed_sizes, runner.config.max_num_seqs)
         self.shapes = {s.key: s for s in shapes}
         self.width = runner.max_blocks_per_seq
         sizes = buffer_sizes(shapes, self.width)
@@ -174,8 +200,8 @@ class StepGraphs:
         ids, pos, slots = self._i64[:t], self._i64[t:2 * t], self._i64[2 * t:3 * t]
         rows = self._i64[3 * t:3 * t + r]
         meta = StepMetadata(cu_q_lens=self._i32[s:2 * s + 1], kv_lens=self._i32[:s], block_tables=self._tables[:s],
-                            slot_mapping=slots, max_q_len=shape.max_q_len,
-                            max_kv_len=self.width * self.runner.block_size, input_ids=ids, positions=pos)
+                            slot_mapping=slots, max_q_len=shape.max_q_len, max_kv_len=shape.max_kv_len,
+                            input_ids=ids, positions=pos)
         return meta, rows
 
     def input_ids(self, shape: GraphShape) -> torch.Tensor:
@@ -192,7 +218,8 @@ class StepGraphs:
         start = time.perf_counter()
         forwards = {}
         with torch.inference_mode():
-            for shape in sorted(self.shapes.values(), key=lambda s: (s.tokens, s.max_q_len), reverse=True):
+            for shape in sorted(self.shapes.values(), key=lambda s: (s.tokens, s.max_q_len, s.max_kv_len),
+                                reverse=True):
                 meta, rows = self._views(shape)
                 attn = PagedAttention(runner.kv_cache, meta, runner.ops, runner.model_config.softmax_scale,
                                       self._attn_out[:shape.tokens])
@@ -224,10 +251,13 @@ class StepGraphs:
         torch.cuda.synchronize(dev)
         self.capture_seconds = time.perf_counter() - start
         self.pool_bytes = torch.cuda.memory_reserved(dev) - before
-        logger.info("captured %d CUDA graphs (%d decode batch sizes, %d mixed-step token counts up to %s) in "
-                    "%.1f s; graph pool %.0f MiB, static buffers %.0f MiB", len(self._graphs),
-                    len(self.decode_sizes), len(self.mixed_sizes), self.mixed_sizes[-1] if self.mixed_sizes
-                    else "-", self.capture_seconds, self.pool_bytes / 2**20, self.static_bytes() / 2**20)
+        decode = sorted({s.tokens for s in self.shapes.values() if s.kind == "decode"})
+        bounds = sorted({s.max_kv_len for s in self.shapes.values() if s.kind == "decode"}, reverse=True)
+        mixed = sorted(s.tokens for s in self.shapes.values() if s.kind == "mixed")
+        logger.info("captured %d CUDA graphs (%d decode batch sizes x kv bounds %s, %d mixed-step token counts up "
+                    "to %s) in %.1f s; graph pool %.0f MiB, static buffers %.0f MiB", len(self._graphs),
+                    len(decode), bounds, len(mixed), mixed[-1] if mixed else "-", self.capture_seconds,
+                    self.pool_bytes / 2**20, self.static_bytes() / 2**20)
         reserve = getattr(runner, "graph_reserve_bytes", 0)
         if reserve and self.pool_bytes + self.static_bytes() > reserve:
             logger.warning("CUDA graphs took %.0f MiB, more than the %.0f MiB kept out of the KV pool for them: "

@@ -240,16 +240,16 @@ class LLMEngine:
         touched: list[str] = []
         if previous and any(d.seq.params.has_penalties and not d.seq.is_finished for d in _sampled(previous)):
             # Penalties need every earlier token's id on the host to build the histories: no overlap.
-            touched += self._resolve(previous)
+            touched += self._resolve_or_abort(previous)
             previous = []
         batch = self.scheduler.schedule()
         self._counters["num_preemptions"] += len(batch.preempted)
         if not batch.is_empty:
             self._inflight = self._launch(batch, previous)
-        touched += self._resolve(previous)
+        touched += self._resolve_or_abort(previous)
         if not self.config.async_scheduling:
-            touched += self._resolve(self._inflight)
-            self._inflight = []
+            inflight, self._inflight = self._inflight, []
+            touched += self._resolve_or_abort(inflight)
         outputs += [self._output(self._requests[rid]) for rid in dict.fromkeys(touched) if rid in self._requests]
         self._last_step_seconds = time.perf_counter() - start
         return outputs
@@ -307,6 +307,18 @@ class LLMEngine:
             self._requests[rid].error = f"{type(e).__name__}: {e}"
             self.abort_request(rid)
         return kept
+
+    def _resolve_or_abort(self, launched: list[LaunchedStep]) -> list[str]:
+        """`_resolve`; if it is interrupted (Ctrl-C while waiting for the device, or an error while
+        processing), the tokens of those steps are lost: their requests are aborted (finish_reason "abort"
+        at the next step, blocks freed) and the error is raised. The steps were already taken off
+        `_inflight`, so no later step waits for them, and every other request goes on unchanged."""
+        try:
+            return self._resolve(launched)
+        except BaseException:
+            for rid in dict.fromkeys(item.seq.request_id for part in launched for item in part.batch.scheduled):
+                self.abort_request(rid)
+            raise
 
     def _resolve(self, launched: list[LaunchedStep]) -> list[str]:
         """Read launched steps back and process them: logprobs, detokenization and stop strings, the

@@ -10,13 +10,14 @@ Every numeric op, attention and the KV write included, is the model's numerics b
 `paged_attention_ref` + `write_kv_ref`); the runner only checks that it matches the engine's mode.
 
 CUDA graphs (CUDA, kernel backend, unless enforce_eager; `engine.cuda_graphs` has the shapes, the padding and
-the capture): decode-only steps replay a graph per batch size, steps with prefill chunks a graph per token
-count (up to EngineConfig.cuda_graph_max_tokens), padded to the smallest captured shape that holds them.
+the capture): decode-only steps replay a graph per batch size (one captured for short KV, one for the
+table's capacity), steps with prefill chunks a graph per token count (up to
+EngineConfig.cuda_graph_max_tokens), padded to the smallest captured shape that holds them.
 Padding tokens write no KV (slot -1) and belong to no sequence; padding sequences have no query and no key.
 Every op outside attention is row-wise and batch-invariant in deterministic mode, and attention's
 reduction order is fixed by its split size anchored at key 0, not by the grid or the bounds a graph is
-captured with (max_q_len = the token count, max_kv_len = the block table's capacity): so a real row gets
-the same bits in a graph of any size as in an eager step of its own batch. In fast mode the same padding
+captured with (max_q_len = the token count, max_kv_len = the table's capacity or the short bound): so a
+real row gets the same bits in a graph of any size as in an eager step of its own batch. In fast mode the same padding
 is used, but its kernels pick work splits from the padded shape, so bits may move with the graph size.
 
 Mixed steps use whole-step graphs over padded token buckets, not piecewise graphs (every op but attention
@@ -70,7 +71,9 @@ GRAPH_RESERVE_SLACK_BYTES = 256 << 20
 # The private pool of many graphs of different sizes is larger than one step's allocation peak: segments
 # are rounded and split per size, and graphs of other sizes reuse them only partly. Measured on an H100
 # (Qwen3-8B shapes, 20 decode + 20 mixed graphs up to 2048 tokens): pool 570 MiB for a profiled peak of
-# 256 MiB (2.2x); decode graphs alone: 278 MiB for 225 MiB (1.24x).
+# 256 MiB (2.2x); decode graphs alone: 278 MiB for 225 MiB (1.24x). Measured before the short-KV decode
+# graphs (a second graph per decode batch size): each allocates no more than the capacity graph of its batch
+# size (one split, no split-parallel workspace) and is captured right after it into the same pool.
 GRAPH_POOL_FACTOR = 2.5
 
 
@@ -123,7 +126,9 @@ class ModelRunner:
         self.graph_sizes = decode_batch_sizes(config.max_num_seqs)
         self.mixed_graph_tokens = mixed_token_sizes(min(config.cuda_graph_max_tokens,
                                                         config.max_num_batched_tokens))
-        shapes = graph_shapes(self.graph_sizes, self.mixed_graph_tokens, config.max_num_seqs)
+        self.kv_capacity = self.max_blocks_per_seq * self.block_size  # tokens a block table row covers
+        shapes = graph_shapes(self.graph_sizes, self.mixed_graph_tokens, config.max_num_seqs, self.kv_capacity,
+                              short_kv=config.cuda_graph_short_kv)
         self._shapes = {s.key: s for s in shapes}
         self.graph_reserve_bytes = self.graph_step_peak_bytes = 0  # set by _pick_num_blocks (KV pool sizing)
         self.num_kv_blocks = self._pick_num_blocks() if num_kv_blocks is None else num_kv_blocks
@@ -134,7 +139,7 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(spec, model_config.num_hidden_layers, self.device)
         self.graphs: StepGraphs | None = None
         if self.use_graphs:
-            self.graphs = StepGraphs(self, self.graph_sizes, self.mixed_graph_tokens)
+            self.graphs = StepGraphs(self, shapes)
             self.graphs.capture()
 
     @property
@@ -163,7 +168,7 @@ class ModelRunner:
 
     def graph_shape(self, layout: StepLayout) -> GraphShape | None:
         """The captured shape this step replays (None: it runs eagerly), whether or not graphs are on."""
-        return pick_shape(layout, self._shapes, self.graph_sizes, self.mixed_graph_tokens)
+        return pick_shape(layout, self._shapes, self.graph_sizes, self.mixed_graph_tokens, self.kv_capacity)
 
     def _run_eager(self, layout: StepLayout, meta: StepMetadata | None = None,
                    input_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -190,7 +195,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run_padded_eager(self, layout: StepLayout, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Test hook: the step padded exactly as its graph would pad it and run eagerly with the graph's
-        attention bounds (max_q_len of the shape, max_kv_len = the table capacity, full-width tables);
+        attention bounds (the shape's max_q_len and max_kv_len, full-width tables);
         returns the real rows' logits. Proves on any device that the padding is harmless."""
         shape = self.graph_shape(layout)
         if shape is None:
@@ -198,7 +203,7 @@ class ModelRunner:
                              f"{len(layout.query_lens)} sequences, {len(layout.logit_rows)} logits rows)")
         padded = pad_layout(layout, shape)
         meta = dataclasses.replace(step_tensors(padded, self.device, max_blocks=self.max_blocks_per_seq),
-                                   max_q_len=shape.max_q_len, max_kv_len=self.max_blocks_per_seq * self.block_size)
+                                   max_q_len=shape.max_q_len, max_kv_len=shape.max_kv_len)
         if input_ids is not None:  # the real tokens' device ids (overlapped scheduling), padding after them
             ids = meta.input_ids.clone()
             ids[:input_ids.shape[0]] = input_ids

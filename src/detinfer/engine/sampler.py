@@ -141,19 +141,15 @@ def sampling_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return keep
 
 
-def sampling_scores(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int | None],
-                    positions: Sequence[int], sample_indices: Sequence[int] | None = None,
-                    prompt_token_ids: Sequence[Sequence[int]] | None = None,
-                    output_token_ids: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
-    """[S, V] fp64 scores whose row-wise argmax is the drawn token (see `sample` for the arguments).
-
-    Sampled rows: penalised logits / T + Gumbel noise, -inf where masked. Greedy rows: the penalised
-    logits (no noise). Exposed so tests can check invariance on every bit, not only on the argmax.
-    """
+def _checked_penalised(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int | None],
+                       positions: Sequence[int], sample_indices: Sequence[int] | None,
+                       prompt_token_ids: Sequence[Sequence[int]] | None,
+                       output_token_ids: Sequence[Sequence[int]] | None) -> tuple[torch.Tensor, list[int]]:
+    """Validates the per-row arguments; returns (the penalised fp32 logits, the sample indices as a list)."""
     if logits.dim() != 2 or logits.dtype != torch.float32:
         raise ValueError(f"logits must be a 2-D float32 tensor [S, V], got {logits.dim()}-D "
                          f"{str(logits.dtype).replace('torch.', '')}")
-    S, V = logits.shape
+    S = logits.shape[0]
     sample_indices = [0] * S if sample_indices is None else list(sample_indices)
     for name, values in (("params", params), ("seeds", seeds), ("positions", positions),
                          ("sample_indices", sample_indices)):
@@ -167,8 +163,21 @@ def sampling_scores(logits: torch.Tensor, params: Sequence[SamplingParams], seed
                              "one when the request is added)")
         if t < 0 or i < 0:
             raise ValueError(f"row {r}: position ({t}) and sample index ({i}) must be >= 0")
-    dev = logits.device
-    penalised = apply_penalties(logits, params, prompt_token_ids, output_token_ids)
+    return apply_penalties(logits, params, prompt_token_ids, output_token_ids), sample_indices
+
+
+def sampling_scores(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int | None],
+                    positions: Sequence[int], sample_indices: Sequence[int] | None = None,
+                    prompt_token_ids: Sequence[Sequence[int]] | None = None,
+                    output_token_ids: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+    """[S, V] fp64 scores whose row-wise argmax is the drawn token (see `sample` for the arguments).
+
+    Sampled rows: penalised logits / T + Gumbel noise, -inf where masked. Greedy rows: the penalised
+    logits (no noise). Exposed so tests can check invariance on every bit, not only on the argmax.
+    """
+    penalised, sample_indices = _checked_penalised(logits, params, seeds, positions, sample_indices,
+                                                   prompt_token_ids, output_token_ids)
+    dev, V = logits.device, logits.shape[1]
     # fp32 -> fp64 is exact and order-preserving: greedy argmax (and its ties) are unchanged.
     x = penalised.to(torch.float64)
     # Shortcuts are decided from the params (host data, no device sync). They skip work whose result
@@ -201,6 +210,13 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
     and output token ids so far (needed only when some row has penalties). Each row's token depends only
     on that row's inputs. argmax returns the first maximum, so greedy ties go to the lowest token id.
     """
+    if all(isinstance(p, SamplingParams) and p.is_greedy for p in params):
+        # The argmax of the fp32 rows is that of their exact fp64 copy (same values, same first maximum):
+        # skipping the copy saves writing and reading an [S, V] fp64 tensor (~0.1 ms per step at 64 rows x
+        # 152k vocab on an H100).
+        penalised, _ = _checked_penalised(logits, params, seeds, positions, sample_indices, prompt_token_ids,
+                                          output_token_ids)
+        return torch.argmax(penalised, dim=-1)
     return torch.argmax(sampling_scores(logits, params, seeds, positions, sample_indices,
                                         prompt_token_ids, output_token_ids), dim=-1)
 

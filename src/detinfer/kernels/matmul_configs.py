@@ -106,8 +106,11 @@ GPU_CONFIGS_16BIT: dict = {
     # in flight per program. Run 4 (CUDA graphs): 0.98-1.13x cuBLAS on the five Llama shapes at M = 1-16.
     "decode": (16, (_C(16, 64, 256, 4, 4),)),
     # small batches: still bandwidth bound; the N tile narrows until there are enough programs for the SMs.
-    # Run 4: 0.95-1.07x at M = 64.
-    "small": (64, (_C(64, 128, 128, 4, 4, tma=True), _C(64, 64, 256, 4, 3), _C(64, 32, 256, 4, 4))),
+    # Run 4: 0.95-1.07x at M = 64. All three load through TMA: at M = 64 (Qwen3-8B shapes, graph timer) the
+    # TMA kernel streamed the 64x64 / 64x32 tiles 4-8% faster than pointer loads (qkv 22.2 -> 21.3 us, o
+    # 15.7 -> 14.8, down 40.9 -> 39.1; docs/performance.md, "Decode matmul configs").
+    "small": (64, (_C(64, 128, 128, 4, 4, tma=True), _C(64, 64, 256, 4, 3, tma=True),
+                   _C(64, 32, 256, 4, 4, tma=True))),
     # M > 64: compute bound, whole-K tiles, wave estimate (module doc). 128x256 TMA + persistent +
     # warp-specialized tiles for large outputs; 128x128 where 128x256 quantizes badly into waves; 64-row
     # tiles while few tiles cover the output (M <= ~256 with N <= ~6144). Run 4: M = 1024-4096 0.95-1.15x;

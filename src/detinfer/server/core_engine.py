@@ -15,7 +15,8 @@ Failure: a core that dies (killed, crashed) closes its socket; the EOF fails eve
 EngineUnavailableError (HTTP 500; streams get an error event and [DONE]), /health turns 503 and new requests
 get 503 naming how the core ended. A step that failed as a whole in the core ("failed") is handled the same way.
 
-Restart (like a supervisor): given `restart` (a callable that starts the same core again), the front end then
+Restart (like a supervisor): given `restart` (a callable that starts the same core again; its argument is an
+event that shutdown sets, to stop waiting for a start-up in progress), the front end then
 starts a fresh core in the background (a thread; the event loop keeps answering). Meanwhile /health and new
 requests get 503 "engine core restarting after ..."; once the new core is ready it is attached and serving
 resumes. At most `max_restarts` restarts within RESTART_WINDOW_S, failed start-ups included, so a core that
@@ -29,6 +30,7 @@ import asyncio
 import collections
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -69,13 +71,14 @@ class CoreAsyncEngine(AsyncEngine):
     """See the module docstring. All methods run on the event loop (request_drain is also signal-safe)."""
 
     def __init__(self, core: CoreProcess, *, max_pending_requests: int = 1024, metrics: ServerMetrics | None = None,
-                 restart: Callable[[], CoreProcess] | None = None, max_restarts: int = 0):
+                 restart: Callable[[threading.Event], CoreProcess] | None = None, max_restarts: int = 0):
         super().__init__(None, max_pending_requests=max_pending_requests, metrics=metrics)
         self.core = core
         self._restart = restart
         self.max_restarts = max_restarts if restart is not None else 0
         self._restart_times: collections.deque[float] = collections.deque()
         self._restart_task: asyncio.Task | None = None
+        self._restart_cancel = threading.Event()  # set by shutdown: `restart` stops waiting for a start-up
         self._commands = _CommandSink(self)
         self._started = False
         self._streams: dict[str, RequestStream] = {}
@@ -122,7 +125,8 @@ class CoreAsyncEngine(AsyncEngine):
         if not self._started:
             return
         if self._restart_task is not None:
-            await self._restart_task  # a core it is starting is closed once started (we are closing)
+            self._restart_cancel.set()  # a start-up in progress stops waiting for its model to load
+            await self._restart_task  # a core that still finished starting is closed (we are closing)
         self._command(Stop())
         self._detach()
         await asyncio.to_thread(self._close_core)
@@ -271,6 +275,8 @@ class CoreAsyncEngine(AsyncEngine):
                 core = await asyncio.to_thread(self._start_replacement, old)
             except Exception as e:  # noqa: BLE001 -- any start-up failure counts as a failed restart
                 old = None
+                if self._closing:
+                    return  # cancelled by shutdown (or failed while closing): nothing to restart for
                 cause = f"a failed engine core restart ({type(e).__name__}: {e})"
                 log.error("restarting the engine core failed: %s: %s", type(e).__name__, e)
                 if self._can_restart():
@@ -289,7 +295,7 @@ class CoreAsyncEngine(AsyncEngine):
     def _start_replacement(self, old: CoreProcess | None) -> CoreProcess:
         if old is not None:
             old.close()  # reaps the dead process and closes its socket
-        return self._restart()
+        return self._restart(self._restart_cancel)
 
     # -- messages from the core ----------------------------------------------------------------------
     def _handle(self, msg: tuple) -> None:

@@ -183,7 +183,7 @@ def _serve_engine(engine, info: dict, model_dir: Path, name: str, server_config:
         from detinfer.engine.core_process import start_core
 
         async_engine = CoreAsyncEngine(engine, max_pending_requests=server_config.max_pending_requests,
-                                       restart=lambda: start_core(engine.spec),
+                                       restart=lambda cancel: start_core(engine.spec, cancel=cancel),
                                        max_restarts=server_config.max_core_restarts)
     else:
         async_engine = AsyncEngine(engine, max_pending_requests=server_config.max_pending_requests)
