@@ -55,6 +55,29 @@ def test_strided_weight_and_leading_dims():
     assert lsm.linear_silu_mul(x[:0], w, b).shape == (0, 40)
 
 
+@pytest.mark.skipif(not interpreting(), reason="the interpreter's descriptor emulation (GPU: the sweep below)")
+def test_tma_kernel_matches_pointer_kernel_in_the_interpreter(monkeypatch):
+    """The descriptor kernel computes the same tiles in the same K order as the pointer kernel (fp16: the
+    interpreter's 16-bit dot that is exact enough; rows of 208 B and both weight halves 16-byte aligned)."""
+    x, w, b = operands(23, 104, 40, 4, True, torch.float16, "cpu")
+    want = lsm.linear_silu_mul(x, w, b, config=lsm.MatmulConfig(1, 64, 32, 4, 1))
+    assert torch.equal(want, two_launches(x, w, b))
+    calls, kernel = [], lsm._linear_silu_mul_tma_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(lsm, "_linear_silu_mul_tma_kernel", Spy())
+    tma = lsm.MatmulConfig(1, 64, 32, 4, 1, tma=True)
+    assert torch.equal(lsm.linear_silu_mul(x, w, b, config=tma), want)
+    assert torch.equal(lsm.linear_silu_mul(x[5:6], w, b, config=tma), want[5:6])
+    assert len(calls) == 2
+    w_odd = torch.zeros(80, 105, dtype=torch.float16)[:, 1:].copy_(w)  # misaligned rows: pointer loads
+    assert torch.equal(lsm.linear_silu_mul(x, w_odd, b, config=tma), want) and len(calls) == 2
+
+
 @kernel_runs
 @settings(max_examples=6, deadline=None)
 @given(st.integers(1, 12), st.integers(16, 90), st.integers(1, 40), st.booleans(), st.integers(0, 2**16),
@@ -104,7 +127,8 @@ def test_bad_inputs_raise_clear_errors():
 def test_configs_halve_the_plain_tiles():
     for dt in (torch.bfloat16, torch.float16, torch.float32):
         cfgs = lsm.gpu_configs(dt)
-        assert cfgs and all(c.block_n >= 16 and not c.tma for c in cfgs)
+        assert cfgs and all(c.block_n >= 16 and not c.persistent for c in cfgs)
+        assert all(c.tma is False or lsm.replace(c, tma=False) in cfgs for c in cfgs)  # pointer twins swept too
 
 
 # ------------------------------------------------------------------------------------------ GPU (bitwise)

@@ -18,7 +18,9 @@ config below against the deterministic `linear` + `silu_mul`).
 
 Configs: the one the dispatcher gives the plain gate_up matmul (M, 2I, H), with BLOCK_N halved: a program
 reads the same weight bytes per K step as the plain kernel's (two half-width tiles), so the tile count,
-shared memory and registers match it. Pointer loads only (a TMA config runs its pointer twin: same bits).
+shared memory and registers match it. A TMA config loads through descriptors (one tile per program: the
+fused op runs at decode sizes, where the plain family is not persistent either) when the operands
+qualify, else runs the same tiles with pointer loads (same bits).
 """
 
 from __future__ import annotations
@@ -74,13 +76,45 @@ def _linear_silu_mul_kernel(
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
 
-    # What the plain kernel stores (bias after the reduction, rounded to the output dtype), read back.
+    _store_swiglu(acc_g, acc_u, o_ptr, bias_ptr, pid_m, pid_n, M, N, stride_om, HAS_BIAS, LIBDEVICE,
+                  BLOCK_M, BLOCK_N)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_silu_mul_tma_kernel(
+    x_desc, g_desc, u_desc, o_ptr, bias_ptr,
+    M, N, K, stride_om,
+    HAS_BIAS: tl.constexpr, LIBDEVICE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """The same tile and K order, operands fetched by the TMA engine (as `matmul._matmul_tma_kernel`, one
+    tile per program) from descriptors of x [M, K], the gate rows [N, K] and the up rows [N, K].
+    Out-of-range boxes read as zeros: the M/N edges and the K tail (exact zeros, as the pointer loads)."""
+    pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        a = x_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
+        acc_g = tl.dot(a, g_desc.load([pid_n * BLOCK_N, kb * BLOCK_K]).T, acc_g)
+        acc_u = tl.dot(a, u_desc.load([pid_n * BLOCK_N, kb * BLOCK_K]).T, acc_u)
+    _store_swiglu(acc_g, acc_u, o_ptr, bias_ptr, pid_m, pid_n, M, N, stride_om, HAS_BIAS, LIBDEVICE,
+                  BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _store_swiglu(acc_g, acc_u, o_ptr, bias_ptr, pid_m, pid_n, M, N, stride_om, HAS_BIAS: tl.constexpr,
+                  LIBDEVICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What the plain kernel stores for both halves (bias after the reduction, rounded to the output
+    dtype), read back as fp32, then silu_mul's formula; bias [2N] is contiguous (up's half at N)."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
     dt = o_ptr.dtype.element_ty
     gate = _add_bias(acc_g, bias_ptr, offs_n, n_ok, HAS_BIAS).to(dt).to(tl.float32)
     up = _add_bias(acc_u, bias_ptr + N, offs_n, n_ok, HAS_BIAS).to(dt).to(tl.float32)
     out = silu_mul_values(gate, up, o_ptr, LIBDEVICE)
     o_ptrs = o_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(o_ptrs, out, mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(o_ptrs, out, mask=(offs_m[:, None] < M) & n_ok[None, :])
 
 
 # Compiled kernels remembered per launch key (kernels/_direct.py): one decode step launches this per layer.
@@ -89,8 +123,8 @@ _LAUNCHES = LaunchCache(_linear_silu_mul_kernel)
 
 def _fused_from(cfg: MatmulConfig) -> MatmulConfig:
     """A plain-matmul config as the fused kernel runs it: half the N tile per accumulator (>= 16, the
-    smallest tl.dot width), pointer loads."""
-    return replace(cfg, block_n=max(16, cfg.block_n // 2), tma=False, persistent=False, warp_specialize=False)
+    smallest tl.dot width), one tile per program."""
+    return replace(cfg, block_n=max(16, cfg.block_n // 2), persistent=False, warp_specialize=False)
 
 
 def fused_config(m: int, i: int, k: int, dtype: torch.dtype, device: torch.device) -> MatmulConfig:
@@ -101,8 +135,10 @@ def fused_config(m: int, i: int, k: int, dtype: torch.dtype, device: torch.devic
 
 
 def gpu_configs(dtype: torch.dtype) -> tuple[MatmulConfig, ...]:
-    """Every config `fused_config` can return on a GPU for `dtype` (what the GPU bit tests sweep)."""
-    return tuple(dict.fromkeys(_fused_from(c) for c in matmul_gpu_configs(dtype)))
+    """Every config `fused_config` can return on a GPU for `dtype`, and the pointer twin of each TMA one
+    (what the GPU bit tests sweep)."""
+    fused = [_fused_from(c) for c in matmul_gpu_configs(dtype)]
+    return tuple(dict.fromkeys(fused + [replace(c, tma=False) for c in fused]))
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -140,6 +176,8 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     cfg = config or fused_config(rows, i, k, x.dtype, x.device)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     grid = (mm._cdiv(rows, bm) * mm._cdiv(i, bn),)
+    if cfg.tma and _tma_launch(x2, weight, out, tensors[3], has_bias, rows, i, k, cfg, grid):
+        return out
     constexprs = dict(HAS_BIAS=has_bias, EVEN_K=k % bk == 0,
                       PRECISION=mm.FP32_DOT_PRECISION if x.dtype == torch.float32 else "tf32",  # as `linear`
                       LIBDEVICE=not interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m)
@@ -150,6 +188,24 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         _LAUNCHES.launch(key, tensors, grid, scalars, constexprs, num_warps=cfg.num_warps,
                          num_stages=cfg.num_stages)
     return out
+
+
+def _tma_launch(x2, weight, out, bias, has_bias: bool, m: int, i: int, k: int, cfg: MatmulConfig, grid) -> bool:
+    """The descriptor kernel, when x and both weight halves qualify for TMA (`matmul._tma_ok`: Hopper+,
+    16-bit, unit K stride, 16-byte aligned rows and bases); False when they do not (pointer loads then)."""
+    swn, swk = weight.stride()
+    up = weight[i:]
+    if mm.TensorDescriptor is None or up.data_ptr() % 16 or not mm._tma_ok(x2, x2.stride(0), x2.stride(1),
+                                                                            weight, swn, swk, k):
+        return False
+    descs = (mm.TensorDescriptor(x2, [m, k], [x2.stride(0), 1], [cfg.block_m, cfg.block_k]),
+             mm.TensorDescriptor(weight, [i, k], [swn, 1], [cfg.block_n, cfg.block_k]),
+             mm.TensorDescriptor(up, [i, k], [swn, 1], [cfg.block_n, cfg.block_k]))
+    _linear_silu_mul_tma_kernel[grid](
+        *descs, out, bias, m, i, k, i, HAS_BIAS=has_bias, LIBDEVICE=not interpreting(),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return True
 
 
 def linear_silu_mul_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
