@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import multiprocessing
 import os
 import random
 import signal
@@ -258,7 +259,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.offline_concurrency is None:
         args.offline_concurrency = args.concurrency
     if args.write_random and not (Path(args.model_dir) / "config.json").exists():
-        write_random_checkpoint(args.model_dir, args.write_random, args.device)
+        # In a child process: after drawing the 16 GB of random weights on the GPU in this process, the offline
+        # engine later run here took 14.9 ms per step instead of 11.4 (H100, Qwen3-8B shapes, same requests).
+        child = multiprocessing.get_context("spawn").Process(
+            target=write_random_checkpoint, args=(args.model_dir, args.write_random, args.device))
+        child.start()
+        child.join()
+        if child.exitcode != 0:
+            raise SystemExit(f"--write-random {args.write_random}: writing the checkpoint failed "
+                             f"(exit code {child.exitcode}; see above)")
 
     from detinfer.models.loader import load_tokenizer
 
