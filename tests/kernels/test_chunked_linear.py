@@ -137,3 +137,25 @@ def test_ref_batched_partials_equal_per_chunk_linear_ref(m, n, kc, chunks, seed)
     # zero tolerance, NaN == NaN (an inf row's products may hold inf - inf)
     torch.testing.assert_close(cl.linear_tree_ref(x, w, chunks), cl.pairwise_tree_sum(parts), rtol=0, atol=0,
                                equal_nan=True)
+
+
+def test_wide_outputs_of_16_bit_inputs_cap_the_tile():
+    from detinfer.kernels.matmul import _WIDE_OUTPUT_CONFIG, fit_to_output
+    from detinfer.kernels.matmul_configs import MatmulConfig
+
+    big = MatmulConfig(128, 256, 64, 8, 3, tma=True, persistent=True, warp_specialize=True)
+    assert fit_to_output(big, 4, 2) == _WIDE_OUTPUT_CONFIG  # fp32 partials of bf16 inputs
+    assert fit_to_output(big, 2, 2) == big  # a bf16 output keeps the dispatcher's choice
+    small = MatmulConfig(16, 64, 256, 4, 4)
+    assert fit_to_output(small, 4, 2) == small
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_sized_partials_fit_and_keep_row_bits():
+    """Row-parallel partials at prefill-sized M (the engine's profiling step under TP): the fp32-output launch
+    fits in shared memory, and a row's bits do not depend on how many rows came with it."""
+    torch.manual_seed(0)
+    x = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16) / 32
+    full = cl.linear_tree(x, w, 8)
+    assert torch.equal(full[100:117], cl.linear_tree(x[100:117], w, 8))

@@ -215,6 +215,21 @@ def _config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) ->
     return cfg
 
 
+# fp32 outputs of 16-bit inputs (the row-parallel partials of kernels/chunked_linear.py) stage the output tile
+# through shared memory at 4 bytes per element: a 128x256 tile then needs 272 KB with its 3 load stages, over
+# the 227 KB of an H100/H200 SM (Triton OutOfResources at prefill-sized M). Such launches cap the tile at
+# 128x128 with 4 stages (196 KB). Any config gives the same bits (matmul_configs.py), so no bit moves.
+_WIDE_OUTPUT_CONFIG = MatmulConfig(128, 128, 64, 8, 4)
+
+
+def fit_to_output(cfg: MatmulConfig, out_elem: int, in_elem: int) -> MatmulConfig:
+    """`cfg`, or a smaller tile when the output's elements are wider than the inputs' and the tile exceeds
+    128x128 (see _WIDE_OUTPUT_CONFIG)."""
+    if out_elem > in_elem and cfg.block_m * cfg.block_n > 128 * 128:
+        return _WIDE_OUTPUT_CONFIG
+    return cfg
+
+
 def clear_config_cache() -> None:
     """Forget memoized dispatcher choices (tests that swap the config tables call this)."""
     _CONFIGS.clear()
@@ -253,7 +268,7 @@ def _run(a, sa, b, sb, c, sc, bias, nb: int, m: int, n: int, k: int, cfg: Matmul
         key = (nb, m, n, k, a.dtype, c.dtype, has_bias, sa, sb, sc)  # c.dtype: fp32 partials take bf16 inputs
         if _POINTER_LAUNCHES.try_launch(key, tensors):
             return
-        cfg = _config(m, n, k, a.dtype, a.device)
+        cfg = fit_to_output(_config(m, n, k, a.dtype, a.device), c.element_size(), a.element_size())
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     tiles = _cdiv(m, bm) * _cdiv(n, bn)
     # W [N, K] is B [K, N] read through its strides: its row stride is B's column stride.
