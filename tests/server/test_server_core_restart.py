@@ -49,15 +49,24 @@ async def _until(predicate, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
+async def _core_dies(restarts, max_restarts: int, fail_at_step: int = 1, match: str | None = None) -> CoreAsyncEngine:
+    """A started CoreAsyncEngine whose core fails while serving a first request (which must fail with an
+    EngineUnavailableError matching `match`)."""
+    ae = CoreAsyncEngine(ThreadCore(FakeEngine(fail_at_step=fail_at_step)), restart=restarts,
+                         max_restarts=max_restarts)
+    ae.start()
+    s = await ae.add_request("r", [1], 100)
+    with pytest.raises(EngineUnavailableError, match=match):
+        await _collect(s)
+    return ae
+
+
 def test_a_failed_core_is_replaced_and_serves_again():
     restarts = Restarts(FakeEngine())
 
     async def main():
-        ae = CoreAsyncEngine(ThreadCore(FakeEngine(fail_at_step=3)), restart=restarts, max_restarts=1)
-        ae.start()
-        s = await ae.add_request("r", [1], 100)
-        with pytest.raises(EngineUnavailableError, match="requests in flight are lost and the server is restarting"):
-            await _collect(s)
+        ae = await _core_dies(restarts, 1, fail_at_step=3,
+                              match="requests in flight are lost and the server is restarting")
         await _until(lambda: restarts.calls == 1)
         assert not ae.is_healthy
         assert ae.unavailable_reason() == "engine core restarting after the engine failed: RuntimeError('device lost')"
@@ -78,11 +87,7 @@ def test_failed_start_ups_count_against_the_bound():
     restarts.release.set()
 
     async def main():
-        ae = CoreAsyncEngine(ThreadCore(FakeEngine(fail_at_step=1)), restart=restarts, max_restarts=2)
-        ae.start()
-        s = await ae.add_request("r", [1], 100)
-        with pytest.raises(EngineUnavailableError):
-            await _collect(s)
+        ae = await _core_dies(restarts, 2)
         await _until(lambda: restarts.calls == 2 and "down" in (ae.unavailable_reason() or ""))
         reason = ae.unavailable_reason()
         assert reason.startswith("the engine core is down after a failed engine core restart (RuntimeError: out of")
@@ -99,11 +104,7 @@ def test_shutdown_during_a_restart_closes_the_core_being_started():
     restarts = Restarts(FakeEngine())
 
     async def main():
-        ae = CoreAsyncEngine(ThreadCore(FakeEngine(fail_at_step=1)), restart=restarts, max_restarts=3)
-        ae.start()
-        s = await ae.add_request("r", [1], 100)
-        with pytest.raises(EngineUnavailableError):
-            await _collect(s)
+        ae = await _core_dies(restarts, 3)
         await _until(lambda: restarts.calls == 1)
         shutting_down = asyncio.ensure_future(ae.shutdown())
         await asyncio.sleep(0.05)
@@ -120,11 +121,7 @@ def test_shutdown_cancels_a_start_up_that_is_still_loading():
     restarts = Restarts(FakeEngine(), honour_cancel=True)  # never released: a model load that takes forever
 
     async def main():
-        ae = CoreAsyncEngine(ThreadCore(FakeEngine(fail_at_step=1)), restart=restarts, max_restarts=3)
-        ae.start()
-        s = await ae.add_request("r", [1], 100)
-        with pytest.raises(EngineUnavailableError):
-            await _collect(s)
+        ae = await _core_dies(restarts, 3)
         await _until(lambda: restarts.calls == 1)
         t = time.monotonic()
         await ae.shutdown()
@@ -137,11 +134,7 @@ def test_shutdown_cancels_a_start_up_that_is_still_loading():
 
 def test_restarts_off_leaves_the_engine_down():
     async def main():
-        ae = CoreAsyncEngine(ThreadCore(FakeEngine(fail_at_step=1)), restart=Restarts(), max_restarts=0)
-        ae.start()
-        s = await ae.add_request("r", [1], 100)
-        with pytest.raises(EngineUnavailableError, match="automatic engine core restarts are off"):
-            await _collect(s)
+        ae = await _core_dies(Restarts(), 0, match="automatic engine core restarts are off")
         await asyncio.sleep(0.1)
         assert "restarts are off" in ae.unavailable_reason()
         await ae.shutdown()
