@@ -379,6 +379,10 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def teardown(self):
         drain(self.sched, self.runner, rng=self.rng)
+        self.check_deliveries()
+
+    def check_deliveries(self):
+        """Every sequence drew positions 0, 1, 2, ... once each; no prompt logits came twice."""
         for seq_id, positions in self.runner.sampled_positions.items():
             assert positions == list(range(len(positions))), f"sequence {seq_id} drew {positions}"
         for positions in self.runner.prompt_logit_positions.values():

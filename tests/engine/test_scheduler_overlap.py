@@ -52,10 +52,7 @@ class OverlappedSchedulerMachine(SchedulerMachine):
 
     def teardown(self):
         drain_overlapped(self.sched, self.runner, self.rng, self.inflight)
-        for seq_id, positions in self.runner.sampled_positions.items():
-            assert positions == list(range(len(positions))), f"sequence {seq_id} drew {positions}"
-        for positions in self.runner.prompt_logit_positions.values():
-            assert len(positions) == len(set(positions)), "prompt logits delivered twice"
+        self.check_deliveries()
 
 
 OverlappedSchedulerMachine.TestCase.settings = settings(max_examples=4 * settings.default.max_examples,
