@@ -6,6 +6,11 @@ caches [num_blocks, block_size, Hkv, D]; slot_mapping [T] int32/int64 with slot 
 offset. A slot < 0 is skipped (padded rows of a CUDA-graph batch); so is a slot past the pool, which
 `validate` reports instead of letting the kernel write out of bounds. A pure copy: no arithmetic, so
 nothing here can depend on the batch (how many tokens a program copies is a speed choice only).
+
+The engine's model runner stores K/V through the attention prologue instead where that runs its kernel
+(`rope_qk.qk_norm_rope_write_kv`: the same copy in the same launch as q/k's norm and rotary, one launch per
+layer fewer); this op is the write of every other caller, and that fused write takes exactly its inputs
+(`check_write_kv`).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import triton.language as tl
 
 from detinfer.kernels._launch import check_kernel_inputs, interpreting
 
-__all__ = ["write_kv", "write_kv_ref"]
+__all__ = ["check_write_kv", "write_kv", "write_kv_ref"]
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_slots"])
@@ -79,11 +84,9 @@ def _check_slots(op: str, slot_mapping: torch.Tensor, num_slots: int) -> None:
         raise ValueError(f"{op}: slot_mapping writes some slot twice in one step")
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, *, validate: bool | None = None) -> None:
-    """Copy k[t], v[t] into cache slot slot_mapping[t] (in place). validate: check slots are inside the
-    pool (one host sync); None = unless a CUDA graph is being captured."""
-    op = "write_kv"
+def check_write_kv(op: str, k, v, k_cache, v_cache, slot_mapping, validate: bool | None) -> int:
+    """Every check of a kernel KV write (shared with the attention prologue's fused write, which must accept
+    exactly what this op does) -> num_slots. validate None: the slot values unless a graph is captured."""
     _validate(op, k, v, k_cache, v_cache, slot_mapping)
     check_kernel_inputs(op, k, v, k_cache, v_cache)
     num_slots = k_cache.shape[0] * k_cache.shape[1]
@@ -91,6 +94,15 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         validate = not (k.is_cuda and torch.cuda.is_current_stream_capturing())
     if validate:
         _check_slots(op, slot_mapping, num_slots)
+    return num_slots
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, *, validate: bool | None = None) -> None:
+    """Copy k[t], v[t] into cache slot slot_mapping[t] (in place). validate: check slots are inside the
+    pool (one host sync); None = unless a CUDA graph is being captured."""
+    op = "write_kv"
+    num_slots = check_write_kv(op, k, v, k_cache, v_cache, slot_mapping, validate)
     t, h, d = k.shape
     if t == 0:
         return

@@ -9,13 +9,21 @@ Semantics, exactly the unfused path (`rms_norm` per head, then `apply_rope`):
     a = float(position) * inv_freq                                     # [D/2] fp32, per token
     out = (n1 cos a - n2 sin a, n2 cos a + n1 sin a).to(dtype)         # fp32 math, n = (n1, n2)
 
+With the paged KV write folded in (`qk_norm_rope_write_kv`, what the engine runs per layer): the same
+kernel also stores each token's rotated k heads and its v heads (a plain copy; v needs neither norm nor
+rotary) at its KV-cache slot, as `kv_write.write_kv` would, so a step launches one kernel per layer fewer.
+The grid then covers Hq + 2 Hkv head rows; the v rows are loaded apart from the norm's tile and only copied,
+so the q/k rows and their sums are the plain launch's code (tests/kernels/test_rope_qk_kv_write.py checks
+the bits against the two separate launches, on the GPU too).
+
 cos/sin are computed in the kernel from the token's own position (no table sized by a maximum length),
 with libdevice's accurate cosf/sinf (the approximate PTX instructions lose accuracy for large angles).
 
 Batch invariance: every output element depends only on its own token's position and its own head's D
 values. The one reduction (the head's sum of squares) is a `tl.sum` over a [HEADS, BLOCK_HALF] tile along
 its own row, whose tree is fixed by the compiled layout; HEADS, BLOCK_HALF and num_warps are functions of
-head_dim alone, never of the number of tokens, so a token's bits do not depend on the batch.
+head_dim alone, never of the number of tokens (nor of whether the KV write is folded in), so a token's
+bits do not depend on the batch.
 """
 
 from __future__ import annotations
@@ -29,8 +37,9 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from detinfer.kernels._launch import check_kernel_inputs, interpreting, next_pow2
+from detinfer.kernels.kv_write import check_write_kv
 
-__all__ = ["kernel_takes", "qk_norm_rope", "qk_norm_rope_ref"]
+__all__ = ["kernel_takes", "qk_norm_rope", "qk_norm_rope_ref", "qk_norm_rope_write_kv"]
 
 # Elements of q/k per program: several heads per program amortize the per-program cost at 128-dim heads.
 _TILE = 1024
@@ -38,10 +47,12 @@ _TILE = 1024
 
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, freq_ptr, wq_ptr, wk_ptr, qo_ptr, ko_ptr,
+                         v_ptr, kc_ptr, vc_ptr, slot_ptr,
                          n_q_heads, n_heads, half, eps,
                          q_st, q_sh, k_st, k_sh, qo_st, qo_sh, ko_st, ko_sh,
+                         v_st, v_sh, kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, block_size, num_slots,
                          HAS_NORM: tl.constexpr, HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                         LIBDEVICE: tl.constexpr):
+                         LIBDEVICE: tl.constexpr, STORE_K: tl.constexpr, WRITE_KV: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # q heads first, then k heads
     i = tl.arange(0, BLOCK_HALF)
@@ -87,8 +98,29 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, freq_ptr, wq_ptr, wk_ptr, qo_ptr
     k_dst = ko_ptr + t * ko_st + hk[:, None] * ko_sh + i[None, :]
     tl.store(q_dst, o1, mask=mq)
     tl.store(q_dst + half, o2, mask=mq)
-    tl.store(k_dst, o1, mask=mk)
-    tl.store(k_dst + half, o2, mask=mk)
+    if STORE_K:
+        tl.store(k_dst, o1, mask=mk)
+        tl.store(k_dst + half, o2, mask=mk)
+    if WRITE_KV:
+        # write_kv's copy, folded in: the rotated k rows and the v heads (program rows n_heads and up, loaded
+        # apart from the norm's tile, so its rows and their sums are the unfused kernel's) go to the token's
+        # slot; slot < 0 (padding) or past the pool: nothing is written.
+        # Splat to the rows (Triton's interpreter types a scalar & vector mask as int, which tl.store refuses).
+        slot = tl.broadcast_to(tl.load(slot_ptr + t).to(tl.int64), [HEADS])
+        keep = (slot >= 0) & (slot < num_slots)
+        blk = slot // block_size
+        off = slot % block_size
+        mkc = (is_k & keep)[:, None] & i_ok[None, :]
+        kc_dst = kc_ptr + (blk * kc_sb + off * kc_st + hk * kc_sh)[:, None] + i[None, :]
+        tl.store(kc_dst, o1, mask=mkc)
+        tl.store(kc_dst + half, o2, mask=mkc)
+        is_v = (h >= n_heads) & (h < 2 * n_heads - n_q_heads)
+        mv = (is_v & keep)[:, None] & i_ok[None, :]
+        hv = tl.where(is_v, h - n_heads, 0).to(tl.int64)
+        v_src = v_ptr + t * v_st + hv[:, None] * v_sh + i[None, :]
+        vc_dst = vc_ptr + (blk * vc_sb + off * vc_st + hv * vc_sh)[:, None] + i[None, :]
+        tl.store(vc_dst, tl.load(v_src, mask=mv), mask=mv)
+        tl.store(vc_dst + half, tl.load(v_src + half, mask=mv), mask=mv)
 
 
 def _layout_for(head_dim: int) -> tuple[int, int, int]:
@@ -142,25 +174,66 @@ def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_
     output); positions [T] int; inv_freq [D/2] fp32; q_weight/k_weight [D] in q's dtype, or both None."""
     op = "qk_norm_rope"
     _validate(op, positions, q, k, inv_freq, q_weight, k_weight, eps)
+    _check_kernel_takes(op, q, k, q_weight, k_weight, inv_freq)
+    return _launch(positions, q, k, inv_freq, q_weight, k_weight, eps, None, store_k=True)
+
+
+def qk_norm_rope_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          inv_freq: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                          eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+                          validate: bool | None = None,
+                          return_k: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`qk_norm_rope` and `kv_write.write_kv` of its k' and of v in one launch -> (q', k' or None).
+
+    Stores k' and v [T, Hkv, D] (v: any strides, unit last stride) at slot_mapping [T] of the caches
+    [num_blocks, block_size, Hkv, D] exactly as write_kv(k', v, ...) would (slot < 0: skipped; `validate`
+    as there), and returns q' contiguous [T, Hq, D]; k' too with return_k (else it exists only in the
+    cache). Bits: q' and the cache bytes are those of the two separate ops."""
+    op = "qk_norm_rope_write_kv"
+    _validate(op, positions, q, k, inv_freq, q_weight, k_weight, eps)
+    num_slots = check_write_kv(op, k, v, k_cache, v_cache, slot_mapping, validate)
+    _check_kernel_takes(op, q, k, q_weight, k_weight, inv_freq)
+    if not slot_mapping.is_contiguous():
+        slot_mapping = slot_mapping.contiguous()
+    return _launch(positions, q, k, inv_freq, q_weight, k_weight, eps,
+                   (v, k_cache, v_cache, slot_mapping, num_slots), store_k=return_k)
+
+
+def _check_kernel_takes(op: str, q, k, q_weight, k_weight, inv_freq) -> None:
     check_kernel_inputs(op, q, k, q_weight, k_weight, inv_freq)
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError(f"{op}: q and k need a unit last stride (head_dim contiguous)")
+
+
+def _launch(positions, q, k, inv_freq, q_weight, k_weight, eps, kv_write, store_k: bool):
+    """One launch of the kernel over checked inputs; kv_write: (v, k_cache, v_cache, slot_mapping, num_slots)
+    to store k' and v in the caches as well (the grid then also covers the Hkv v heads), or None."""
     positions, inv_freq = positions.contiguous(), inv_freq.contiguous()
     t, hq, d = q.shape
     hkv = k.shape[1]
     q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((t, hkv, d), dtype=k.dtype, device=k.device)
+    k_out = torch.empty((t, hkv, d), dtype=k.dtype, device=k.device) if store_k else None
     if t == 0 or d == 0:
         return q_out, k_out
     block_half, heads, warps = _layout_for(d)
     has_norm = q_weight is not None
     wq = q_weight.contiguous() if has_norm else inv_freq  # unused pointer without a norm
     wk = k_weight.contiguous() if has_norm else inv_freq
-    _qk_norm_rope_kernel[(t, triton.cdiv(hq + hkv, heads))](
-        q, k, positions, inv_freq, wq, wk, q_out, k_out, hq, hq + hkv, d // 2, float(eps),
+    ko = k_out if store_k else q_out  # unused pointer without STORE_K
+    if kv_write is None:  # unused pointers and strides without WRITE_KV
+        v, k_cache, v_cache, slots, num_slots = q, q_out, q_out, positions, 0
+        cache_strides, block_size = (0,) * 6, 1
+    else:
+        v, k_cache, v_cache, slots, num_slots = kv_write
+        cache_strides, block_size = (*k_cache.stride()[:3], *v_cache.stride()[:3]), k_cache.shape[1]
+    rows = hq + (2 * hkv if kv_write is not None else hkv)  # q heads, k heads (and v heads)
+    _qk_norm_rope_kernel[(t, triton.cdiv(rows, heads))](
+        q, k, positions, inv_freq, wq, wk, q_out, ko, v, k_cache, v_cache, slots,
+        hq, hq + hkv, d // 2, float(eps),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
-        k_out.stride(0), k_out.stride(1), HAS_NORM=has_norm, HEADS=heads, BLOCK_HALF=block_half,
-        LIBDEVICE=not interpreting(),
+        ko.stride(0), ko.stride(1), v.stride(0), v.stride(1), *cache_strides, block_size, num_slots,
+        HAS_NORM=has_norm, HEADS=heads, BLOCK_HALF=block_half, LIBDEVICE=not interpreting(),
+        STORE_K=store_k, WRITE_KV=kv_write is not None,
         # No fma contraction: the same plain mul/add sequence as the unfused torch formulas.
         num_warps=warps, enable_fp_fusion=False)
     return q_out, k_out

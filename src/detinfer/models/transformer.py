@@ -5,6 +5,9 @@ It runs on a packed batch: the tokens of many sequences concatenated into one [T
 positions, no batch dimension and no padding (vLLM / gpt-fast style). Attention is the only op that mixes
 tokens, and it is supplied by the caller as `attn(layer_idx, q, k, v)`: the engine's callable writes k/v into
 its paged cache and runs paged attention; `attention_ref.ReferenceAttention` is a plain-torch one for tests.
+An `attn` may also offer the fused pair `attn.prologue(layer_idx, positions, q, k, v, inv_freq, q_weight,
+k_weight, eps) -> q'` (the q/k norm + rotary, storing k/v itself: the engine's does it in the same launch)
+and `attn.attend(layer_idx, q') -> out`; the model then calls those instead of `ops.qk_norm_rope` + `attn`.
 
 Every numeric op (matmuls, norms, SiLU * up, q/k norm + rotary, the logits) goes through the model's one numerics
 backend `self.ops` (see detinfer.ops.backend), so under a deterministic `Ops` each token's result is
@@ -31,7 +34,8 @@ from detinfer.models.config import ModelConfig
 from detinfer.models.rope import RotaryEmbedding
 from detinfer.ops import Ops
 
-# attn(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]
+# attn(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D] (optionally with prologue/attend,
+# see the module docstring)
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -84,8 +88,13 @@ class Attention(nn.Module):
         # reading q/k straight out of qkv by strides.
         q_w, k_w, eps = (None, None, 0.0) if self.q_norm is None else \
             (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        q, k = ops.qk_norm_rope(positions, q, k, rotary.inv_freq, q_w, k_w, eps)
-        out = attn(self.layer_idx, q, k, v)  # [T, Hq, D]
+        prologue = getattr(attn, "prologue", None)
+        if prologue is not None:  # the engine's attention: that launch also stores k/v in the paged KV cache
+            out = attn.attend(self.layer_idx, prologue(self.layer_idx, positions, q, k, v, rotary.inv_freq, q_w,
+                                                       k_w, eps))
+        else:
+            q, k = ops.qk_norm_rope(positions, q, k, rotary.inv_freq, q_w, k_w, eps)
+            out = attn(self.layer_idx, q, k, v)  # [T, Hq, D]
         return self.o_proj(out.reshape(T, self.q_size), ops)  # [T, hidden]
 
 

@@ -31,6 +31,9 @@ Selection rule (`Ops.__post_init__`, from mode, device, dtype, head_dim and two 
   out of the fused projections' outputs; they are row-wise, so batch-invariant in either mode. Under
   autograd (fast-mode training) they fall back to the torch composition; the deterministic trainer wraps
   the kernel itself (train/adapter.py). Elsewhere: the torch composition, the CPU definition.
+  `qk_norm_rope_write_kv` (the engine's prologue) also stores the rotated k and v in the paged KV cache:
+  one launch where both the prologue kernel and the KV-write kernel would run (same bits as the two),
+  else exactly `qk_norm_rope` then `write_kv`.
 - The SwiGLU MLP's gate_up projection + SiLU*mul (`linear_silu_mul`), deterministic mode: one launch with
   the same bits as the two (kernels/linear_silu_mul.py) for 16-bit decode-sized batches where the kernels
   run; otherwise (and in fast mode) `linear` then `silu_mul` as above.
@@ -295,6 +298,22 @@ class Ops:
         if q_weight is not None:
             q, k = self.rms_norm(q, q_weight, eps), self.rms_norm(k, k_weight, eps)
         return self.rope(positions, q, k, inv_freq)
+
+    def qk_norm_rope_write_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              inv_freq: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                              eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                              *, validate: bool = True) -> torch.Tensor:
+        """The attention prologue with the paged KV write: `qk_norm_rope` of q, k, then `write_kv` of the
+        rotated k and v [T, Hkv, D] at `slot_mapping`; returns q'. Where both would run their kernels: one
+        launch (`kernels.rope_qk.qk_norm_rope_write_kv`) with the same q' and cache bits; else the two calls."""
+        rope_qk = _kernels("rope_qk")
+        if (self.attention_impl == "kernel" and self._fused_kernel(q, k, v, q_weight, k_weight)
+                and rope_qk.kernel_takes(q, k, q_weight)):
+            return rope_qk.qk_norm_rope_write_kv(positions, q, k, v, inv_freq, q_weight, k_weight, eps, k_cache,
+                                                 v_cache, slot_mapping, validate=validate)[0]
+        q, k = self.qk_norm_rope(positions, q, k, inv_freq, q_weight, k_weight, eps)
+        self.write_kv(k, v, k_cache, v_cache, slot_mapping, validate=validate)
+        return q
 
     def softmax(self, x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = torch.float32):
         if not self.deterministic:
