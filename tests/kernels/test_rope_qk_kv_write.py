@@ -2,7 +2,7 @@
 q it returns and every byte of both caches equal the two separate launches (`qk_norm_rope`, then `write_kv`
 of its k and of v), bitwise, on NaN-poisoned pools (a slot not named, or named -1, stays NaN); the Ops
 dispatch picks the one launch exactly where both kernels would run; bad input is refused as write_kv
-refuses it; and on the GPU the same bits in bf16/fp16."""
+refuses it; and on the GPU the same bits in bf16/fp16/fp32, in both modes' dispatch."""
 
 import pytest
 import torch
@@ -63,22 +63,24 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor):
     assert torch.equal(got.contiguous().view(iview), want.contiguous().view(iview))
 
 
+# Kernel dtypes the interpreter computes correctly (its bf16 math is not); bf16 runs in the GPU test.
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV == "cuda" else [])
 SHAPES = st.sampled_from([(4, 2), (2, 2), (3, 1), (8, 1), (6, 3)])  # (Hq, Hkv): GQA groups, MHA, MQA
 
 
 @settings(max_examples=20, deadline=None)
 @given(st.integers(1, 40), SHAPES, st.sampled_from([8, 16, 64]), st.booleans(), st.sampled_from([1, 4, 16]),
-       st.sampled_from([torch.int32, torch.int64]), st.booleans(), st.data())
-def test_fused_write_equals_the_two_launches(t, heads, d, norm, block_size, slot_dtype, return_k, data):
+       st.sampled_from([torch.int32, torch.int64]), st.booleans(), st.sampled_from(DTYPES), st.data())
+def test_fused_write_equals_the_two_launches(t, heads, d, norm, block_size, slot_dtype, return_k, dtype, data):
     hq, hkv = heads
     seed = data.draw(st.integers(0, 2**16), label="seed")
     g = torch.Generator().manual_seed(seed)
-    case = make_case(t, hq, hkv, d, norm, seed)
+    case = make_case(t, hq, hkv, d, norm, seed, dtype)
     num_blocks = -(-t // block_size) + data.draw(st.integers(0, 3), label="spare blocks")
     slots = random_slots(t, num_blocks * block_size, data.draw(st.sampled_from([0.0, 0.3])), g).to(slot_dtype)
-    kc, vc = pools(num_blocks, block_size, hkv, d, torch.float32)
+    kc, vc = pools(num_blocks, block_size, hkv, d, dtype)
     want_q, want_k = separate(case, slots, kc, vc)
-    fc, fv = pools(num_blocks, block_size, hkv, d, torch.float32)
+    fc, fv = pools(num_blocks, block_size, hkv, d, dtype)
     got_q, got_k = qk_norm_rope_write_kv(**case, k_cache=fc, v_cache=fv, slot_mapping=slots, return_k=return_k)
     assert got_q.is_contiguous()
     assert_same_bits(got_q, want_q)
@@ -92,7 +94,7 @@ def test_fused_write_equals_the_two_launches(t, heads, d, norm, block_size, slot
     # A slice of the tokens: its q rows are the full launch's, and it writes exactly its own slots.
     m = data.draw(st.integers(0, t - 1), label="m")
     n = data.draw(st.integers(m + 1, t), label="n")
-    sc, sv = pools(num_blocks, block_size, hkv, d, torch.float32)
+    sc, sv = pools(num_blocks, block_size, hkv, d, dtype)
     part = {key: (x[m:n] if key in ("positions", "q", "k", "v") else x) for key, x in case.items()}
     part_q, _ = qk_norm_rope_write_kv(**part, k_cache=sc, v_cache=sv, slot_mapping=slots[m:n])
     assert_same_bits(part_q, got_q[m:n])
@@ -168,7 +170,6 @@ def test_bad_input_is_a_clear_error(change, error, match):
         qk_norm_rope_write_kv(**args)
 
 
-@interpreter_only
 def test_out_of_pool_slot_without_validation_is_skipped():
     case = make_case(3, 2, 2, 8, False, 2)
     kc, vc = pools(2, 4, 2, 8, torch.float32)
@@ -178,7 +179,7 @@ def test_out_of_pool_slot_without_validation_is_skipped():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("hq, hkv, d", [(32, 8, 128), (16, 8, 64), (8, 1, 256), (40, 8, 128)])
 @pytest.mark.parametrize("t", [1, 3, 300])

@@ -54,7 +54,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, freq_ptr, wq_ptr, wk_ptr, qo_ptr
                          HAS_NORM: tl.constexpr, HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
                          LIBDEVICE: tl.constexpr, STORE_K: tl.constexpr, WRITE_KV: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # q heads first, then k heads
+    h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # q heads first, then k heads (then v heads: WRITE_KV)
     i = tl.arange(0, BLOCK_HALF)
     is_q = h < n_q_heads
     is_k = (h >= n_q_heads) & (h < n_heads)
@@ -102,9 +102,9 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, freq_ptr, wq_ptr, wk_ptr, qo_ptr
         tl.store(k_dst, o1, mask=mk)
         tl.store(k_dst + half, o2, mask=mk)
     if WRITE_KV:
-        # write_kv's copy, folded in: the rotated k rows and the v heads (program rows n_heads and up, loaded
-        # apart from the norm's tile, so its rows and their sums are the unfused kernel's) go to the token's
-        # slot; slot < 0 (padding) or past the pool: nothing is written.
+        # write_kv's copy, folded in: the rotated k rows and the v heads go to the token's slot (slot < 0:
+        # padding, or past the pool: nothing is written). v rows (h >= n_heads) are loaded here, apart from
+        # the norm's tile: the q/k values, their sums and the rotation above are the plain launch's.
         # Splat to the rows (Triton's interpreter types a scalar & vector mask as int, which tl.store refuses).
         slot = tl.broadcast_to(tl.load(slot_ptr + t).to(tl.int64), [HEADS])
         keep = (slot >= 0) & (slot < num_slots)
