@@ -10,11 +10,11 @@ reads: `gdc_wait` returns once the previous grid has completed and its memory is
 every PDL kernel waits before it releases its own dependents, "the previous grid completed" extends to
 every earlier kernel of the stream.
 
-What a kernel may do before `gdc_wait`: compute indices, and read what no PDL kernel ever writes. The
-attention kernel reads the step's metadata there (cu_q_lens, kv_lens: filled by copies or torch ops, and a
-kernel launched without PDL, such as every torch op, has completed before anything after it starts).
-Everything else waits first. (An L2 prefetch of the next matmul's weights before the wait was measured
-and dropped: it slowed the batch-1 decode step, 6.08 -> 6.13 ms with 1024 columns, 7.21 with 4096.)
+Every kernel here waits before its first global read, even of step metadata that was written long
+before: `gdc_wait` is also what makes a non-PDL predecessor's writes visible (measured: reading the
+attention metadata before the wait would save ~0.01-0.03 ms per batch-1 step, not worth a rule about who
+wrote what). An L2 prefetch of the next matmul's weights before the wait was measured and dropped: it
+slowed the batch-1 decode step (6.08 -> 6.13 ms with 1024 columns per weight row, 7.21 with 4096).
 
 Bits: PDL changes when a program starts, never what it computes; every kernel's arithmetic is the same
 with and without it (asserted on the GPU: tests/kernels/test_pdl.py).

@@ -230,6 +230,7 @@ def _attention_kernel(
     Sequential: all splits of the tile's key range, result written to out. Split-parallel: split
     `pid(2)` only, partial written to the workspace for `_merge_splits_kernel`.
     """
+    pdl_start(USE_PDL)  # PDL (kernels/_pdl.py): wait for the previous kernel before reading anything
     # Last query tiles first: causal prefill tiles get heavier towards a sequence's end, and starting
     # the heavy ones early shortens the tail of the grid.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -253,10 +254,6 @@ def _attention_kernel(
         kv_len = fixed_kv_len - key_start
         q_base = seq.to(tl.int64) * stride_qs
         o_base = seq.to(tl.int64) * stride_os
-    # PDL (kernels/_pdl.py): the step metadata above is written by no PDL kernel, so it is read while the
-    # previous kernel finishes; q and the caches only after it has. Every program waits, even one that
-    # returns right after: the grid then completes only after its predecessor, whatever its tiles hold.
-    pdl_start(USE_PDL)
     if tile_local * BLOCK_T >= q_len:
         return
 

@@ -27,11 +27,9 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, num_tokens, num_slo
                      NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr,
                      BLOCK_HD: tl.constexpr, USE_PDL: tl.constexpr):
     """TOKENS tokens per program; each row is one token's NUM_HEADS x HEAD_DIM values, flattened."""
+    pdl_start(USE_PDL)  # PDL (kernels/_pdl.py): wait for the previous kernel before reading anything
     t = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
     slot = tl.load(slot_ptr + t, mask=t < num_tokens, other=-1).to(tl.int64)
-    # PDL (kernels/_pdl.py): the slot mapping is step metadata no PDL kernel writes; k/v and the caches
-    # are touched only after the previous kernel has completed.
-    pdl_start(USE_PDL)
     keep = (slot >= 0) & (slot < num_slots)
     blk = slot // block_size
     off = slot % block_size
