@@ -29,6 +29,7 @@ import triton
 
 from detinfer.kernels import attention_kernels as K
 from detinfer.kernels._launch import SUPPORTED_HEAD_DIMS, check_kernel_inputs, interpreting, next_pow2, sm_count
+from detinfer.kernels._pdl import launch_options, use_pdl
 from detinfer.kernels.attention_ref import attention_contiguous_ref, paged_attention_ref
 
 __all__ = ["DEFAULT_SPLIT_SIZE", "SUPPORTED_HEAD_DIMS", "attention_contiguous", "attention_contiguous_ref",
@@ -200,6 +201,7 @@ def _launch(q, k, v, out, *, paged: bool, cu_q, kv_lens, bt, key_start, num_seqs
     fixed = interpreting()
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 dots exact-ish; 16-bit unaffected
     has_window = window is not None
+    pdl = use_pdl(q.device)
     splits_per_program = 1
     if parallel:
         ws_o = torch.empty((tokens, hq, num_splits, d), dtype=torch.float32, device=q.device)
@@ -220,9 +222,9 @@ def _launch(q, k, v, out, *, paged: bool, cu_q, kv_lens, bt, key_start, num_seqs
         window if has_window else 0, hq, num_splits, splits_per_program, scale * math.log2(math.e),
         GROUP=group, GROUP_PAD=gp, BLOCK_T=bt_, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, PAGED=paged,
         SPLIT_PARALLEL=parallel, HAS_WINDOW=has_window, MASK_ALL=_TUNE["mask_all"], FIXED_ORDER_DOT=fixed,
-        PRECISION=precision, MULTI_SPLIT=splits_per_program > 1,
+        PRECISION=precision, MULTI_SPLIT=splits_per_program > 1, USE_PDL=pdl,
         # fusion off: see the kernels' module doc.
-        num_warps=warps, enable_fp_fusion=False,
+        num_warps=warps, enable_fp_fusion=False, **launch_options(pdl),
         num_stages=_num_stages(d, parallel, splits_per_program, split_size, num_splits * split_size, bn))
     if parallel:
         # Rows of the merge program: tokens x padded group, ~16 rows on the GPU (16 x 128 fp32 partial
@@ -234,7 +236,7 @@ def _launch(q, k, v, out, *, paged: bool, cu_q, kv_lens, bt, key_start, num_seqs
             num_seqs, tokens, fixed_q_len, fixed_kv_len, split_size,
             window if has_window else 0, hq, num_splits,
             GROUP=group, GROUP_PAD=gp, TOKENS=tokens_per, HEAD_DIM=d, PAGED=paged, HAS_WINDOW=has_window,
-            num_warps=4, enable_fp_fusion=False)
+            USE_PDL=pdl, num_warps=4, enable_fp_fusion=False, **launch_options(pdl))
 
 
 def _check_out(op: str, out, shape, q: torch.Tensor) -> torch.Tensor:

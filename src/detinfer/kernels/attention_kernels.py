@@ -33,6 +33,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from detinfer.kernels._pdl import pdl_start
+
 # Columns of the ones-matrix that turns the softmax denominator into a dot. 32, not the minimal 16: with
 # N = 16 the compiler picks another warp layout for this dot than for P @ V and converts P twice
 # (measured +65 registers per thread on the 16-row decode tile, sm_90).
@@ -221,13 +223,14 @@ def _attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, SPLIT_PARALLEL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, MASK_ALL: tl.constexpr, FIXED_ORDER_DOT: tl.constexpr,
-    PRECISION: tl.constexpr, MULTI_SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr, MULTI_SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program: BLOCK_T query tokens x GROUP query heads sharing kv head `pid(1)`.
 
     Sequential: all splits of the tile's key range, result written to out. Split-parallel: split
     `pid(2)` only, partial written to the workspace for `_merge_splits_kernel`.
     """
+    pdl_start(USE_PDL)  # PDL (kernels/_pdl.py): wait for the previous kernel before reading anything
     # Last query tiles first: causal prefill tiles get heavier towards a sequence's end, and starting
     # the heavy ones early shortens the tail of the grid.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -326,13 +329,14 @@ def _merge_splits_kernel(
     num_seqs, num_tokens, fixed_q_len, fixed_kv_len, split_size, window, num_q_heads,
     num_splits_ws,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Chain each token's split partials left to right (the sequential path's chain) and normalize.
 
     Rows are TOKENS tokens x GROUP_PAD heads of one kv head. Rows whose token needs fewer splits than
     the program's longest merge masked partials (-inf, 0, 0), which `_merge` passes through exactly.
     """
+    pdl_start(USE_PDL)
     r = tl.arange(0, TOKENS * GROUP_PAD)
     tok = tl.program_id(0) * TOKENS + r // GROUP_PAD
     g = r % GROUP_PAD

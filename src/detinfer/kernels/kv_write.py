@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from detinfer.kernels._launch import check_kernel_inputs, interpreting
+from detinfer.kernels._pdl import launch_options, pdl_start, use_pdl
 
 __all__ = ["check_write_kv", "write_kv", "write_kv_ref"]
 
@@ -29,8 +30,9 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, num_tokens, num_slo
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
                      NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr,
-                     BLOCK_HD: tl.constexpr):
+                     BLOCK_HD: tl.constexpr, USE_PDL: tl.constexpr):
     """TOKENS tokens per program; each row is one token's NUM_HEADS x HEAD_DIM values, flattened."""
+    pdl_start(USE_PDL)  # PDL (kernels/_pdl.py): wait for the previous kernel before reading anything
     t = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
     slot = tl.load(slot_ptr + t, mask=t < num_tokens, other=-1).to(tl.int64)
     keep = (slot >= 0) & (slot < num_slots)
@@ -112,10 +114,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     # ~4096 elements per program (8 KB of bf16 per tensor: 16-byte accesses for 128 threads, several in
     # flight); the interpreter takes bigger tiles because each program costs it milliseconds.
     tokens = max(1, min(triton.next_power_of_2(t), (1 << 16 if interpreting() else 4096) // block_hd))
+    pdl = use_pdl(k.device)
     _write_kv_kernel[(triton.cdiv(t, tokens),)](
         k, v, k_cache, v_cache, slot_mapping, t, num_slots, k_cache.shape[1],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        NUM_HEADS=h, HEAD_DIM=d, TOKENS=tokens, BLOCK_HD=block_hd, num_warps=4)
+        NUM_HEADS=h, HEAD_DIM=d, TOKENS=tokens, BLOCK_HD=block_hd, USE_PDL=pdl, num_warps=4,
+        **launch_options(pdl))
 
 
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -35,6 +35,7 @@ import triton.language as tl
 from detinfer.kernels import matmul as mm
 from detinfer.kernels._direct import LaunchCache
 from detinfer.kernels._launch import interpreting
+from detinfer.kernels._pdl import launch_options, pdl_start, use_pdl
 from detinfer.kernels.matmul import _add_bias, _load_a_block, _load_b_block, _tile_coords
 from detinfer.kernels.matmul_configs import MatmulConfig
 from detinfer.kernels.matmul_configs import gpu_configs as matmul_gpu_configs
@@ -50,9 +51,11 @@ def _linear_silu_mul_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, LIBDEVICE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One BLOCK_M x BLOCK_N tile of out [M, N] (N = I); the up rows start w_up_offset elements after the
     gate rows (I * stride_wn, passed in so the compiler sees its alignment)."""
+    pdl_start(USE_PDL)  # PDL (kernels/_pdl.py): wait for the previous kernel before reading anything
     pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -86,10 +89,12 @@ def _linear_silu_mul_tma_kernel(
     M, N, K, stride_om,
     HAS_BIAS: tl.constexpr, LIBDEVICE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """The same tile and K order, operands fetched by the TMA engine (as `matmul._matmul_tma_kernel`, one
     tile per program) from descriptors of x [M, K], the gate rows [N, K] and the up rows [N, K].
     Out-of-range boxes read as zeros: the M/N edges and the K tail (exact zeros, as the pointer loads)."""
+    pdl_start(USE_PDL)
     pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -170,27 +175,29 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     tensors = (x2, weight, out, bias if has_bias else out)
     swn, swk = weight.stride()
     scalars = (rows, i, k, i * swn, x2.stride(0), x2.stride(1), swn, swk, i)
-    key = (rows, i, k, x.dtype, has_bias, x2.stride(), weight.stride())  # fixes the grid and every scalar
+    pdl = use_pdl(x.device)
+    key = (rows, i, k, x.dtype, has_bias, x2.stride(), weight.stride(), pdl)  # fixes the grid and every scalar
     if config is None and _LAUNCHES.try_launch(key, tensors):
         return out
     cfg = config or fused_config(rows, i, k, x.dtype, x.device)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     grid = (mm._cdiv(rows, bm) * mm._cdiv(i, bn),)
-    if cfg.tma and _tma_launch(x2, weight, out, tensors[3], has_bias, rows, i, k, cfg, grid):
+    if cfg.tma and _tma_launch(x2, weight, out, tensors[3], has_bias, rows, i, k, cfg, grid, pdl):
         return out
     constexprs = dict(HAS_BIAS=has_bias, EVEN_K=k % bk == 0,
                       PRECISION=mm.FP32_DOT_PRECISION if x.dtype == torch.float32 else "tf32",  # as `linear`
-                      LIBDEVICE=not interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m)
+                      LIBDEVICE=not interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
+                      USE_PDL=pdl)
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl))
     if config is not None:
-        _linear_silu_mul_kernel[grid](*tensors, *scalars, **constexprs, num_warps=cfg.num_warps,
-                                      num_stages=cfg.num_stages)
+        _linear_silu_mul_kernel[grid](*tensors, *scalars, **constexprs, **options)
     else:
-        _LAUNCHES.launch(key, tensors, grid, scalars, constexprs, num_warps=cfg.num_warps,
-                         num_stages=cfg.num_stages)
+        _LAUNCHES.launch(key, tensors, grid, scalars, constexprs, **options)
     return out
 
 
-def _tma_launch(x2, weight, out, bias, has_bias: bool, m: int, i: int, k: int, cfg: MatmulConfig, grid) -> bool:
+def _tma_launch(x2, weight, out, bias, has_bias: bool, m: int, i: int, k: int, cfg: MatmulConfig, grid,
+                pdl: bool) -> bool:
     """The descriptor kernel, when x and both weight halves qualify for TMA (`matmul._tma_ok`: Hopper+,
     16-bit, unit K stride, 16-byte aligned rows and bases); False when they do not (pointer loads then)."""
     swn, swk = weight.stride()
@@ -203,8 +210,8 @@ def _tma_launch(x2, weight, out, bias, has_bias: bool, m: int, i: int, k: int, c
              mm.TensorDescriptor(up, [i, k], [swn, 1], [cfg.block_n, cfg.block_k]))
     _linear_silu_mul_tma_kernel[grid](
         *descs, out, bias, m, i, k, i, HAS_BIAS=has_bias, LIBDEVICE=not interpreting(),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, USE_PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl))
     return True
 
 

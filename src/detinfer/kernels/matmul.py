@@ -29,6 +29,7 @@ from detinfer.kernels._direct import LaunchCache
 from detinfer.kernels._exact_dot import exact_linear_fp32, rounded_weight
 from detinfer.kernels._fold import fold_sum
 from detinfer.kernels._launch import KERNEL_DTYPES, check_kernel_inputs, interpreting, sm_count
+from detinfer.kernels._pdl import launch_options, pdl_start, use_pdl
 from detinfer.kernels.matmul_configs import MatmulConfig, select_config
 
 __all__ = ["matmul", "bmm", "linear", "matmul_ref", "bmm_ref", "linear_ref", "FP32_DOT_PRECISION"]
@@ -108,9 +109,10 @@ def _matmul_kernel(
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """C[z] = A[z] @ B[z] (+ bias) for one BLOCK_M x BLOCK_N tile of batch entry z = program_id(1)."""
+    pdl_start(USE_PDL)  # PDL (kernels/_pdl.py): wait for the previous kernel before reading anything
     z = tl.program_id(1).to(tl.int64)
     pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -140,12 +142,13 @@ def _matmul_tma_kernel(
     M, N, K, stride_cm, stride_cn, num_programs,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Same tiles and the same K order as `_matmul_kernel`, operands fetched by the TMA engine from
     descriptors of A [M, K] and W [N, K] (the weight layout). Out-of-range boxes read as zeros, which
     covers the M/N edges and the K tail (contract B). With num_programs < tiles it is persistent: each
     program walks tiles num_programs apart (which program owns a tile cannot change its bits)."""
+    pdl_start(USE_PDL)
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     for tile in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=FLATTEN,
@@ -262,10 +265,11 @@ def _run(a, sa, b, sb, c, sc, bias, nb: int, m: int, n: int, k: int, cfg: Matmul
     has_bias = bias is not None
     tensors = (a, b, c, bias if has_bias else c)
     explicit = cfg is not None
+    pdl = use_pdl(a.device)
     if not explicit:
         # Everything below is a function of this key (plus the device and the operands' alignment, which
         # the launch cache adds): a repeated shape skips the config lookup and Triton's argument binding.
-        key = (nb, m, n, k, a.dtype, c.dtype, has_bias, sa, sb, sc)  # c.dtype: fp32 partials take bf16 inputs
+        key = (nb, m, n, k, a.dtype, c.dtype, has_bias, sa, sb, sc, pdl)  # c.dtype: fp32 partials of bf16
         if _POINTER_LAUNCHES.try_launch(key, tensors):
             return
         cfg = fit_to_output(_config(m, n, k, a.dtype, a.device), c.element_size(), a.element_size())
@@ -279,8 +283,8 @@ def _run(a, sa, b, sb, c, sc, bias, nb: int, m: int, n: int, k: int, cfg: Matmul
         _matmul_tma_kernel[(programs,)](
             a_desc, w_desc, c, tensors[3], m, n, k, sc[1], sc[2], programs,
             HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
-            FLATTEN=cfg.persistent, WARP_SPECIALIZE=cfg.warp_specialize,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            FLATTEN=cfg.persistent, WARP_SPECIALIZE=cfg.warp_specialize, USE_PDL=pdl,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
         )
         return
     # A TMA config whose operands do not qualify runs the same tiles through pointer loads: same bits.
@@ -290,14 +294,13 @@ def _run(a, sa, b, sb, c, sc, bias, nb: int, m: int, n: int, k: int, cfg: Matmul
     constexprs = dict(
         HAS_BIAS=has_bias, EVEN_K=k % bk == 0,
         PRECISION=FP32_DOT_PRECISION if a.dtype == torch.float32 else "tf32",  # "tf32" is ignored for 16-bit
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m)
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, USE_PDL=pdl)
     scalars = (m, n, k, *sa, *sb, *sc)
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl))
     if explicit:
-        _matmul_kernel[(tiles, nb)](*tensors, *scalars, **constexprs, num_warps=cfg.num_warps,
-                                    num_stages=cfg.num_stages)
+        _matmul_kernel[(tiles, nb)](*tensors, *scalars, **constexprs, **options)
     else:
-        _POINTER_LAUNCHES.launch(key, tensors, (tiles, nb), scalars, constexprs, num_warps=cfg.num_warps,
-                                 num_stages=cfg.num_stages)
+        _POINTER_LAUNCHES.launch(key, tensors, (tiles, nb), scalars, constexprs, **options)
 
 
 def _launch(a3: torch.Tensor, b3: torch.Tensor, bias: torch.Tensor | None, out3: torch.Tensor,

@@ -102,9 +102,13 @@ INTERPRETER_CONFIG = MatmulConfig(block_m=1, block_n=64, block_k=32, num_warps=4
 _C = MatmulConfig
 _TPW = {"tma": True, "persistent": True, "warp_specialize": True}
 GPU_CONFIGS_16BIT: dict = {
-    # decode: weight-bandwidth bound; 16-row tiles, 64-wide N tiles, 256-deep K steps keep ~40 KB of weights
-    # in flight per program. Run 4 (CUDA graphs): 0.98-1.13x cuBLAS on the five Llama shapes at M = 1-16.
-    "decode": (16, (_C(16, 64, 256, 4, 4),)),
+    # decode: weight-bandwidth bound; 16-row tiles, 256-deep K steps, 64-wide N tiles (~96-160 KB of weights
+    # in flight per program) where they give enough programs (qkv, gate_up, lm_head), 32-wide ones with a
+    # 6-deep pipeline where they do not (N = 4096: o, down). Run 4 (CUDA graphs): 0.98-1.13x cuBLAS on the
+    # five Llama shapes at M = 1-16. The 32-wide member, measured in the whole decode step (Qwen3-8B shapes,
+    # batch 1, PDL on; docs/performance.md "Decode batch 1: PDL"): 6.06 -> 6.00 ms; with 4 stages 6.44,
+    # 8 stages 6.02, 16x16 tiles 6.12-6.74, and 5 stages or TMA for the 64-wide tile slower.
+    "decode": (16, (_C(16, 64, 256, 4, 4), _C(16, 32, 256, 4, 6))),
     # small batches: still bandwidth bound; the N tile narrows until there are enough programs for the SMs.
     # Run 4: 0.95-1.07x at M = 64. All three load through TMA: at M = 64 (Qwen3-8B shapes, graph timer) the
     # TMA kernel streamed the 64x64 / 64x32 tiles 4-8% faster than pointer loads (qkv 22.2 -> 21.3 us, o

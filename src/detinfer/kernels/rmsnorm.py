@@ -29,6 +29,7 @@ import triton.language as tl
 from detinfer.kernels._direct import LaunchCache
 from detinfer.kernels._fold import fold_sum
 from detinfer.kernels._launch import check_kernel_inputs
+from detinfer.kernels._pdl import launch_options, pdl_start, use_pdl
 
 # Largest hidden size: the row is held in registers (64 fp32 values per thread at 16 warps at most).
 MAX_D = 1 << 15
@@ -50,7 +51,8 @@ def _layout_for(d: int) -> tuple[int, int, int]:
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, n_rows, D, eps,
                      x_stride, res_stride, y_stride, h_stride,
                      HAS_RES: tl.constexpr, HAS_W: tl.constexpr,
-                     ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+                     ROWS: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < n_rows
@@ -129,15 +131,16 @@ def launch_rms_norm_rows(x: torch.Tensor, weight, eps: float, residual, y: torch
     strides = (x.stride(0), res.stride(0), y.stride(0), hh.stride(0))
     has_res, has_w = residual is not None, weight is not None
     # The key fixes the grid, every scalar and constexpr (eps is part of it) and the dtypes.
-    key = (m, d, eps, strides, has_res, has_w, x.dtype, y.dtype, tensors[2].dtype)
+    pdl = use_pdl(x.device)
+    key = (m, d, eps, strides, has_res, has_w, x.dtype, y.dtype, tensors[2].dtype, pdl)
     if _LAUNCHES.try_launch(key, tensors):
         return
     block_d, rows, warps = _layout_for(d)
     # No fma contraction: keeps the arithmetic the same plain mul/add sequence in both the residual
     # and plain variants (contract C) and in HF's unfused formula.
     _LAUNCHES.launch(key, tensors, (-(-m // rows),), (m, d, float(eps), *strides),
-                     dict(HAS_RES=has_res, HAS_W=has_w, ROWS=rows, BLOCK_D=block_d),
-                     num_warps=warps, enable_fp_fusion=False)
+                     dict(HAS_RES=has_res, HAS_W=has_w, ROWS=rows, BLOCK_D=block_d, USE_PDL=pdl),
+                     num_warps=warps, enable_fp_fusion=False, **launch_options(pdl))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
