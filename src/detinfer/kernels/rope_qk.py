@@ -37,6 +37,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from detinfer.kernels._launch import check_kernel_inputs, interpreting, next_pow2
+from detinfer.kernels._pdl import launch_options, pdl_start, use_pdl
 from detinfer.kernels.kv_write import check_write_kv
 
 __all__ = ["kernel_takes", "qk_norm_rope", "qk_norm_rope_ref", "qk_norm_rope_write_kv"]
@@ -52,7 +53,9 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, freq_ptr, wq_ptr, wk_ptr, qo_ptr
                          q_st, q_sh, k_st, k_sh, qo_st, qo_sh, ko_st, ko_sh,
                          v_st, v_sh, kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, block_size, num_slots,
                          HAS_NORM: tl.constexpr, HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                         LIBDEVICE: tl.constexpr, STORE_K: tl.constexpr, WRITE_KV: tl.constexpr):
+                         LIBDEVICE: tl.constexpr, STORE_K: tl.constexpr, WRITE_KV: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)  # PDL (kernels/_pdl.py): wait for the previous kernel before reading anything
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # q heads first, then k heads (then v heads: WRITE_KV)
     i = tl.arange(0, BLOCK_HALF)
@@ -227,15 +230,16 @@ def _launch(positions, q, k, inv_freq, q_weight, k_weight, eps, kv_write, store_
         v, k_cache, v_cache, slots, num_slots = kv_write
         cache_strides, block_size = (*k_cache.stride()[:3], *v_cache.stride()[:3]), k_cache.shape[1]
     rows = hq + (2 * hkv if kv_write is not None else hkv)  # q heads, k heads (and v heads)
+    pdl = use_pdl(q.device)
     _qk_norm_rope_kernel[(t, triton.cdiv(rows, heads))](
         q, k, positions, inv_freq, wq, wk, q_out, ko, v, k_cache, v_cache, slots,
         hq, hq + hkv, d // 2, float(eps),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
         ko.stride(0), ko.stride(1), v.stride(0), v.stride(1), *cache_strides, block_size, num_slots,
         HAS_NORM=has_norm, HEADS=heads, BLOCK_HALF=block_half, LIBDEVICE=not interpreting(),
-        STORE_K=store_k, WRITE_KV=kv_write is not None,
+        STORE_K=store_k, WRITE_KV=kv_write is not None, USE_PDL=pdl,
         # No fma contraction: the same plain mul/add sequence as the unfused torch formulas.
-        num_warps=warps, enable_fp_fusion=False)
+        num_warps=warps, enable_fp_fusion=False, **launch_options(pdl))
     return q_out, k_out
 
 
