@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (kernels/_pdl.py): where it is on, and (GPU)
+"""Programmatic dependent launch (kernels/_pdl.py): where it is on, what the decode matmuls prefetch, and (GPU)
 that PDL launches give the same bits as plain ones, eagerly and chained inside a CUDA graph, op by op
 and through the engine."""
 
@@ -25,6 +25,19 @@ def test_off_the_gpu_nothing_uses_pdl(pdl_switch):
     assert not _pdl.use_pdl(torch.device("cpu"))
     assert _pdl.launch_options(False) == {}
     assert _pdl.launch_options(True) == {"launch_pdl": True}
+
+
+@pytest.mark.parametrize("elem", [2, 4])
+def test_prefetch_is_for_decode_class_weights_under_pdl(elem):
+    line = 128 // elem
+    on = dict(PREFETCH_K=mm.PREFETCH_COLS, LINE_K=line)
+    off = dict(PREFETCH_K=0, LINE_K=1)
+    assert mm._prefetch(True, 1, 4096, 1, elem) == on
+    assert mm._prefetch(True, mm.PREFETCH_MAX_M, 12288, 1, elem) == on
+    assert mm._prefetch(False, 1, 4096, 1, elem) == off  # no PDL: the kernel starts after its predecessor
+    assert mm._prefetch(True, mm.PREFETCH_MAX_M + 1, 4096, 1, elem) == off  # not a decode-class launch
+    assert mm._prefetch(True, 1, 4096, 4096, elem) == off  # K is not the unit-stride dim (not a weight)
+    assert mm._prefetch(True, 1, mm.PREFETCH_COLS - 1, 1, elem) == off  # shorter than the prefetch
 
 
 def test_switch_off_at_runtime(pdl_switch):

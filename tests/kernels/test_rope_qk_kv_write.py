@@ -144,6 +144,10 @@ def test_ops_fuses_exactly_where_both_kernels_run(monkeypatch, mode, norm):
     _ops_case(Ops(mode, head_dim=64, cpu_triton=True, attention="ref"), norm=norm)  # kernel + write_kv_ref
     _ops_case(Ops(mode, head_dim=16, cpu_triton=True), d=16, norm=norm)  # no attention kernel at head_dim 16
     assert len(calls) == 1
+    # A step longer than FUSED_KV_WRITE_MAX_TOKENS (9 tokens here): the two launches, same bits.
+    monkeypatch.setattr(rope_qk, "FUSED_KV_WRITE_MAX_TOKENS", 8)
+    _ops_case(Ops(mode, head_dim=64, cpu_triton=True), norm=norm)
+    assert len(calls) == 1
 
 
 def test_reference_backend_is_the_two_reference_calls():

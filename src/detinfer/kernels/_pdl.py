@@ -13,8 +13,9 @@ every earlier kernel of the stream.
 Every kernel here waits before its first global read, even of step metadata that was written long
 before: `gdc_wait` is also what makes a non-PDL predecessor's writes visible (measured: reading the
 attention metadata before the wait would save ~0.01-0.03 ms per batch-1 step, not worth a rule about who
-wrote what). An L2 prefetch of the next matmul's weights before the wait was measured and dropped: it
-slowed the batch-1 decode step (6.08 -> 6.13 ms with 1024 columns per weight row, 7.21 with 4096).
+wrote what). The one thing done before the wait: decode-class matmuls ask the L2 for the first columns of
+their weight rows (`prefetch_rows_l2`; matmul.PREFETCH_COLS says how many and why). A prefetch is a cache
+hint and the L2 is coherent, so no data it fetches can be stale.
 
 Bits: PDL changes when a program starts, never what it computes; every kernel's arithmetic is the same
 with and without it (asserted on the GPU: tests/kernels/test_pdl.py).
@@ -78,3 +79,14 @@ def pdl_start(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_rows_l2(base_ptr, rows, row_ok, stride_row, PREFETCH_COLS: tl.constexpr, COLS_PER_LINE: tl.constexpr):
+    """Ask the L2 for the first PREFETCH_COLS columns (unit stride) of `rows`, one 128-byte line every
+    COLS_PER_LINE columns. Rows past the edge are redirected to row 0 (a valid address)."""
+    lines = tl.arange(0, PREFETCH_COLS // COLS_PER_LINE) * COLS_PER_LINE
+    safe = tl.where(row_ok, rows, 0).to(tl.int64)
+    ptrs = base_ptr + safe[:, None] * stride_row + lines[None, :].to(tl.int64)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)

@@ -35,7 +35,7 @@ import triton.language as tl
 from detinfer.kernels import matmul as mm
 from detinfer.kernels._direct import LaunchCache
 from detinfer.kernels._launch import interpreting
-from detinfer.kernels._pdl import launch_options, pdl_start, use_pdl
+from detinfer.kernels._pdl import launch_options, pdl_start, prefetch_rows_l2, use_pdl
 from detinfer.kernels.matmul import _add_bias, _load_a_block, _load_b_block, _tile_coords
 from detinfer.kernels.matmul_configs import MatmulConfig
 from detinfer.kernels.matmul_configs import gpu_configs as matmul_gpu_configs
@@ -51,14 +51,17 @@ def _linear_silu_mul_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, LIBDEVICE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE_K: tl.constexpr,
 ):
     """One BLOCK_M x BLOCK_N tile of out [M, N] (N = I); the up rows start w_up_offset elements after the
     gate rows (I * stride_wn, passed in so the compiler sees its alignment)."""
-    pdl_start(USE_PDL)  # PDL (kernels/_pdl.py): wait for the previous kernel before reading anything
     pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PREFETCH_K > 0:
+        prefetch_rows_l2(w_ptr, offs_n, offs_n < N, stride_wn, PREFETCH_K, LINE_K)
+        prefetch_rows_l2(w_ptr + w_up_offset, offs_n, offs_n < N, stride_wn, PREFETCH_K, LINE_K)
+    pdl_start(USE_PDL)  # PDL (kernels/_pdl.py): wait for the previous kernel before reading anything
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
@@ -187,7 +190,7 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     constexprs = dict(HAS_BIAS=has_bias, EVEN_K=k % bk == 0,
                       PRECISION=mm.FP32_DOT_PRECISION if x.dtype == torch.float32 else "tf32",  # as `linear`
                       LIBDEVICE=not interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
-                      USE_PDL=pdl)
+                      USE_PDL=pdl, **mm._prefetch(pdl, rows, k, swk, weight.element_size()))
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl))
     if config is not None:
         _linear_silu_mul_kernel[grid](*tensors, *scalars, **constexprs, **options)

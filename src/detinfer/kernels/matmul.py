@@ -29,7 +29,7 @@ from detinfer.kernels._direct import LaunchCache
 from detinfer.kernels._exact_dot import exact_linear_fp32, rounded_weight
 from detinfer.kernels._fold import fold_sum
 from detinfer.kernels._launch import KERNEL_DTYPES, check_kernel_inputs, interpreting, sm_count
-from detinfer.kernels._pdl import launch_options, pdl_start, use_pdl
+from detinfer.kernels._pdl import launch_options, pdl_start, prefetch_rows_l2, use_pdl
 from detinfer.kernels.matmul_configs import MatmulConfig, select_config
 
 __all__ = ["matmul", "bmm", "linear", "matmul_ref", "bmm_ref", "linear_ref", "FP32_DOT_PRECISION"]
@@ -109,14 +109,16 @@ def _matmul_kernel(
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, USE_PDL: tl.constexpr,
+    GROUP_M: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE_K: tl.constexpr,
 ):
     """C[z] = A[z] @ B[z] (+ bias) for one BLOCK_M x BLOCK_N tile of batch entry z = program_id(1)."""
-    pdl_start(USE_PDL)  # PDL (kernels/_pdl.py): wait for the previous kernel before reading anything
     z = tl.program_id(1).to(tl.int64)
     pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PREFETCH_K > 0:
+        prefetch_rows_l2(b_ptr, offs_n, offs_n < N, stride_bn, PREFETCH_K, LINE_K)
+    pdl_start(USE_PDL)  # PDL (kernels/_pdl.py): wait for the previous kernel before reading anything
     offs_k = tl.arange(0, BLOCK_K)
     # Rows/columns past the edge load zeros (masks constant along K keep the K loads vectorized); a row's
     # products never mix with another row's, so padding rows cannot touch real ones.
@@ -253,6 +255,26 @@ def _tma_usable(a2: torch.Tensor, w2: torch.Tensor) -> bool:
                                                     w2.stride(1), a2.shape[1])
 
 
+# Weight columns each program of a decode-class launch (M <= PREFETCH_MAX_M) asks the L2 for before it
+# waits for the previous kernel (PDL, kernels/_pdl.py): the programs of the next matmul start while a
+# latency-bound kernel (RMSNorm, attention) runs, and the first lines of their weight rows are then on the
+# way instead of every program paying the DRAM latency once the wait returns. Whole-step A/B (H100, Qwen3-8B
+# shapes, batch-1 decode, PDL on; docs/performance.md): none 5.94 ms, 256 columns 5.85-5.86, 512 5.89-5.90,
+# 1024 5.94, 4096 7.21 (whole weight matrices pulled into L2 and evicted before use). Speed only: a
+# prefetch is a cache hint, and the L2 is coherent, so it cannot return stale data.
+PREFETCH_COLS = 256
+PREFETCH_MAX_M = 16
+
+
+def _prefetch(pdl: bool, m: int, k: int, sbk: int, elem: int) -> dict:
+    """The PREFETCH_K / LINE_K constexprs of a launch: PREFETCH_COLS columns of unit-stride weight rows
+    (one 128-byte line every LINE_K columns) for decode-class launches under PDL, else none."""
+    line = 128 // elem
+    if not pdl or m > PREFETCH_MAX_M or sbk != 1 or k < PREFETCH_COLS:
+        return dict(PREFETCH_K=0, LINE_K=1)
+    return dict(PREFETCH_K=PREFETCH_COLS, LINE_K=line)
+
+
 def _run(a, sa, b, sb, c, sc, bias, nb: int, m: int, n: int, k: int, cfg: MatmulConfig | None) -> None:
     """c[z] = a[z] @ b[z] (+ bias) for z < nb. a, b, c are base tensors (data_ptr = element [0, 0, 0]) of
     A [nb, M, K], B [nb, K, N], C [nb, M, N], described by element strides sa / sb / sc = (z, row, col):
@@ -294,7 +316,8 @@ def _run(a, sa, b, sb, c, sc, bias, nb: int, m: int, n: int, k: int, cfg: Matmul
     constexprs = dict(
         HAS_BIAS=has_bias, EVEN_K=k % bk == 0,
         PRECISION=FP32_DOT_PRECISION if a.dtype == torch.float32 else "tf32",  # "tf32" is ignored for 16-bit
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, USE_PDL=pdl)
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, USE_PDL=pdl,
+        **_prefetch(pdl and nb == 1, m, k, sb[1], b.element_size()))
     scalars = (m, n, k, *sa, *sb, *sc)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl))
     if explicit:

@@ -42,6 +42,11 @@ from detinfer.kernels.kv_write import check_write_kv
 
 __all__ = ["kernel_takes", "qk_norm_rope", "qk_norm_rope_ref", "qk_norm_rope_write_kv"]
 
+# Steps of at most this many tokens take the fused prologue + KV write (`qk_norm_rope_write_kv`); longer ones
+# the two launches, which store the cache rows whole (H100, Qwen3-8B shapes, 36 layers in a CUDA graph, us per
+# layer unfused / fused: 1 token 2.53 / 2.11, 64 tokens 5.03 / 3.79, 128 5.51 / 5.24, 256 7.47 / 7.23, 512
+# 10.5 / 11.4, 1024 16.7 / 19.8, 2048 29.9 / 36.6). Speed only: both give the same bits.
+FUSED_KV_WRITE_MAX_TOKENS = 256
 # Elements of q/k per program: several heads per program amortize the per-program cost at 128-dim heads.
 _TILE = 1024
 

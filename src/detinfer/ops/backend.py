@@ -304,11 +304,12 @@ class Ops:
                               eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                               *, validate: bool = True) -> torch.Tensor:
         """The attention prologue with the paged KV write: `qk_norm_rope` of q, k, then `write_kv` of the
-        rotated k and v [T, Hkv, D] at `slot_mapping`; returns q'. Where both would run their kernels: one
-        launch (`kernels.rope_qk.qk_norm_rope_write_kv`) with the same q' and cache bits; else the two calls."""
+        rotated k and v [T, Hkv, D] at `slot_mapping`; returns q'. Where both would run their kernels and the
+        step is short (T <= rope_qk.FUSED_KV_WRITE_MAX_TOKENS): one launch (`kernels.rope_qk.
+        qk_norm_rope_write_kv`) with the same q' and cache bits; else the two calls."""
         rope_qk = _kernels("rope_qk")
-        if (self.attention_impl == "kernel" and self._fused_kernel(q, k, v, q_weight, k_weight)
-                and rope_qk.kernel_takes(q, k, q_weight)):
+        if (self.attention_impl == "kernel" and q.shape[0] <= rope_qk.FUSED_KV_WRITE_MAX_TOKENS
+                and self._fused_kernel(q, k, v, q_weight, k_weight) and rope_qk.kernel_takes(q, k, q_weight)):
             return rope_qk.qk_norm_rope_write_kv(positions, q, k, v, inv_freq, q_weight, k_weight, eps, k_cache,
                                                  v_cache, slot_mapping, validate=validate)[0]
         q, k = self.qk_norm_rope(positions, q, k, inv_freq, q_weight, k_weight, eps)
