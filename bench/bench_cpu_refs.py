@@ -42,7 +42,7 @@ def median_s(fn, repeat: int) -> float:
 
 
 def bench_linear(repeat: int, before: bool = False) -> None:
-    from detinfer.kernels.matmul import _ref_bnk, linear_ref
+    from detinfer.kernels.matmul_ref import _ref_bnk, linear_ref
 
     print(f"{'shape':<10}{'M':>5}{'stock us':>11}{'ours us':>11}{'ratio':>8}{'first call ms':>15}"
           + (f"{'fold path us':>14}{'ratio':>8}" if before else ""))

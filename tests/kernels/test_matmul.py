@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from detinfer.kernels import matmul as mm
 from detinfer.kernels import matmul_configs as mc
+from detinfer.kernels import matmul_ref
 from detinfer.kernels.matmul_configs import MatmulConfig, gpu_configs, pick_from_family, select_config
 
 HAS_CUDA = torch.cuda.is_available()
@@ -169,7 +170,7 @@ def test_ref_row_chunking_changes_no_bit(monkeypatch):
     """Rows are processed in memory-bounded chunks; the chunk size must not matter."""
     x, w = rand((50, 70), torch.float32, 1, "cpu"), rand((90, 70), torch.float32, 2, "cpu")
     y = mm.linear_ref(x, w)
-    monkeypatch.setattr(mm, "REF_MAX_PRODUCTS", 90 * mm.REF_BLOCK_K * 3)  # 3 rows per step
+    monkeypatch.setattr(matmul_ref, "REF_MAX_PRODUCTS", 90 * mm.REF_BLOCK_K * 3)  # 3 rows per step
     assert torch.equal(mm.linear_ref(x, w), y)
 
 
