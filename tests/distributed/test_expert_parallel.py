@@ -12,8 +12,9 @@ worker processes over gloo, fp32, tiny random Qwen3-MoE and Mixtral models, asse
 - Fast mode (each rank combines its own slots, the library all-reduce adds them) runs; a TP size that does
   not divide the expert count is refused, naming the sizes allowed.
 
-Qwen3-MoE: 8 experts, top-2, layer 1 dense; Mixtral: 4 experts (one per rank at TP=4), top-2. The vocabulary (322) does not divide by 4. Both have
-2 KV heads (replicated at TP=4). Each engine start spawns TP-1 processes, so engines are shared per module.
+Qwen3-MoE: 8 experts, top-2, layer 1 dense; Mixtral: 4 experts (one per rank at TP=4), top-2. The vocabulary
+(322) does not divide by 4. Both have 2 KV heads (replicated at TP=4). Each engine start spawns TP-1
+processes, so engines are shared per module.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ POOL = {f"p{i}": ([_rng.randrange(3, VOCAB) for _ in range(n)], greedy(3, prompt
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ep")
-    return {name: write_tiny_checkpoint(root / name, arch, seed=11, **SHAPE, **kw) for name, (arch, kw) in ARCHS.items()}
+    return {name: write_tiny_checkpoint(root / name, arch, seed=11, **SHAPE, **kw)
+            for name, (arch, kw) in ARCHS.items()}
 
 
 @pytest.fixture(scope="module")

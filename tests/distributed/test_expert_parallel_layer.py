@@ -10,6 +10,7 @@ the rank count P (P | E), top-k, routing-heavy inputs with exact ties, and a sli
 - The Triton path (interpreter here, CUDA on a GPU): the per-rank slot outputs, gathered and combined, give
   the fused kernel's bits (sequentially, no threads: the interpreter is not thread-safe).
 - Each rank holds exactly its E / P experts (resident bytes == its share), through the in-memory sharding.
+- Fast mode (local combines + the library all-reduce) computes the layer (to fp32 rounding).
 """
 
 from __future__ import annotations
@@ -171,3 +172,20 @@ def test_each_rank_holds_exactly_its_share_of_the_experts(size):
         assert torch.equal(moe.gate_up_proj, full.layers[0].mlp.gate_up_proj[block.start:block.stop])
         assert torch.equal(moe.down_proj, full.layers[0].mlp.down_proj[block.start:block.stop])
         assert torch.equal(moe.router, full.layers[0].mlp.router)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_fast_mode_local_combines_plus_all_reduce_match_the_stock_layer(groups, size):
+    """Fast mode: each rank's combine over its own slots, added by the library all-reduce, is the layer
+    (close to the one-device stock loop; the sum's order differs, so not bitwise)."""
+    config = layer_config(8, 3, 24, 16, True)
+    g = torch.Generator().manual_seed(9)
+    weights = (torch.randn(8, 24, generator=g), torch.randn(8, 32, 24, generator=g) / 24 ** 0.5,
+               torch.randn(8, 24, 16, generator=g) / 4)
+    x = torch.randn(10, 24, generator=g)
+    ops = Ops("fast", "cpu", torch.float32)
+    expected = ops.moe(x, *weights, 3, True)
+    outs = in_threads(size, lambda r: ep_layer(config, groups[size][r], size, weights)(x, ops))
+    for out in outs:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(out, outs[0])  # the all-reduce leaves every rank the same sum

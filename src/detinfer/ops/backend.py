@@ -346,12 +346,11 @@ class Ops:
             fn = moe.fused_moe if kernel else moe.fused_moe_ref
         return fn(x, router_weight, w_gate_up, w_down, top_k, renormalize)
 
-    # -- the MoE layer in parts, for expert parallelism (distributed/layers.py): routing (replicated), each
-    # rank's slot outputs, the combine of the gathered slots. Deterministic mode: the same functions
-    # `moe` fuses, chosen by the same rule, so route -> outputs -> combine on one rank gives `moe`'s bits.
+    # The MoE layer in parts, for expert parallelism (distributed/layers.py): deterministic mode runs the
+    # functions `moe` fuses, chosen by the same rule, so route -> slot outputs -> combine gives `moe`'s bits.
     def moe_route(self, x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool):
-        """(weights [T, k] fp32, expert ids [T, k] int64): deterministic, fp32 logits and the stable top-k
-        (`kernels.moe.route` / `route_ref`); fast, the stock routing (`route_stock`)."""
+        """(weights [T, k] fp32, expert ids [T, k] int64): `kernels.moe.route` / `route_ref` (fp32 logits,
+        stable top-k); fast mode: `route_stock`."""
         from detinfer.kernels import moe
 
         if not self.deterministic:
@@ -360,10 +359,9 @@ class Ops:
 
     def moe_expert_outputs(self, x: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                            first_expert: int | None = None, num_experts: int | None = None) -> torch.Tensor:
-        """y [T, k, H] in x's dtype: each slot's expert output, for the experts [first_expert, first_expert +
-        E_local) that w_gate_up / w_down hold (other slots zero; None: all experts). Deterministic: the fused
-        layer's grouped GEMMs (or its ref); fast: the GEMMs with a config chosen from the rows per expert
-        (of `num_experts` in all) where the kernels run, else the ref."""
+        """y [T, k, H] (x's dtype): each slot's expert output for the experts [first_expert, +E_local) the
+        weights hold, other slots zero. The fused layer's grouped GEMMs (fast mode: with a config chosen
+        from the rows per expert, of `num_experts` in all) where the kernels run, else the ref."""
         from detinfer.kernels import moe
 
         if not self._kernel(x, w_gate_up, w_down):
@@ -374,8 +372,8 @@ class Ops:
         return moe.expert_outputs(x, ids, w_gate_up, w_down, config_for, first_expert)
 
     def moe_combine(self, weights: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """sum over the k slots of weights[t, r] * y[t, r] -> [T, H] `dtype`: deterministic, in routing-rank
-        order in fp32 (`combine_slots`); fast, a stock weighted sum."""
+        """sum_r weights[t, r] * y[t, r] -> [T, H] `dtype`: in routing-rank order in fp32 (`combine_slots`);
+        fast mode: a stock weighted sum."""
         from detinfer.kernels import moe
 
         return (moe.combine_slots if self.deterministic else moe.combine_slots_fast)(weights, y, dtype)
