@@ -13,6 +13,13 @@ Rank r of P holds:
   rows and picks the owner's (a copy, so bit-exact; summing "row + exact zeros" would turn -0.0 into +0.0).
   Logits: each rank's [S, V'] columns are gathered and concatenated (exact).
 - norms, rotary: replicated.
+- mixture-of-experts layers (`ExpertParallelMoE`): expert parallelism. The router is replicated (every rank
+  routes every token identically: the hidden states entering the layer are the same on every rank); the
+  experts are split in contiguous blocks, rank r owning [r E/P, (r+1) E/P). Each rank computes the slots
+  (token, routing rank) routed to its experts; deterministic mode gathers every rank's slot outputs and picks
+  each slot's owner's (a copy: exact), then sums a token's k slots in routing-rank order exactly as the
+  one-device layer does, so the layer's output has the same bits at every P. Fast mode: each rank combines
+  its own slots and the library all-reduce adds the ranks.
 
 Row-parallel sums, deterministic mode: every rank computes fp32 partials with `Ops.linear_tree` and the
 ranks' results are all-gathered and added by `Ops.tree_sum` in rank order: a fixed order whatever the
@@ -33,7 +40,7 @@ from torch import nn
 
 from detinfer.distributed.group import TPGroup
 from detinfer.models.config import ModelConfig
-from detinfer.models.transformer import Transformer
+from detinfer.models.transformer import MLP, Transformer
 from detinfer.ops import Ops
 
 # The most ranks the chunk tree is built for: one 8-GPU node, the usual limit of tensor parallelism (beyond
@@ -42,11 +49,17 @@ from detinfer.ops import Ops
 MAX_TP_CHUNKS = 8
 
 
+def _has_dense_mlp(config: ModelConfig) -> bool:
+    """Whether some layer has a dense MLP (split by intermediate size); MoE layers split by expert instead."""
+    return len(config.moe_layers) < config.num_hidden_layers
+
+
 def tp_invariant_chunks(config: ModelConfig) -> int:
     """C: the largest power of two <= MAX_TP_CHUNKS dividing both row-parallel K dims' units (the attention
-    head count and the intermediate size), so every rank of any TP size dividing C owns whole chunks."""
+    head count and, where a dense MLP exists, the intermediate size), so every rank of any TP size dividing C
+    owns whole chunks."""
     c = MAX_TP_CHUNKS
-    while c > 1 and (config.num_attention_heads % c or config.intermediate_size % c):
+    while c > 1 and (config.num_attention_heads % c or (_has_dense_mlp(config) and config.intermediate_size % c)):
         c //= 2
     return c
 
@@ -57,8 +70,10 @@ def _tp_problem(config: ModelConfig, size: int, invariant: bool) -> str | None:
     hkv = config.num_key_value_heads
     if hkv % size and size % hkv:
         return f"num_key_value_heads={hkv} neither divides it nor is a multiple of it"
-    if config.intermediate_size % size:
+    if _has_dense_mlp(config) and config.intermediate_size % size:
         return f"intermediate_size={config.intermediate_size} is not a multiple of it"
+    if config.num_experts % size:  # 0 for dense models
+        return f"num_experts={config.num_experts} is not a multiple of it (experts are split in equal blocks)"
     if invariant and tp_invariant_chunks(config) % size:
         return (f"with tp_invariant_reduction it must divide this model's {tp_invariant_chunks(config)} "
                 "reduction chunks")
@@ -67,9 +82,6 @@ def _tp_problem(config: ModelConfig, size: int, invariant: bool) -> str | None:
 
 def check_tp_config(config: ModelConfig, size: int, invariant: bool = False) -> None:
     """Raise a ValueError naming the problem and the TP sizes this model allows."""
-    if config.num_experts:
-        raise ValueError("tensor parallelism does not support mixture-of-experts models yet "
-                         f"({config.architecture}); use tensor_parallel_size=1")
     problem = _tp_problem(config, size, invariant) if size > 1 else None
     if problem is not None:
         allowed = [p for p in range(1, config.num_attention_heads + 1) if _tp_problem(config, p, invariant) is None]
@@ -98,8 +110,23 @@ def _kv_heads_of(config: ModelConfig, rank: int, size: int) -> range:
     return range(head, head + 1)
 
 
+def expert_block(config: ModelConfig, rank: int, size: int) -> range:
+    """The experts rank `rank` of `size` holds: the contiguous block [r E/P, (r+1) E/P)."""
+    per = config.num_experts // size
+    return range(rank * per, (rank + 1) * per)
+
+
+def _is_expert_weight(name: str) -> bool:
+    # SparseMoE's stacked experts: `layers.{i}.mlp.gate_up_proj` [E, 2I, H] and `.mlp.down_proj` [E, H, I]
+    # (parameters of the MoE module itself; a dense MLP's are `...down_proj.weight`).
+    return name.endswith((".mlp.gate_up_proj", ".mlp.down_proj"))
+
+
 def _shard(name: str, t: torch.Tensor, config: ModelConfig, rank: int, size: int) -> torch.Tensor:
     d = config.head_dim
+    if _is_expert_weight(name):
+        block = expert_block(config, rank, size)
+        return t[block.start:block.stop]
     hq = config.num_attention_heads // size
     if name in ("embed_tokens", "lm_head"):
         per = vocab_shard_size(config.vocab_size, size)
@@ -159,6 +186,39 @@ class RowParallelLinear(nn.Module):
         return y.to(x.dtype)
 
 
+class ExpertParallelMoE(nn.Module):
+    """A MoE layer holding experts [first_expert, first_expert + E / P) and the full router (module doc).
+    Parameters are named as `SparseMoE`'s, so a rank's `shard_state` loads into it."""
+
+    def __init__(self, config: ModelConfig, group: TPGroup, size: int):
+        super().__init__()
+        E, H, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        block = expert_block(config, group.rank, size)
+        self.group, self.first_expert, self.experts_per_rank = group, block.start, len(block)
+        self.num_experts, self.top_k, self.renormalize = E, config.num_experts_per_tok, config.norm_topk_prob
+        self.router = nn.Parameter(torch.empty(E, H), requires_grad=False)
+        self.gate_up_proj = nn.Parameter(torch.empty(len(block), 2 * inter, H), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(len(block), H, inter), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        if x.shape[0] == 0:  # every rank has the same tokens, so all skip the collective together
+            return x.new_zeros(x.shape)
+        weights, ids = ops.moe_route(x, self.router, self.top_k, self.renormalize)
+        y = ops.moe_expert_outputs(x, ids, self.gate_up_proj, self.down_proj, self.first_expert,
+                                   self.num_experts)  # [T, k, H]: this rank's slots, zeros elsewhere
+        if not ops.deterministic:
+            return self.group.all_reduce_sum(ops.moe_combine(weights, y, x.dtype))
+        y = pick_slot_owners(self.group.all_gather(y), ids, self.experts_per_rank)
+        return ops.moe_combine(weights, y, x.dtype)
+
+
+def pick_slot_owners(gathered: torch.Tensor, ids: torch.Tensor, experts_per_rank: int) -> torch.Tensor:
+    """gathered [P, T, k, H] (rank p's slot outputs at [p]) -> [T, k, H], slot (t, r) copied from the rank
+    owning expert ids[t, r]: a data move, so every slot has its computing rank's exact bits."""
+    owner = (ids // experts_per_rank)[None, :, :, None].expand(1, -1, -1, gathered.shape[-1])
+    return gathered.gather(0, owner)[0]
+
+
 class TPTransformer(Transformer):
     """A `Transformer` over rank-local shapes (`local_config`) with vocab-parallel embedding and logits."""
 
@@ -185,6 +245,12 @@ class TPTransformer(Transformer):
         return full[:, :self.full_vocab]
 
 
+def _moe_layers(model: Transformer):
+    for layer in model.layers:
+        if not isinstance(layer.mlp, MLP):
+            yield layer
+
+
 def _row_parallel_layers(model: Transformer):
     for layer in model.layers:
         yield layer.self_attn, "o_proj"
@@ -203,6 +269,8 @@ def build_local_model(config: ModelConfig, size: int, ops: Ops, group: TPGroup, 
             old = getattr(owner, name)
             setattr(owner, name, RowParallelLinear(old.weight.shape[1], old.weight.shape[0], old.bias is not None,
                                                    group, chunks))
+        for layer in _moe_layers(model):
+            layer.mlp = ExpertParallelMoE(config, group, size)
         per = vocab_shard_size(config.vocab_size, size)
         model.embed_tokens = nn.Parameter(torch.empty(per, config.hidden_size), requires_grad=False)
         if model.lm_head is not None:
