@@ -12,6 +12,8 @@ come back in fp32 (the gradient dtype of bf16 parameters with fp32 grads); the c
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -19,13 +21,17 @@ import triton.language as tl
 from detinfer.kernels import matmul as mm
 from detinfer.kernels._fold import fold_sum
 from detinfer.kernels._launch import KERNEL_DTYPES, check_kernel_inputs
+from detinfer.kernels.matmul_ref import REF_BLOCK_K, _ref_bnk
 
-__all__ = ["BLOCK_T", "bias_grad", "linear_backward", "linear_backward_ref", "matmul_det", "use_triton",
+__all__ = ["BLOCK_T", "TOKEN_CHUNK_MULTIPLE", "bias_grad", "linear_backward", "linear_backward_ref", "matmul_det", "use_triton",
            "weight_grad", "weight_grad_ref"]
 
 # Tokens per reduction step of dW: fixes the order of the fp32 additions, so a constant of the kernel
 # (never derived from the batch or the token count).
 BLOCK_T = 64
+# Token chunks that continue one dW accumulator (`out=`) must have lengths that are multiples of this, on
+# both paths (the kernel's BLOCK_T and the reference's K block), to give the bits of one unchunked call.
+TOKEN_CHUNK_MULTIPLE = math.lcm(BLOCK_T, REF_BLOCK_K)
 
 
 def use_triton(*tensors: torch.Tensor | None) -> bool:
@@ -44,7 +50,8 @@ def matmul_det(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _weight_grad_kernel(dy_ptr, x_ptr, dw_ptr, T, N, K, stride_dyt, stride_dyn, stride_xt, stride_xk,
                         stride_dwn, stride_dwk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr, PRECISION: tl.constexpr):
+                        BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr, PRECISION: tl.constexpr,
+                        ACCUMULATE: tl.constexpr):
     """One program per BLOCK_N x BLOCK_K tile of dW; tokens in ascending BLOCK_T steps, one accumulator.
 
     Launch order (speed only): GROUP_N consecutive n-tiles share each k-tile, so the dY column strips and
@@ -61,7 +68,12 @@ def _weight_grad_kernel(dy_ptr, x_ptr, dw_ptr, T, N, K, stride_dyt, stride_dyn, 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_t = tl.arange(0, BLOCK_T)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
+    dw_ptrs = dw_ptr + offs_n[:, None].to(tl.int64) * stride_dwn + offs_k[None, :] * stride_dwk
+    if ACCUMULATE:  # continue an earlier call's token walk from its stored fp32 accumulator
+        acc = tl.load(dw_ptrs, mask=mask, other=0.0)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for t0 in range(0, T, BLOCK_T):
         t = t0 + offs_t
         # [BT, BN] tile read along rows (coalesced), transposed in registers / shared memory
@@ -70,19 +82,31 @@ def _weight_grad_kernel(dy_ptr, x_ptr, dw_ptr, T, N, K, stride_dyt, stride_dyn, 
         xt = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_xt + offs_k[None, :] * stride_xk,
                      mask=(t[:, None] < T) & (offs_k[None, :] < K), other=0.0)  # [BT, BK]
         acc = tl.dot(tl.trans(dy), xt, acc, input_precision=PRECISION)
-    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
-    tl.store(dw_ptr + offs_n[:, None].to(tl.int64) * stride_dwn + offs_k[None, :] * stride_dwk, acc, mask=mask)
+    tl.store(dw_ptrs, acc, mask=mask)
 
 
-def weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """dW [N, K] fp32 = dy[T, N]^T @ x[T, K], tokens reduced in ascending blocks of BLOCK_T (Triton)."""
+def _check_accumulator(op: str, out: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype,
+                       device: torch.device) -> None:
+    if out is not None and (tuple(out.shape) != shape or out.dtype != dtype or out.device != device
+                            or not out.is_contiguous()):
+        raise ValueError(f"{op}: out must be a contiguous {shape} {dtype} tensor on {device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+
+
+def weight_grad(dy: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """dW [N, K] fp32 = dy[T, N]^T @ x[T, K], tokens reduced in ascending blocks of BLOCK_T (Triton).
+
+    `out`: an fp32 dW to continue instead of starting from zeros (updated in place and returned). Calls
+    over consecutive token chunks whose lengths (all but the last) are multiples of BLOCK_T give the bits
+    of one call over all the tokens: the same blocks, added into the same accumulator in the same order."""
     check_kernel_inputs("weight_grad", dy, x)
     if dy.dim() != 2 or x.dim() != 2 or dy.shape[0] != x.shape[0] or dy.dtype != x.dtype:
         raise ValueError(f"weight_grad: need dy [T, N] and x [T, K] of one dtype, got {tuple(dy.shape)} "
                          f"{dy.dtype} and {tuple(x.shape)} {x.dtype}")
     t, n = dy.shape
     k = x.shape[1]
-    dw = torch.empty((n, k), dtype=torch.float32, device=dy.device)
+    _check_accumulator("weight_grad", out, (n, k), torch.float32, dy.device)
+    dw = torch.empty((n, k), dtype=torch.float32, device=dy.device) if out is None else out
     if n == 0 or k == 0:
         return dw
     # Tile shape: a function of the weight shape only (speed); it never changes the per-element order.
@@ -90,15 +114,21 @@ def weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     grid = (triton.cdiv(n, bn) * triton.cdiv(k, bk),)
     _weight_grad_kernel[grid](dy, x, dw, t, n, k, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
                               dw.stride(0), dw.stride(1), BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=BLOCK_T, GROUP_N=8,
-                              PRECISION="ieee" if dy.dtype == torch.float32 else "tf32",
+                              PRECISION="ieee" if dy.dtype == torch.float32 else "tf32", ACCUMULATE=out is not None,
                               num_warps=8 if bn * bk >= 128 * 128 else 4, num_stages=3)
     return dw
 
 
-def weight_grad_ref(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """`weight_grad` in pure torch: the fold-based matmul over tokens (fp32 accumulation; fp64 for fp64)."""
+def weight_grad_ref(dy: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`weight_grad` in pure torch: the fold-based matmul over tokens (fp32 accumulation; fp64 for fp64).
+
+    `out` as in `weight_grad` (chunks: multiples of TOKEN_CHUNK_MULTIPLE)."""
     acc = torch.float64 if dy.dtype == torch.float64 else torch.float32
-    return mm.matmul_ref(dy.t().to(acc), x.to(acc))
+    if out is None:
+        return mm.matmul_ref(dy.t().to(acc), x.to(acc))
+    _check_accumulator("weight_grad_ref", out, (dy.shape[1], x.shape[1]), acc, dy.device)
+    _ref_bnk(dy.t().to(acc).unsqueeze(0), x.t().to(acc).unsqueeze(0), None, acc=out.unsqueeze(0))
+    return out
 
 
 def bias_grad(dy: torch.Tensor) -> torch.Tensor:
@@ -107,20 +137,23 @@ def bias_grad(dy: torch.Tensor) -> torch.Tensor:
     return fold_sum(dy.to(acc), 0)
 
 
-def linear_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, has_bias: bool):
-    """(dx [..., K] in x.dtype, dW [N, K] fp32, db [N] fp32 or None) for y = linear(x, weight, bias)."""
+def linear_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, has_bias: bool,
+                    dw_out: torch.Tensor | None = None):
+    """(dx [..., K] in x.dtype, dW [N, K] fp32, db [N] fp32 or None) for y = linear(x, weight, bias).
+    `dw_out`: a dW of earlier tokens to continue (see `weight_grad`'s `out`)."""
     n, k = weight.shape
     dy2, x2 = dy.reshape(-1, n), x.reshape(-1, k)
     if not use_triton(dy2, x2, weight):
-        return linear_backward_ref(dy, x, weight, has_bias)
+        return linear_backward_ref(dy, x, weight, has_bias, dw_out)
     dx = matmul_det(dy2, weight.to(dy2.dtype)).reshape(x.shape).to(x.dtype)
-    dw = weight_grad(dy2, x2.to(dy2.dtype))
+    dw = weight_grad(dy2, x2.to(dy2.dtype), out=dw_out)
     return dx, dw, (bias_grad(dy2) if has_bias else None)
 
 
-def linear_backward_ref(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, has_bias: bool):
+def linear_backward_ref(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, has_bias: bool,
+                        dw_out: torch.Tensor | None = None):
     """`linear_backward` in pure torch (any float dtype): fold-based matmuls in fixed order."""
     n, k = weight.shape
     dy2, x2 = dy.reshape(-1, n), x.reshape(-1, k).to(dy.dtype)
     dx = mm.matmul_ref(dy2, weight.to(dy2.dtype)).reshape(x.shape).to(x.dtype)
-    return dx, weight_grad_ref(dy2, x2), (bias_grad(dy2) if has_bias else None)
+    return dx, weight_grad_ref(dy2, x2, out=dw_out), (bias_grad(dy2) if has_bias else None)

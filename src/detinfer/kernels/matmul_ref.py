@@ -68,12 +68,21 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _ref_bnk(a: torch.Tensor, bt: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """a [B, M, K] times bt [B, N, K] (B operand with K last) -> [B, M, N] in a.dtype."""
+def _ref_bnk(a: torch.Tensor, bt: torch.Tensor, bias: torch.Tensor | None,
+             acc: torch.Tensor | None = None) -> torch.Tensor:
+    """a [B, M, K] times bt [B, N, K] (B operand with K last) -> [B, M, N] in a.dtype.
+
+    `acc` (optional, [B, M, N] in the accumulation dtype): the K blocks are added onto it in place instead
+    of onto zeros, which continues an earlier call's K walk bit for bit when that call's K was a multiple
+    of REF_BLOCK_K (the same blocks, added in the same order)."""
     acc_dt = _acc_dtype(a.dtype)
     nb, m, k = a.shape
     n = bt.shape[1]
-    acc = torch.zeros((nb, m, n), dtype=acc_dt, device=a.device)
+    if acc is None:
+        acc = torch.zeros((nb, m, n), dtype=acc_dt, device=a.device)
+    elif acc.shape != (nb, m, n) or acc.dtype != acc_dt:
+        raise ValueError(f"the accumulator must be {(nb, m, n)} {_name(acc_dt)}, got {tuple(acc.shape)} "
+                         f"{_name(acc.dtype)}")
     per_row = max(1, n * REF_BLOCK_K)
     rows = max(1, REF_MAX_PRODUCTS // per_row)  # rows of one batch entry per step
     batches = max(1, rows // max(m, 1)) if m <= rows else 1

@@ -194,7 +194,11 @@ class Transformer(nn.Module):
         """input_ids [T] -> embedding rows [T, hidden] (a gather; tensor parallelism overrides it)."""
         return F.embedding(input_ids, self.embed_tokens)
 
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The output projection [vocab, hidden]: lm_head, or embed_tokens for tied checkpoints."""
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] (the rows that need a next token) -> logits [S, vocab] fp32."""
-        weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return self.ops.logits(hidden, weight)
+        return self.ops.logits(hidden, self.output_weight)

@@ -7,7 +7,10 @@ Contract with the model (all that training relies on; `TrainingForward` is the a
     `ops.qk_norm_rope(positions, q, k, inv_freq, q_weight, k_weight, eps)`, `ops.rope(positions, q, k,
     inv_freq)`, `ops.logits(hidden, weight)`, `ops.log_softmax`;
   * `model(input_ids [T], positions [T], attn) -> hidden [T, H]` with `attn(layer_idx, q, k, v)`,
-    and `model.compute_logits(hidden) -> fp32 logits` (through `ops.logits`);
+    `model.compute_logits(hidden) -> fp32 logits` (= `ops.logits(hidden, model.output_weight)`; scoring
+    calls `ops.linear` + `ops.log_softmax` on `model.output_weight` itself, in row chunks: logprobs.py),
+    and `model.layers`, each called as `layer(h, residual, positions, rotary, attn, ops)` (activation
+    checkpointing wraps these calls);
   * `F.embedding(ids, model.embed_tokens)`;
   * the Ops' `paged_attention` / `write_kv` are the attention functions the engine calls.
 For the duration of one forward (`TrainingForward.run`) the adapter
@@ -28,6 +31,7 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.overrides import TorchFunctionMode
 
 from detinfer.train.functions import (
@@ -206,27 +210,49 @@ class SDPAAttention:
         return torch.cat(outs, 0)
 
 
-class TrainingForward:
-    """Runs the model's own forward with training ops swapped in (see the module doc)."""
+def _checkpointed(forward):
+    """A layer forward whose activations are recomputed in backward instead of kept (torch's
+    non-reentrant checkpoint). The recompute calls the same ops with the same inputs, so it reproduces the
+    saved tensors bit for bit (the ops are deterministic) and the backward is unchanged."""
+    def run(*args):
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False)
+    return run
 
-    def __init__(self, model, ops):
-        self.model, self.ops = model, ops
+
+class TrainingForward:
+    """Runs the model's own forward with training ops swapped in (see the module doc).
+    `checkpoint_layers`: keep only each decoder layer's inputs for backward and recompute the rest."""
+
+    def __init__(self, model, ops, checkpoint_layers: bool = False):
+        self.model, self.ops, self.checkpoint_layers = model, ops, bool(checkpoint_layers)
 
     @contextlib.contextmanager
     def _swapped(self):
         model = self.model
         saved = model.ops
+        wrapped = []
         try:
             # The model passes its one `ops` down to every submodule in forward: swapping it is enough.
             # (Set directly, not through set_ops: DifferentiableOps wraps an Ops rather than being one.)
             model.ops = self.ops
+            if self.checkpoint_layers and torch.is_grad_enabled():
+                for layer in model.layers:  # an instance attribute shadows the class's forward
+                    layer.forward = _checkpointed(type(layer).forward.__get__(layer))
+                    wrapped.append(layer)
             if isinstance(self.ops, DifferentiableOps):
                 with _EmbeddingRoute(model.embed_tokens):
                     yield
             else:
                 yield
         finally:
+            for layer in wrapped:
+                del layer.forward
             model.ops = saved
+
+    def hidden(self, input_ids, positions, attn):
+        """-> the final normed hidden states [T, H], with the swapped ops active."""
+        with self._swapped():
+            return self.model(input_ids, positions, attn)
 
     def run(self, input_ids, positions, attn):
         """-> (hidden [T, H], compute_logits) with the swapped ops active for both."""

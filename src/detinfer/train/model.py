@@ -38,7 +38,7 @@ from detinfer.train.adapter import (
     TrainingForward,
     attention_functions,
 )
-from detinfer.train.functions import LogprobFn
+from detinfer.train.logprobs import LOGPROB_CHUNK_ROWS, LogprobHead, chunked_logprobs
 
 __all__ = ["MODES", "TrainableModel", "pack_padded"]
 
@@ -89,9 +89,12 @@ class TrainableModel:
     """See the module doc. `source`: a detinfer LLM, LLMEngine, or a models.Transformer."""
 
     def __init__(self, source, mode: str = "deterministic", *, master_weights: bool | None = None,
-                 block_size: int = 16):
+                 block_size: int = 16, activation_checkpointing: bool = False,
+                 logprob_chunk_rows: int = LOGPROB_CHUNK_ROWS):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if not isinstance(activation_checkpointing, bool):
+            raise TypeError(f"activation_checkpointing must be a bool, got {activation_checkpointing!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         self.model, self.runner, self._engine = _resolve(source)
@@ -106,7 +109,9 @@ class TrainableModel:
             self.ops = DifferentiableOps(base)
         else:
             self.ops = self.model.ops.replace(mode="fast")
-        self.forward_runner = TrainingForward(self.model, self.ops)
+        self.head = LogprobHead(self.model.ops.replace(mode=mode), logprob_chunk_rows)
+        self.activation_checkpointing = activation_checkpointing
+        self.forward_runner = TrainingForward(self.model, self.ops, checkpoint_layers=activation_checkpointing)
         # One TrainableModel at a time routes the model's gradients: a new one releases the previous one's
         # master-weight hooks (two sets would race for each .grad).
         previous = getattr(self.model, "_detinfer_trainer", None)
@@ -186,34 +191,48 @@ class TrainableModel:
 
     # -- scoring -------------------------------------------------------------------------------------
     def score(self, token_ids: torch.Tensor, cu_seqlens=None, targets: torch.Tensor | None = None, *,
-              lengths=None) -> torch.Tensor:
+              lengths=None, positions=None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logprobs of the next tokens, with autograd.
 
         Packed: token_ids [N] with cu_seqlens [S+1] (list or tensor; default one sequence) -> [N] fp32,
         entry i = log p(targets[i] | the tokens of its sequence up to i). targets default to each
         sequence's next token; a sequence's last position has no next token and gets 0.0 (no gradient).
-        Padded: token_ids [B, T] (right padding) with lengths [B] -> [B, T], padding positions 0.0.
+        positions: strictly increasing indices into [N]; only those entries are computed (logits for those
+        rows only) and returned, [len(positions)], equal bit for bit to `score(...)[positions]`.
+        Padded: token_ids [B, T] (right padding) with lengths [B] -> [B, T], padding positions 0.0;
+        mask [B, T] (bool): score only those positions, the others 0.0.
         """
         if not isinstance(token_ids, torch.Tensor) or token_ids.dtype not in (torch.int32, torch.int64):
             raise TypeError("token_ids must be an int32/int64 tensor")
         if token_ids.dim() == 2:
-            if cu_seqlens is not None:
-                raise ValueError("a padded [B, T] batch takes lengths=, not cu_seqlens")
-            b, t = token_ids.shape
-            ids, cu = pack_padded(token_ids, lengths)
-            tg = None if targets is None else pack_padded(targets, lengths)[0]
-            lp = self.score(ids, cu, tg)
-            out = lp.new_zeros((b, t))
-            for i in range(b):
-                out[i, : cu[i + 1] - cu[i]] = lp[cu[i]:cu[i + 1]]
-            return out
+            if cu_seqlens is not None or positions is not None:
+                raise ValueError("a padded [B, T] batch takes lengths= and mask=, not cu_seqlens or positions")
+            return self._score_padded(token_ids, lengths, targets, mask)
         if token_ids.dim() != 1:
             raise ValueError(f"token_ids must be [N] (packed) or [B, T] (padded), got {tuple(token_ids.shape)}")
-        if lengths is not None:
-            raise ValueError("lengths= is for a padded [B, T] batch; packed input takes cu_seqlens")
+        if lengths is not None or mask is not None:
+            raise ValueError("lengths= and mask= are for a padded [B, T] batch; packed input takes cu_seqlens "
+                             "and positions")
         n = token_ids.shape[0]
         cu = _cu_list([0, n] if cu_seqlens is None else cu_seqlens, n)
-        return self._score_packed(token_ids, cu, targets)
+        return self._score_packed(token_ids, cu, targets, _positions(positions, n))
+
+    def _score_padded(self, token_ids, lengths, targets, mask):
+        b, t = token_ids.shape
+        ids, cu = pack_padded(token_ids, lengths)
+        tg = None if targets is None else pack_padded(targets, lengths)[0]
+        positions = None
+        if mask is not None:
+            if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != (b, t):
+                raise ValueError(f"mask must be a bool tensor of the batch's shape {(b, t)}")
+            positions = torch.nonzero(pack_padded(mask.cpu(), lengths)[0]).reshape(-1)
+        lp = self._score_packed(ids, cu, tg, positions)
+        if positions is not None:  # back onto the packed layout, zeros where not scored
+            lp = lp.new_zeros(ids.shape[0]).index_put((positions.to(lp.device),), lp)
+        out = lp.new_zeros((b, t))
+        for i in range(b):
+            out[i, : cu[i + 1] - cu[i]] = lp[cu[i]:cu[i + 1]]
+        return out
 
     @torch.no_grad()
     def distributions(self, token_ids: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
@@ -222,21 +241,26 @@ class TrainableModel:
         n = token_ids.shape[0]
         cu = _cu_list([0, n] if cu_seqlens is None else cu_seqlens, n)
         ids = token_ids.to(device=self.model.embed_tokens.device, dtype=torch.int64)
-        _, logits = self._forward(ids, cu)
+        _, logits = self.forward_runner.run(ids, self._positions_of(cu, ids.device), self._attention(cu, ids.device))
         log_softmax = self.ops.log_softmax if self.mode == "deterministic" else torch.log_softmax
         return log_softmax(logits, dim=-1)
 
-    def _forward(self, ids: torch.Tensor, cu: list[int]):
-        dev = ids.device
-        positions = torch.cat([torch.arange(b - a, dtype=torch.int64) for a, b in zip(cu[:-1], cu[1:])]) \
-            .to(dev) if ids.numel() else ids.new_zeros(0)
-        if self.mode == "deterministic":
-            attn = PackedPagedAttention(self.attend, self.write, cu, self.scale, self.block_size, dev)
-        else:
-            attn = SDPAAttention(cu, self.scale)
-        return self.forward_runner.run(ids, positions, attn)
+    @staticmethod
+    def _positions_of(cu: list[int], dev: torch.device) -> torch.Tensor:
+        """Each packed token's position within its sequence."""
+        if cu[-1] == 0:
+            return torch.zeros(0, dtype=torch.int64, device=dev)
+        return torch.cat([torch.arange(b - a, dtype=torch.int64) for a, b in zip(cu[:-1], cu[1:])]).to(dev)
 
-    def _score_packed(self, token_ids: torch.Tensor, cu: list[int], targets) -> torch.Tensor:
+    def _attention(self, cu: list[int], dev: torch.device):
+        if self.mode == "deterministic":
+            return PackedPagedAttention(self.attend, self.write, cu, self.scale, self.block_size, dev)
+        return SDPAAttention(cu, self.scale)
+
+    def _hidden(self, ids: torch.Tensor, cu: list[int]) -> torch.Tensor:
+        return self.forward_runner.hidden(ids, self._positions_of(cu, ids.device), self._attention(cu, ids.device))
+
+    def _score_packed(self, token_ids: torch.Tensor, cu: list[int], targets, positions) -> torch.Tensor:
         dev = self.model.embed_tokens.device
         vocab = self.model.config.vocab_size
         ids = token_ids.to(device=dev, dtype=torch.int64)
@@ -255,10 +279,23 @@ class TrainableModel:
             tg = targets.to(device=dev, dtype=torch.int64).reshape(-1)
             if tg.shape[0] != n or (n and (int(tg.min()) < 0 or int(tg.max()) >= vocab)):
                 raise ValueError(f"targets must hold {n} token ids in [0, {vocab})")
-        _, logits = self._forward(ids, cu)
-        if self.mode == "deterministic":
-            lp = LogprobFn.apply(logits, tg, self.ops.log_softmax) if logits.requires_grad else \
-                self.ops.log_softmax(logits, dim=-1).gather(1, tg[:, None])[:, 0]
-        else:
-            lp = torch.log_softmax(logits, dim=-1).gather(1, tg[:, None])[:, 0]
+        hidden = self._hidden(ids, cu)
+        rows = None if positions is None else positions.to(dev)
+        if rows is not None:
+            tg, has_target = tg[rows], has_target[rows]
+        lp = chunked_logprobs(hidden, self.model.output_weight, tg, rows, self.head)
         return torch.where(has_target, lp, torch.zeros_like(lp))
+
+
+def _positions(positions, n: int) -> torch.Tensor | None:
+    """Validate score()'s positions: strictly increasing int indices into [0, n) -> int64 CPU tensor."""
+    if positions is None:
+        return None
+    p = torch.as_tensor(positions) if not isinstance(positions, torch.Tensor) else positions
+    if p.dtype not in (torch.int32, torch.int64) or p.dim() != 1:
+        raise ValueError(f"positions must be a 1-D int tensor or list of indices, got "
+                         f"{p.dtype} of shape {tuple(p.shape)}")
+    p = p.to(device="cpu", dtype=torch.int64)
+    if p.numel() and (int(p.min()) < 0 or int(p.max()) >= n or bool((p[1:] <= p[:-1]).any())):
+        raise ValueError(f"positions must be strictly increasing indices in [0, {n})")
+    return p

@@ -1,0 +1,126 @@
+"""Logprobs of the scored tokens only, in row chunks, without keeping [N, V] for backward.
+
+Scoring a token needs its row of logits (hidden @ W_out^T, [V] wide) and that row's log_softmax. Kept for
+every packed position, the fp32 logits and log-distribution of an 8 x 1024-token batch at a 151936-token
+vocabulary take 10 GB, and were held from the forward to the backward. `ChunkedLogprobFn` instead:
+  * computes logits only for the rows being scored (`rows`, e.g. the completion tokens of an RL batch);
+  * walks those rows in chunks of a constant `chunk_rows` (never derived from the batch), keeping only the
+    gathered logprob of each row;
+  * saves the hidden states, the output weight and the target ids, and in backward recomputes each
+    chunk's logits and log-distribution, turns them into d logits, d hidden of the chunk's rows and its
+    share of d W_out, and frees them before the next chunk.
+
+Why the bits are those of the unchunked path (logits of all rows at once, `LinearFn` + `LogprobFn`):
+every forward op is row-wise (the engine's linear and log_softmax are batch-invariant: a row's bits do
+not depend on the other rows), the log_softmax-gather backward is elementwise, and d hidden is a row-wise
+matmul. The one reduction over rows, d W_out = dY^T @ H, continues one fp32 accumulator across chunks
+(`weight_grad(..., out=)`), which adds the same token blocks in the same order as one call when
+`chunk_rows` is a multiple of TOKEN_CHUNK_MULTIPLE. tests/train/test_chunked_logprobs.py checks both.
+
+Fast mode uses the same chunking with stock ops (F.linear, torch.log_softmax, torch matmuls): the memory
+saving, with no bit promise beyond what stock PyTorch gives.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from detinfer.kernels.linear_backward import TOKEN_CHUNK_MULTIPLE, linear_backward
+from detinfer.kernels.log_softmax_backward import log_softmax_gather_backward_ref
+
+__all__ = ["LOGPROB_CHUNK_ROWS", "ChunkedLogprobFn", "LogprobHead", "check_chunk_rows", "chunked_logprobs"]
+
+# Rows of logits alive at once: 512 x 151936 fp32 is 0.3 GB per [rows, V] buffer (logits, log-distribution,
+# d logits). A constant, a multiple of TOKEN_CHUNK_MULTIPLE: the chunking never changes a bit.
+LOGPROB_CHUNK_ROWS = 512
+
+
+def check_chunk_rows(chunk_rows) -> int:
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1 \
+            or chunk_rows % TOKEN_CHUNK_MULTIPLE:
+        raise ValueError(f"logprob chunk rows must be a positive multiple of {TOKEN_CHUNK_MULTIPLE} (the token "
+                         f"block of the output weight's gradient), got {chunk_rows!r}")
+    return chunk_rows
+
+
+class LogprobHead:
+    """The output layer's ops for one mode. Deterministic: the engine's linear and log_softmax forward
+    (`base` is the engine's Ops), the fixed-order backward kernels; fast: stock torch ops."""
+
+    def __init__(self, base, chunk_rows: int = LOGPROB_CHUNK_ROWS):
+        self.base, self.chunk_rows = base, check_chunk_rows(chunk_rows)
+        self.deterministic = bool(base.deterministic)
+
+    def log_distribution(self, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+        """-> ([rows, V] fp32 log_softmax of the logits, the dtype the output linear computed in)."""
+        if self.deterministic:
+            logits = self.base.linear(hidden, weight)  # = base.logits before its .float()
+            return self.base.log_softmax(logits.float(), dim=-1), logits.dtype
+        logits = F.linear(hidden, weight)
+        return torch.log_softmax(logits.float(), dim=-1), logits.dtype
+
+    def backward(self, grad: torch.Tensor, logprobs: torch.Tensor, targets: torch.Tensor, logits_dtype,
+                 hidden: torch.Tensor, weight: torch.Tensor, dw: torch.Tensor | None):
+        """d hidden of these rows; d W_out of these rows added into `dw` (None: a fresh one). -> (dh, dw)"""
+        # LogprobFn's backward, then the backward of `.float()` (a cast back to the linear's dtype)
+        dy = log_softmax_gather_backward_ref(grad, logprobs, targets).to(torch.float32).to(logits_dtype)
+        if self.deterministic:
+            dh, dw, _ = linear_backward(dy, hidden, weight, False, dw_out=dw)
+            return dh, dw
+        dh = torch.mm(dy, weight.to(dy.dtype)).to(hidden.dtype)
+        part = torch.mm(dy.t(), hidden.to(dy.dtype)).to(torch.float32)
+        return dh, (part if dw is None else dw.add_(part))
+
+
+def _chunk(hidden: torch.Tensor, rows: torch.Tensor | None, c0: int, c1: int) -> torch.Tensor:
+    return hidden[c0:c1] if rows is None else hidden.index_select(0, rows[c0:c1])
+
+
+def _forward_chunks(hidden, weight, targets, rows, head: LogprobHead) -> torch.Tensor:
+    out = []
+    for c0 in range(0, targets.shape[0], head.chunk_rows):
+        c1 = min(targets.shape[0], c0 + head.chunk_rows)
+        logprobs, _ = head.log_distribution(_chunk(hidden, rows, c0, c1), weight)
+        out.append(logprobs.gather(1, targets[c0:c1, None])[:, 0])
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.float32, device=hidden.device)
+
+
+class ChunkedLogprobFn(torch.autograd.Function):
+    """(hidden [N, H], W_out [V, H], targets [M], rows [M] strictly increasing or None = all N rows)
+    -> [M] fp32 logprob of targets[i] under the logits of hidden[rows[i]]. See the module doc."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, rows, head: LogprobHead):
+        ctx.save_for_backward(hidden, weight, targets, rows)
+        ctx.head = head
+        return _forward_chunks(hidden, weight, targets, rows, head)
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, targets, rows = ctx.saved_tensors
+        head = ctx.head
+        dh = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        dw = None
+        for c0 in range(0, targets.shape[0], head.chunk_rows):
+            c1 = min(targets.shape[0], c0 + head.chunk_rows)
+            h = _chunk(hidden, rows, c0, c1)
+            logprobs, logits_dtype = head.log_distribution(h, weight)
+            dh_chunk, dw = head.backward(grad[c0:c1], logprobs, targets[c0:c1], logits_dtype, h, weight, dw)
+            del logprobs
+            if dh is not None:
+                if rows is None:
+                    dh[c0:c1] = dh_chunk
+                else:
+                    dh[rows[c0:c1]] = dh_chunk  # distinct rows (strictly increasing): no accumulation order
+        if dw is None:  # no rows: a zero gradient, in the dtype the kernels would have given
+            dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        return dh, (dw if ctx.needs_input_grad[1] else None), None, None, None
+
+
+def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                     rows: torch.Tensor | None, head: LogprobHead) -> torch.Tensor:
+    """`ChunkedLogprobFn` when autograd needs it, the same chunked forward otherwise."""
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return ChunkedLogprobFn.apply(hidden, weight, targets, rows, head)
+    return _forward_chunks(hidden, weight, targets, rows, head)
