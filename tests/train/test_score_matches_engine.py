@@ -3,7 +3,8 @@
 The engine samples sequences inside mixed batches (greedy and seeded rows, chunked prefill, a shared
 prefix served from the prefix cache, two engine configurations); then `TrainableModel.score` recomputes
 every prompt and output logprob of those sequences in several training packings (all packed, reversed
-with a filler sequence, one by one, a padded [B, T] batch). Every value must be `torch.equal` to what the
+with a filler sequence, one by one, a padded [B, T] batch, only the reported positions in row chunks).
+Every value must be `torch.equal` to what the
 engine returned. Also: two backward passes give bitwise identical gradients.
 """
 
@@ -106,6 +107,18 @@ def test_score_equals_engine_logprobs_in_every_packing(sampled):
         padded[i, :len(s)] = torch.tensor(s)
     lp3 = trainer.score(padded, lengths=[len(s) for s in seqs]).detach()
     _check([lp3[i, k:len(s) - 1] for i, (s, k) in enumerate(zip(seqs, skips))], expected)
+    # only the reported positions (the RL loop's completion tokens), in chunks of 64 rows, with autograd
+    chunked = TrainableModel(llm, logprob_chunk_rows=64)
+    positions = [i for a, b, k in zip(cu[:-1], cu[1:], skips) for i in range(a + k, b - 1)]
+    lp4 = chunked.score(ids, cu, positions=positions)
+    assert lp4.shape == (len(positions),) and lp4.requires_grad
+    _check(lp4.detach().split([len(e) for e in expected]), expected)
+    mask = torch.zeros_like(padded, dtype=torch.bool)  # the padded batch, masked to the same positions
+    for i, (s, k) in enumerate(zip(seqs, skips)):
+        mask[i, k:len(s) - 1] = True
+    lp5 = chunked.score(padded, lengths=[len(s) for s in seqs], mask=mask).detach()
+    _check([lp5[i, k:len(s) - 1] for i, (s, k) in enumerate(zip(seqs, skips))], expected)
+    assert torch.equal(lp5[~mask], torch.zeros(int((~mask).sum())))
     if "budget64" not in runs:
         return
     # the same prompts sampled under another engine configuration (with preemption)
