@@ -203,3 +203,43 @@ def test_fast_mode_chunked_logprobs_match_stock_autograd():
     torch.testing.assert_close(lp, want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(dh, dh_want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dw.to(torch.float64), dw_want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_chunked_output_layer_equals_unchunked_on_cuda(dtype):
+    """The Triton path: the engine's linear and log_softmax kernels, weight_grad continuing its fp32
+    accumulator across chunks (out=)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n, hid, vocab = 1100, 256, 3000
+    base = Ops("deterministic", "cuda", dtype)
+    hidden0 = torch.randn(n, hid, device="cuda", generator=gen).to(dtype)
+    weight0 = (torch.randn(vocab, hid, device="cuda", generator=gen) / 16).to(dtype)
+    for rows in (None, torch.nonzero(torch.rand(n, device="cuda", generator=gen) < 0.5).reshape(-1)):
+        m = n if rows is None else rows.numel()
+        targets = torch.randint(0, vocab, (m,), device="cuda", generator=gen)
+        upstream = torch.randn(m, device="cuda", generator=gen)
+        results = []
+        for chunked in (True, False):
+            hidden, weight = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()
+            weight.grad_dtype = torch.float32
+            lp = chunked_logprobs(hidden, weight, targets, rows, LogprobHead(base, 128)) if chunked else \
+                _unchunked(hidden, weight, targets, rows, base)
+            (lp * upstream).sum().backward()
+            results.append((lp.detach(), hidden.grad, weight.grad))
+        for got, want in zip(*results):
+            assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_weight_grad_continued_over_token_chunks_on_cuda():
+    from detinfer.kernels.linear_backward import weight_grad
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        dy = torch.randn(1000, 384, device="cuda", generator=gen).to(dtype)
+        x = torch.randn(1000, 320, device="cuda", generator=gen).to(dtype)
+        dw = None
+        for start, length in ((0, 128), (128, 640), (768, 232)):
+            dw = weight_grad(dy[start:start + length], x[start:start + length], out=dw)
+        assert torch.equal(dw, weight_grad(dy, x))

@@ -129,6 +129,9 @@ def load_checkpoint(trainer, directory: str | Path) -> dict:
     if "betas" in group:
         group["betas"] = tuple(group["betas"])
     group["params"] = list(range(len(names)))
+    for impl in ("fused", "foreach"):  # keep this device's AdamW implementation (fused needs CUDA tensors)
+        if impl in trainer.optimizer.param_groups[0]:
+            group[impl] = trainer.optimizer.param_groups[0][impl]
     trainer.optimizer.load_state_dict({"state": per_param, "param_groups": [group]})
     trainer.trainer.push_weights()  # engine tensors <- restored weights; stale prefix cache dropped
     trainer.step_index = int(state["step"])

@@ -8,9 +8,9 @@
 One step: draw the step's prompts (a pure function of (seed, step)) -> the engine samples `n_samples`
 completions per prompt at temperature 1, each request seeded from (seed, step, prompt) and each sample
 drawn from (that seed, position, sample index), with the sampler's logprob of every token -> the task
-scores them -> group-relative advantages -> the trainer re-scores the same tokens with autograd (these are
-the logprobs the mismatch statistics compare with the sampler's) -> policy-gradient loss, backward in
-fixed micro-batches -> clip, AdamW step -> `push_weights()`: 16-bit engines get the fp32 master weights
+scores them -> group-relative advantages -> the trainer re-scores the same tokens with autograd, computing
+logits for the completion tokens only (these are the logprobs the mismatch statistics compare with the
+sampler's) -> policy-gradient loss, backward in fixed micro-batches -> clip, AdamW step (fused on CUDA) -> `push_weights()`: 16-bit engines get the fp32 master weights
 copied into their tensors in place (CUDA graphs keep pointing at the same storage) and the engine's
 prefix cache is dropped (its K/V belong to the old weights). fp32 engines train their own tensors.
 
@@ -67,6 +67,7 @@ class GRPOTrainer:
                  task: Task | str | None = None, device=None, max_model_len: int = 512):
         from detinfer.engine import LLM
         from detinfer.train import TrainableModel
+        from detinfer.train.optim import adamw
 
         self.config = RLConfig() if config is None else config
         if not isinstance(self.config, RLConfig):
@@ -100,7 +101,8 @@ class GRPOTrainer:
             ref_model = copy.deepcopy(self.engine.runner.model)
             self.reference = TrainableModel(ref_model, mode=self.mode, master_weights=False)
         self.trainer = TrainableModel(self.llm, mode=self.mode)
-        self.optimizer = torch.optim.AdamW(list(self.trainer.parameters()), lr=c.lr, weight_decay=c.weight_decay)
+        # fused on CUDA, single-tensor on CPU: no optimizer temporaries the size of the model (train/optim.py)
+        self.optimizer = adamw(self.trainer.parameters(), lr=c.lr, weight_decay=c.weight_decay)
         self.step_index = 0  # steps done
         self.history: list[dict] = []
 
@@ -190,10 +192,10 @@ class GRPOTrainer:
             s_lp += r.sampler_logprobs[j]
         dev = self.device
         token_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        index = torch.tensor(positions, dtype=torch.int64, device=dev)
+        index = torch.tensor(positions, dtype=torch.int64)  # strictly increasing: sequences and tokens in order
         sampler_lp = torch.tensor(s_lp, dtype=torch.float32, device=dev)
         adv_t = torch.tensor(adv, dtype=torch.float32, device=dev)
-        lp = self.trainer.score(token_ids, cu)[index]
+        lp = self.trainer.score(token_ids, cu, positions=index)  # logits of the completion tokens only
         coef, n_clipped = adv_t, 0
         if self.arm == "fast-tis":
             # Truncated importance weight of the trainer's policy over the sampler's, per token, detached.
@@ -203,7 +205,7 @@ class GRPOTrainer:
         objective = coef * lp
         if self.reference is not None:
             with torch.no_grad():
-                ref_lp = self.reference.score(token_ids, cu)[index]
+                ref_lp = self.reference.score(token_ids, cu, positions=index)
             d = ref_lp - lp
             objective = objective - self.config.kl_coef * (torch.exp(d) - d - 1)  # k3 estimate of KL(pi||ref)
         # Token-level mean over the whole step (every micro-batch divides by the same count).

@@ -49,19 +49,35 @@ def mismatch_stats(trainer_lp: torch.Tensor, sampler_lp: torch.Tensor) -> dict[s
             "kl_k3": (torch.expm1(log_r) - log_r).mean().item()}
 
 
+# Words per streamed piece of a tensor: bounds the int64 temporaries to a few of 2^22 x 8 B = 32 MiB,
+# whatever the tensor's size. Integer sums do not depend on how they are split, so neither does the value.
+FINGERPRINT_CHUNK_WORDS = 1 << 22
+_MODULUS = 65521
+
+
 @torch.no_grad()
-def weights_fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+def weights_fingerprint(named: Iterable[tuple[str, torch.Tensor]],
+                        chunk_words: int = FINGERPRINT_CHUNK_WORDS) -> str:
     """12 hex digits identifying the weights' exact bits, computed on the weights' device.
 
-    Per tensor: its bytes read as unsigned 16-bit words, summed twice with two position-dependent weight
-    sequences in int64. Integer sums are exact and order-independent, so the value is the same on every
-    run and device; any single changed bit changes it. The sums, names, shapes and dtypes are then
-    hashed with SHA-256. Cheap enough to print every step (no copy of the weights to the host)."""
+    Per tensor: its bytes read as unsigned 16-bit words w_i (i = 0..n-1), summed twice, with weights
+    (i mod 65521) + 1 and (n - 1 - i mod 65521) + 1. Integer sums are exact and order-independent, so the
+    value is the same on every run and device, and any single changed bit changes it (a word changes by
+    +-2^b, a sum by +-2^b times a weight >= 1). The sums, names, shapes and dtypes are then hashed with
+    SHA-256. Streamed `chunk_words` words at a time (the sums of the pieces added exactly in Python
+    integers), so the only temporaries are a few int64 pieces: cheap enough to print every step (no copy
+    of the weights to the host)."""
     h = hashlib.sha256()
     for name, p in named:
-        words = p.detach().contiguous().reshape(-1).view(torch.int16).to(torch.int64) & 0xFFFF
-        # weights in [1, 65521] and words < 2^16: each product < 2^32, so < 2^31 terms fit in int64
-        w = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % 65521 + 1
-        sums = torch.stack([(words * w).sum(), (words * w.flip(0)).sum()]).tolist()
+        words = p.detach().contiguous().reshape(-1).view(torch.int16)
+        n = words.numel()
+        pieces = []
+        for start in range(0, n, chunk_words):
+            piece = words[start:start + chunk_words].to(torch.int64) & 0xFFFF
+            index = torch.arange(start, start + piece.numel(), device=piece.device, dtype=torch.int64)
+            # weights in [1, 65521] and words < 2^16: each product < 2^32, a piece's sum < 2^54
+            pieces.append(torch.stack([(piece * (index % _MODULUS + 1)).sum(),
+                                       (piece * ((n - 1 - index) % _MODULUS + 1)).sum()]))
+        sums = [sum(col) for col in zip(*torch.stack(pieces).tolist())] if pieces else [0, 0]
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{sums[0]}:{sums[1]};".encode())
     return h.hexdigest()[:12]

@@ -13,8 +13,16 @@ from detinfer.models.families import preset_hf_config
 from detinfer.models.transformer import Transformer
 from detinfer.ops import Ops
 
+_QWEN3 = preset_hf_config("qwen3-8b")
 SHAPES: dict[str, dict] = {
-    "qwen3-8b": preset_hf_config("qwen3-8b"),
+    "qwen3-8b": _QWEN3,
+    # the models people train with RL on one GPU (public config.json shapes, for memory benchmarks;
+    # Llama 3.2's rope scaling is left out: it changes no shape)
+    "qwen3-4b": dict(_QWEN3, hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(_QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, tie_word_embeddings=True),
+    "llama-3.2-3b": dict(preset_hf_config("llama-3.1-8b"), hidden_size=3072, intermediate_size=8192,
+                         num_hidden_layers=28, num_attention_heads=24, head_dim=128, tie_word_embeddings=True),
     "smollm2-135m": dict(architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576,
                          intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,

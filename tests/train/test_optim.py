@@ -1,0 +1,69 @@
+"""The RL loop's AdamW (train/optim.py): the low-temporary implementation per device, deterministic."""
+
+import pytest
+import torch
+
+from detinfer.models.loader import load_model
+from detinfer.train import TrainableModel
+from detinfer.train.optim import adamw, state_bytes_per_param
+
+
+@pytest.fixture(scope="module")
+def stories(model_dirs):
+    if "stories260k" not in model_dirs:
+        pytest.skip("stories260k checkpoint not found next to the repository")
+    return model_dirs["stories260k"]
+
+
+def _run(stories, steps=3):
+    model, _ = load_model(stories, torch.bfloat16, "cpu", "deterministic")
+    trainer = TrainableModel(model)  # fp32 masters
+    opt = adamw(trainer.parameters(), lr=0.01, weight_decay=0.1)
+    ids = torch.tensor([1, 5, 9, 33, 100, 7, 8, 1, 44, 55, 66])
+    cu = [0, 7, 11]
+    for _ in range(steps):
+        trainer.zero_grad()
+        (-trainer.score(ids, cu).sum()).backward()
+        opt.step()
+        trainer.push_weights()
+    return opt, [p.detach().clone() for p in trainer.parameters()], \
+        [t.clone() for s in opt.state.values() for t in s.values()]
+
+
+def test_adamw_on_cpu_is_single_tensor_and_two_runs_are_bitwise_equal(stories):
+    opt, weights, state = _run(stories)
+    group = opt.param_groups[0]
+    assert group["foreach"] is False and not group["fused"]
+    _, weights2, state2 = _run(stories)
+    assert len(state) == 3 * len(weights) and len(weights) > 5  # step, exp_avg, exp_avg_sq per parameter
+    assert all(torch.equal(a, b) for a, b in zip(weights, weights2))
+    assert all(torch.equal(a, b) for a, b in zip(state, state2))
+
+
+def test_adamw_rejects_an_empty_parameter_list_and_keeps_explicit_choices():
+    with pytest.raises(ValueError, match="no parameters"):
+        adamw([], lr=1e-3)
+    p = torch.nn.Parameter(torch.zeros(3))
+    assert adamw([p], lr=1e-3, foreach=True).param_groups[0]["foreach"] is True
+
+
+def test_state_bytes_per_param():
+    assert state_bytes_per_param(torch.bfloat16) == 18  # bf16 weight + fp32 master, grad, exp_avg, exp_avg_sq
+    assert state_bytes_per_param(torch.float32) == 16
+    assert state_bytes_per_param(torch.bfloat16, master_weights=False) == 8
+
+
+@pytest.mark.gpu
+def test_adamw_on_cuda_is_fused_and_deterministic():
+    results = []
+    for _ in range(2):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(1000, 77, device="cuda", generator=gen)) for _ in range(3)]
+        opt = adamw(params, lr=1e-2, weight_decay=0.1)
+        assert opt.param_groups[0]["fused"] is True
+        for step in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, device="cuda", generator=gen)
+            opt.step()
+        results.append([p.detach().clone() for p in params])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
