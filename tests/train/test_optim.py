@@ -67,3 +67,51 @@ def test_adamw_on_cuda_is_fused_and_deterministic():
             opt.step()
         results.append([p.detach().clone() for p in params])
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_offloaded_adamw_equals_adamw_on_cpu(stories):
+    """The host-memory AdamW steps like the CPU one, bit for bit, and sees device-side rewrites."""
+    from detinfer.train.optim import OffloadedAdamW
+
+    runs = []
+    for optimizer in (adamw, OffloadedAdamW):
+        model, _ = load_model(stories, torch.bfloat16, "cpu", "deterministic")
+        trainer = TrainableModel(model)
+        opt = optimizer(trainer.parameters(), lr=0.01, weight_decay=0.1)
+        ids, cu = torch.tensor([1, 5, 9, 33, 100, 7, 8, 1, 44, 55, 66]), [0, 7, 11]
+        for step in range(3):
+            opt.zero_grad()
+            (-trainer.score(ids, cu).sum()).backward()
+            if step == 1:
+                with torch.no_grad():
+                    next(trainer.parameters()).mul_(0.5)  # a rewrite between steps (a restore)
+            opt.step()
+            trainer.push_weights()
+        params = list(trainer.parameters())
+        runs.append(([p.detach().clone() for p in params],
+                     [t.clone() for p in params for t in opt.state[p].values()]))
+    (w0, s0), (w1, s1) = runs
+    assert all(torch.equal(a, b) for a, b in zip(w0, w1))
+    assert len(s0) == len(s1) > 0 and all(torch.equal(a, b) for a, b in zip(s0, s1))
+    assert state_bytes_per_param(torch.bfloat16, offload_optimizer=True) == 10
+
+
+@pytest.mark.gpu
+def test_offloaded_adamw_on_cuda_is_deterministic_and_keeps_no_state_on_the_gpu():
+    from detinfer.train.optim import OffloadedAdamW
+
+    results, growth = [], {}
+    for optimizer in (OffloadedAdamW, OffloadedAdamW, adamw):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(1000, 77, device="cuda", generator=gen)) for _ in range(3)]
+        opt = optimizer(params, lr=1e-2, weight_decay=0.1)
+        for p in params:
+            p.grad = torch.randn(p.shape, device="cuda", generator=gen)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        opt.step()
+        torch.cuda.synchronize()
+        growth[optimizer] = torch.cuda.memory_allocated() - before
+        results.append([p.detach().clone() for p in params])
+    assert all(torch.equal(a, b) for a, b in zip(results[0], results[1]))
+    assert growth[OffloadedAdamW] == 0 and growth[adamw] >= 2 * 4 * 3 * 1000 * 77  # two fp32 moments

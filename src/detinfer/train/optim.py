@@ -12,6 +12,12 @@ so compare weights only between runs on the same kind of device.
 Memory per parameter (`state_bytes_per_param`), 16-bit engine with fp32 master weights (the default):
 the engine's weight (2 B) + fp32 master (4) + fp32 gradient (4) + AdamW's exp_avg and exp_avg_sq (4 + 4)
 = 18 B. An fp32 engine trains its own tensors: 4 + 4 + 8 = 16 B.
+
+`OffloadedAdamW`: the moments in host memory, the step on the CPU: 10 B per parameter on the GPU (engine
+weight, master, gradient) instead of 18, for host memory (16 B per parameter: a staging copy of each
+master and gradient, the moments) and PCIe traffic each step (gradients and masters down, masters up:
+12 B per parameter). The CPU step is the single-tensor AdamW, so the trajectory equals `adamw` on a CPU
+bit for bit, and is deterministic, but may differ in the last bits from the fused CUDA step.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["adamw", "state_bytes_per_param"]
+__all__ = ["OffloadedAdamW", "adamw", "state_bytes_per_param"]
 
 
 def adamw(params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float = 0.0,
@@ -35,11 +41,70 @@ def adamw(params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float =
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **{**impl, **kwargs})
 
 
-def state_bytes_per_param(engine_dtype: torch.dtype, master_weights: bool | None = None) -> int:
-    """Bytes per parameter that training with AdamW holds between steps: the engine's weight, the fp32
-    master copy (if any), the fp32 gradient, AdamW's two fp32 moments. master_weights defaults to
-    TrainableModel's rule (masters for every dtype but fp32)."""
+def state_bytes_per_param(engine_dtype: torch.dtype, master_weights: bool | None = None,
+                          offload_optimizer: bool = False) -> int:
+    """Bytes per parameter on the device that training with AdamW holds between steps: the engine's
+    weight, the fp32 master copy (if any), the fp32 gradient, AdamW's two fp32 moments (on the host with
+    `offload_optimizer`). master_weights defaults to TrainableModel's rule (masters unless fp32)."""
     engine = torch.empty(0, dtype=engine_dtype).element_size()
     masters = engine_dtype != torch.float32 if master_weights is None else master_weights
     trained = 4 if masters else engine  # the tensors the optimizer steps (and their grads) are fp32 masters
-    return engine + (trained if masters else 0) + trained + 2 * trained
+    moments = 0 if offload_optimizer else 2 * trained
+    return engine + (trained if masters else 0) + trained + moments
+
+
+class OffloadedAdamW:
+    """AdamW with its state in host memory, stepped on the CPU (see the module doc). The device
+    parameters stay the source of truth: each step copies them and their gradients to host buffers,
+    steps the host copies, and copies the results back, so anything that rewrites the device parameters
+    between steps (a checkpoint restore) is seen. The torch.optim surface the RL loop and its
+    checkpoints use: step, zero_grad, param_groups, state (keyed by the device parameters),
+    state_dict / load_state_dict."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float = 0.0, **kwargs):
+        self.params = list(params)
+        if not self.params:
+            raise ValueError("OffloadedAdamW: no parameters to optimize")
+        pin = any(p.is_cuda for p in self.params)  # pinned host buffers: asynchronous, faster copies
+
+        def host_like(p):
+            return torch.empty(tuple(p.shape), dtype=p.dtype, device="cpu", pin_memory=pin)
+        self.host = [torch.nn.Parameter(host_like(p)) for p in self.params]
+        self.host_grads = [host_like(p) for p in self.params]
+        self.inner = torch.optim.AdamW(self.host, lr=lr, weight_decay=weight_decay, foreach=False, **kwargs)
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> dict:
+        return {p: self.inner.state[h] for p, h in zip(self.params, self.host) if h in self.inner.state}
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.inner.load_state_dict(state_dict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, h, g in zip(self.params, self.host, self.host_grads):
+            if p.grad is None:
+                h.grad = None  # AdamW skips it, as it would skip p
+                continue
+            h.copy_(p, non_blocking=True)
+            h.grad = g.copy_(p.grad, non_blocking=True)
+        if any(p.is_cuda for p in self.params):
+            torch.cuda.synchronize()  # the host copies must have landed before the CPU reads them
+        self.inner.step()
+        for p, h in zip(self.params, self.host):
+            if h.grad is not None:
+                p.copy_(h, non_blocking=True)  # stream-ordered before any later use of p
