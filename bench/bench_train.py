@@ -1,8 +1,17 @@
 """GPU benchmark: a training step (forward + backward) on the engine's model, deterministic vs fast, and
-each backward kernel against its stock counterpart.
+each backward kernel against its stock counterpart; or (--memory) the peak memory of a whole step.
 
     PYTHONUNBUFFERED=1 python bench/bench_train.py [--layers 2] [--seqs 8] [--seq-len 1024]
                                                    [--sections step,kernels] [--json FILE]
+    PYTHONUNBUFFERED=1 python bench/bench_train.py --memory [--random-model qwen3-4b] [--tokens 8x1024]
+        [--score-fraction 1.0] [--no-checkpointing] [--offload-optimizer] [--mode deterministic] [--layers N]
+
+memory   a random model of a real shape (all its layers unless --layers), bf16 weights with fp32 masters:
+         score (only each sequence's scored tail) + backward + clip_grad_norm_ + AdamW (fused, or
+         OffloadedAdamW) + push_weights + the weights fingerprint, --memory-steps times; prints the
+         prediction of `predict_memory` (from shapes alone), the measured peak allocated / reserved
+         bytes, and the headroom left on the GPU. Goal: Qwen3-4B shapes at 8 x 1024 tokens with >= 10%
+         headroom on one 80 GB H100 (docs/training.md, "Memory").
 
 step     Qwen3-8B shapes truncated to --layers layers (full vocab 151936), bf16 weights, random ids,
          --seqs x --seq-len tokens packed: TrainableModel.score + backward of a weighted sum, in
@@ -218,13 +227,119 @@ def kernels(args) -> list[dict]:
     return rows
 
 
+def predict_memory(cfg, params: int, seqs: int, seq_len: int, scored: int, checkpointing: bool,
+                   offload: bool) -> dict:
+    """The peak of one fwd + bwd + AdamW step, from shapes alone (bytes; bf16 engine, fp32 masters):
+    state = bytes/param x params; saved = what autograd keeps from the forward for the backward;
+    backward = the larger of one chunk of the output layer and one layer's recompute + its gradient
+    temporaries; tied = the output layer's fp32 dW, held by autograd until the embedding's own gradient
+    joins it at the end of the backward (tied embeddings only)."""
+    from detinfer.train.logprobs import LOGPROB_CHUNK_ROWS
+    from detinfer.train.optim import state_bytes_per_param
+
+    t, h, i = seqs * seq_len, cfg.hidden_size, cfg.intermediate_size
+    q, kv, layers, vocab = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, \
+        cfg.num_hidden_layers, cfg.vocab_size
+    # bf16 elements per token that one layer's ops save: the norms' inputs and residuals (2 x 2H), the
+    # qkv/gate_up inputs (2H), the qkv output (q + 2kv), the rotated q and k, the attention output (2q + kv),
+    # gate_up's output (2I) and down's input (I)
+    per_layer = 2 * (6 * h + 3 * q + 3 * kv + 3 * i)
+    layer_inputs = 2 * 2 * h  # h and residual: all a checkpointed layer keeps
+    saved = t * (layers * (layer_inputs if checkpointing else per_layer) + 2 * h)
+    chunk = min(scored, LOGPROB_CHUNK_ROWS) * vocab * 20  # bf16 + fp32 logits, log-dist, exp temp, dz, bf16 dy
+    layer_bwd = 2 * t * per_layer if checkpointing else t * per_layer  # recomputed activations + grad temps
+    tied = vocab * h * 4 if cfg.tie_word_embeddings else 0
+    state = state_bytes_per_param(torch.bfloat16, offload_optimizer=offload) * params
+    parts = {"state": state, "saved_activations": saved, "backward_transient": max(chunk, layer_bwd),
+             "tied_output_grad": tied}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def _parse_tokens(text: str) -> tuple[int, int]:
+    try:
+        seqs, seq_len = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        sys.exit(f"--tokens takes SEQSxLEN, e.g. 8x1024, got {text!r}")
+    if seqs < 1 or seq_len < 2:
+        sys.exit(f"--tokens needs at least 1 sequence of at least 2 tokens, got {text!r}")
+    return seqs, seq_len
+
+
+def memory(args) -> dict:
+    """Peak device memory of fwd + bwd + clip + AdamW + push_weights + fingerprint at the given shapes."""
+    from detinfer.rl.metrics import weights_fingerprint
+    from detinfer.train import TrainableModel
+    from detinfer.train.optim import OffloadedAdamW, adamw
+    from detinfer.train.testing import random_model
+
+    seqs, seq_len = _parse_tokens(args.tokens)
+    model, cfg = random_model(args.random_model, layers=args.layers, device=DEV, dtype=DT, seed=0)
+    params = sum(p.numel() for p in model.parameters())
+    trainer = TrainableModel(model, mode=args.mode, activation_checkpointing=not args.no_checkpointing)
+    opt = (OffloadedAdamW if args.offload_optimizer else adamw)(trainer.parameters(), lr=1e-6)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (seqs * seq_len,), device=DEV, generator=g)
+    cu = [k * seq_len for k in range(seqs + 1)]
+    completion = max(1, int(round(args.score_fraction * (seq_len - 1))))  # scored: each sequence's tail
+    positions = torch.tensor([a + seq_len - 1 - completion + j for a in cu[:-1] for j in range(completion)])
+    w = torch.randn(positions.numel(), device=DEV, generator=g)
+    predicted = predict_memory(cfg, params, seqs, seq_len, positions.numel(), not args.no_checkpointing,
+                               args.offload_optimizer)
+    gib = 2 ** 30
+    print(f"memory {args.random_model} ({cfg.num_hidden_layers} layers, {params / 1e9:.3f}B params), "
+          f"{seqs}x{seq_len} tokens, {positions.numel()} scored, {args.mode}, checkpointing "
+          f"{'off' if args.no_checkpointing else 'on'}, optimizer {'offloaded' if args.offload_optimizer else 'adamw'}",
+          flush=True)
+    print("  predicted: " + ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in predicted.items()), flush=True)
+    cuda = DEV == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    out = {"params": params, "predicted_bytes": predicted, "steps": []}
+    try:
+        for step in range(args.memory_steps):
+            trainer.zero_grad()
+            (trainer.score(ids, cu, positions=positions) * w).sum().backward()
+            torch.nn.utils.clip_grad_norm_(list(trainer.parameters()), 1.0)
+            opt.step()
+            trainer.push_weights()
+            fp = weights_fingerprint(trainer.named_parameters())
+            peak = torch.cuda.max_memory_allocated() if cuda else None
+            out["steps"].append({"peak_allocated": peak, "fingerprint": fp})
+            print(f"  step {step}: peak allocated {peak / gib if cuda else float('nan'):.2f} GiB  weights {fp}",
+                  flush=True)
+    except torch.OutOfMemoryError as e:
+        out["error"] = f"out of memory: {str(e).splitlines()[0]}"
+        print("  " + out["error"], flush=True)
+    if cuda:
+        total = torch.cuda.get_device_properties(0).total_memory
+        reserved = torch.cuda.max_memory_reserved()
+        out.update(total=total, peak_reserved=reserved, headroom=1 - reserved / total)
+        print(f"  peak reserved {reserved / gib:.2f} GiB of {total / gib:.2f} GiB: headroom "
+              f"{out['headroom']:.1%} (goal >= 10%)", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=None,
+                    help="truncate the model to this many layers (default: 2 for step/kernels, all for --memory)")
     ap.add_argument("--seqs", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--sections", default="step,kernels")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--memory", action="store_true",
+                    help="only the memory section: peak of fwd + bwd + AdamW at --random-model / --tokens")
+    ap.add_argument("--random-model", default="qwen3-4b",
+                    help="--memory: a shape of detinfer.train.testing.SHAPES (qwen3-4b, qwen3-1.7b, llama-3.2-3b, ...)")
+    ap.add_argument("--tokens", default="8x1024", help="--memory: SEQSxLEN packed tokens")
+    ap.add_argument("--score-fraction", type=float, default=1.0,
+                    help="--memory: the scored tail of each sequence (RL: the completion), as a fraction")
+    ap.add_argument("--mode", default="deterministic", choices=("deterministic", "fast"))
+    ap.add_argument("--no-checkpointing", action="store_true", help="--memory: keep every layer's activations")
+    ap.add_argument("--offload-optimizer", action="store_true", help="--memory: AdamW state in host memory")
+    ap.add_argument("--memory-steps", type=int, default=2)
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes on the CPU in fp32 (TRITON_INTERPRET=1): checks the script runs; no timings")
     args = ap.parse_args()
@@ -234,15 +349,25 @@ def main() -> None:
         DEV, DT = "cpu", torch.float32
         SHAPE.update(h=64, inter=96, hq=4, hkv=2, d=16, vocab=320)
         args.shape, args.layers, args.seqs, args.seq_len = "tiny", 1, 2, 24
+        args.random_model, args.tokens = "tiny", "2x24"
         from detinfer.train.testing import SHAPES
 
         SHAPES["tiny"] = dict(SHAPES["qwen3-8b"], vocab_size=320, hidden_size=64, intermediate_size=96,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=2)
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=2,
+                              tie_word_embeddings=True)
     elif not torch.cuda.is_available():
         sys.exit("bench_train.py needs a CUDA GPU (or --smoke)")
     else:
         print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     result = {"args": vars(args)}
+    if args.memory:
+        result["memory"] = memory(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return
+    if args.layers is None:
+        args.layers = 2
     sections = args.sections.split(",")
     if "step" in sections:
         result["step"] = training_step(args)

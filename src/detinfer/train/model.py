@@ -6,6 +6,7 @@
     trainer = TrainableModel(llm)                          # same module, same weight tensors
     opt = torch.optim.AdamW(trainer.parameters(), lr=1e-5)
     lp = trainer.score(token_ids, cu_seqlens)              # [N] fp32 logprob of each next token
+    lp = trainer.score(token_ids, cu_seqlens, positions=completion_positions)   # only those entries
     loss = -(lp * advantages).sum(); loss.backward(); opt.step()
     trainer.push_weights()      # masters -> engine weights; drops the engine's now-stale prefix cache
 
@@ -23,6 +24,11 @@ before reaching the fp32 masters); any torch optimizer steps the masters, and `p
 into the engine's bf16 tensors (round-to-nearest-even, deterministic). With master_weights=False the
 engine's 16-bit tensors are the parameters and their grads are 16-bit. One TrainableModel at a time
 owns a model's gradients: creating another calls `close()` on the previous one.
+
+Memory (docs/training.md, "Memory"): logits are computed only for the scored rows, in chunks of
+`logprob_chunk_rows` (a multiple of 64; the bits do not depend on it) recomputed in backward
+(logprobs.py); `activation_checkpointing=True` keeps only each decoder layer's inputs and recomputes
+the rest in backward (same bits).
 """
 
 from __future__ import annotations
