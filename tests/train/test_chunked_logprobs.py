@@ -90,15 +90,17 @@ def _old_score(trainer, ids, cu):
     n = ids.shape[0]
     tg = torch.zeros_like(ids)
     tg[:-1] = ids[1:]
-    has = torch.ones(n, dtype=torch.bool)
+    has = torch.ones(n, dtype=torch.bool, device=ids.device)
     ends = [b - 1 for b in cu[1:]]
     has[ends], tg[ends] = False, 0
-    _, logits = trainer.forward_runner.run(ids, trainer._positions_of(cu, ids.device), trainer._attention(cu, "cpu"))
+    _, logits = trainer.forward_runner.run(ids, trainer._positions_of(cu, ids.device),
+                                           trainer._attention(cu, ids.device))
     lp = LogprobFn.apply(logits, tg, trainer.ops.log_softmax)
     return torch.where(has, lp, torch.zeros_like(lp))
 
 
 def _grads(trainer, lp, weights):
+    """{name: grad} of sum(lp * weights), leaving the trainer's grads cleared."""
     trainer.zero_grad()
     (lp * weights).sum().backward()
     grads = {n: p.grad.clone() for n, p in trainer.named_parameters()}
@@ -147,7 +149,8 @@ def test_positions_are_validated(stories):
     model, _ = load_model(stories, torch.float32, "cpu", "deterministic")
     trainer = TrainableModel(model)
     ids, cu = _batch([5, 4])
-    for bad in ([3, 2], [0, 0], [9], [-1], torch.tensor([[1]]), torch.tensor([0.0])):
+    assert trainer.score(ids, cu, positions=[]).shape == (0,)
+    for bad in ([3, 2], [0, 0], [9], [-1], [1.0], [True], torch.tensor([[1]]), torch.tensor([0.0])):
         with pytest.raises(ValueError, match="positions"):
             trainer.score(ids, cu, positions=bad)
     with pytest.raises(ValueError, match="mask"):
@@ -243,3 +246,31 @@ def test_weight_grad_continued_over_token_chunks_on_cuda():
         for start, length in ((0, 128), (128, 640), (768, 232)):
             dw = weight_grad(dy[start:start + length], x[start:start + length], out=dw)
         assert torch.equal(dw, weight_grad(dy, x))
+
+
+@pytest.mark.gpu
+def test_score_and_checkpointing_on_cuda_equal_the_unchunked_path():
+    """bf16, real-shaped layers, 1300 rows (three 512-row chunks): the new score == the unchunked path,
+    and activation checkpointing gives the same gradients with a lower peak."""
+    from detinfer.train.testing import pack, random_model
+
+    model, cfg = random_model("smollm2-135m", layers=4, device="cuda", dtype=torch.bfloat16, seed=3)
+    gen = torch.Generator().manual_seed(0)
+    ids, cu = pack([torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (700, 1, 599)])
+    ids = ids.cuda()
+    weights = torch.randn(ids.shape[0], generator=gen).cuda()
+    trainer = TrainableModel(model)
+    old = _grads(trainer, _old_score(trainer, ids, cu), weights)
+    results = {}
+    for checkpointing in (False, True):
+        trainer = TrainableModel(model, activation_checkpointing=checkpointing)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        grads = _grads(trainer, trainer.score(ids, cu), weights)
+        torch.cuda.synchronize()
+        results[checkpointing] = (grads, torch.cuda.max_memory_allocated() - base)
+    for name in old:
+        assert torch.equal(results[False][0][name], old[name]), name
+        assert torch.equal(results[True][0][name], old[name]), name
+    assert results[True][1] < results[False][1]

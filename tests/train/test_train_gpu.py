@@ -61,6 +61,11 @@ def _check_engine_equality(shape: str, layers: int | None, n: int):
         for j, i in enumerate(order):
             got = lp[cu[j]:cu[j + 1] - 1][skip[i]:].detach().float().cpu()
             assert torch.equal(got, sampled[i][1]), (shape, i, (got - sampled[i][1]).abs().max().item())
+    # Only the reported positions (what the RL loop scores), logits for those rows only.
+    ids, cu = pack(seqs)
+    positions = [cu[i] + k for i in range(n) for k in range(skip[i], cu[i + 1] - cu[i] - 1)]
+    lp = trainer.score(ids.cuda(), cu, positions=positions).detach().float().cpu()
+    assert torch.equal(lp, torch.cat([sampled[i][1] for i in range(n)]))
     # Negative control: fast-mode training (cuBLAS, SDPA) on the same weights.
     ids, cu = pack(seqs)
     fast_trainer = TrainableModel(engine, mode="fast")

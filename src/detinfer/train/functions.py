@@ -136,7 +136,9 @@ class EmbeddingFn(torch.autograd.Function):
 
 
 class LogprobFn(torch.autograd.Function):
-    """lp[t] = log_softmax(logits)[t, targets[t]] with the engine's log_softmax (sampler.compute_logprobs)."""
+    """lp[t] = log_softmax(logits)[t, targets[t]] with the engine's log_softmax (sampler.compute_logprobs).
+    Keeps the whole [T, V] log-distribution for backward: `score` uses the chunked output layer of
+    logprobs.py instead, which is tested bitwise against this unchunked form."""
 
     @staticmethod
     def forward(ctx, logits, targets, log_softmax: Callable):

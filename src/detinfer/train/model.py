@@ -297,7 +297,13 @@ def _positions(positions, n: int) -> torch.Tensor | None:
     """Validate score()'s positions: strictly increasing int indices into [0, n) -> int64 CPU tensor."""
     if positions is None:
         return None
-    p = torch.as_tensor(positions) if not isinstance(positions, torch.Tensor) else positions
+    if isinstance(positions, torch.Tensor):
+        p = positions
+    else:
+        values = list(positions)
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+            raise ValueError(f"positions must be int indices, got {values[:8]}")
+        p = torch.tensor(values, dtype=torch.int64)
     if p.dtype not in (torch.int32, torch.int64) or p.dim() != 1:
         raise ValueError(f"positions must be a 1-D int tensor or list of indices, got "
                          f"{p.dtype} of shape {tuple(p.shape)}")
