@@ -113,11 +113,15 @@ def _batch(lengths):
     return torch.tensor([t for s in seqs for t in s]), [0] + torch.tensor(lengths).cumsum(0).tolist()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_score_gradients_equal_the_unchunked_path_bitwise(stories, dtype):
+@settings(max_examples=6, deadline=None)
+@given(dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       lengths=st.one_of(st.just([70, 3, 72]), st.lists(st.integers(1, 90), min_size=1, max_size=4)),
+       chunk_rows=st.sampled_from([64, 128, 512]))
+def test_score_gradients_equal_the_unchunked_path_bitwise(stories, dtype, lengths, chunk_rows):
+    """The whole model (tied embeddings: the output layer's dW meets the embedding's), every gradient."""
     model, _ = load_model(stories, dtype, "cpu", "deterministic")
-    trainer = TrainableModel(model, logprob_chunk_rows=64)
-    ids, cu = _batch([70, 3, 72])  # 145 rows: three chunks, the last partial
+    trainer = TrainableModel(model, logprob_chunk_rows=chunk_rows)
+    ids, cu = _batch(lengths)  # e.g. 145 rows: three 64-row chunks, the last partial
     weights = torch.linspace(-1, 1, ids.shape[0])
     lp = trainer.score(ids, cu)
     old = _old_score(trainer, ids, cu)
