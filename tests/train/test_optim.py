@@ -61,7 +61,7 @@ def test_adamw_on_cuda_is_fused_and_deterministic():
         params = [torch.nn.Parameter(torch.randn(1000, 77, device="cuda", generator=gen)) for _ in range(3)]
         opt = adamw(params, lr=1e-2, weight_decay=0.1)
         assert opt.param_groups[0]["fused"] is True
-        for step in range(3):
+        for _ in range(3):
             for p in params:
                 p.grad = torch.randn(p.shape, device="cuda", generator=gen)
             opt.step()

@@ -23,8 +23,8 @@ from detinfer.kernels._fold import fold_sum
 from detinfer.kernels._launch import KERNEL_DTYPES, check_kernel_inputs
 from detinfer.kernels.matmul_ref import REF_BLOCK_K, _ref_bnk
 
-__all__ = ["BLOCK_T", "TOKEN_CHUNK_MULTIPLE", "bias_grad", "linear_backward", "linear_backward_ref", "matmul_det", "use_triton",
-           "weight_grad", "weight_grad_ref"]
+__all__ = ["BLOCK_T", "TOKEN_CHUNK_MULTIPLE", "bias_grad", "linear_backward", "linear_backward_ref", "matmul_det",
+           "use_triton", "weight_grad", "weight_grad_ref"]
 
 # Tokens per reduction step of dW: fixes the order of the fp32 additions, so a constant of the kernel
 # (never derived from the batch or the token count).

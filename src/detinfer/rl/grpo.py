@@ -8,9 +8,9 @@
 One step: draw the step's prompts (a pure function of (seed, step)) -> the engine samples `n_samples`
 completions per prompt at temperature 1, each request seeded from (seed, step, prompt) and each sample
 drawn from (that seed, position, sample index), with the sampler's logprob of every token -> the task
-scores them -> group-relative advantages -> the trainer re-scores the same tokens with autograd, computing
-logits for the completion tokens only (these are the logprobs the mismatch statistics compare with the
-sampler's) -> policy-gradient loss, backward in fixed micro-batches -> clip, AdamW step (fused on CUDA) -> `push_weights()`: 16-bit engines get the fp32 master weights
+scores them -> group-relative advantages -> the trainer re-scores the same tokens with autograd (these are
+the logprobs the mismatch statistics compare with the sampler's) -> policy-gradient loss, backward in
+fixed micro-batches -> clip, AdamW step -> `push_weights()`: 16-bit engines get the fp32 master weights
 copied into their tensors in place (CUDA graphs keep pointing at the same storage) and the engine's
 prefix cache is dropped (its K/V belong to the old weights). fp32 engines train their own tensors.
 
