@@ -238,16 +238,20 @@ def test_chunked_output_layer_equals_unchunked_on_cuda(dtype):
             assert torch.equal(got, want)
 
 
-@pytest.mark.gpu
-def test_weight_grad_continued_over_token_chunks_on_cuda():
+def test_weight_grad_kernel_continued_over_token_chunks_equals_one_call():
+    """The Triton dW kernel's `out=` (CUDA; Triton's interpreter on CPU, fp32 there)."""
     from detinfer.kernels.linear_backward import weight_grad
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for dtype in (torch.bfloat16, torch.float32):
-        dy = torch.randn(1000, 384, device="cuda", generator=gen).to(dtype)
-        x = torch.randn(1000, 320, device="cuda", generator=gen).to(dtype)
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    t, n, k = (1000, 384, 320) if cuda else (300, 70, 50)
+    chunks = ((0, 128), (128, 640), (768, 232)) if cuda else ((0, 64), (64, 128), (192, 108))
+    for dtype in (torch.bfloat16, torch.float32) if cuda else (torch.float32,):
+        dy = torch.randn(t, n, device=dev, generator=gen).to(dtype)
+        x = torch.randn(t, k, device=dev, generator=gen).to(dtype)
         dw = None
-        for start, length in ((0, 128), (128, 640), (768, 232)):
+        for start, length in chunks:
             dw = weight_grad(dy[start:start + length], x[start:start + length], out=dw)
         assert torch.equal(dw, weight_grad(dy, x))
 
