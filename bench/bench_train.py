@@ -240,12 +240,13 @@ def predict_memory(cfg, params: int, seqs: int, seq_len: int, scored: int, check
     t, h, i = seqs * seq_len, cfg.hidden_size, cfg.intermediate_size
     q, kv, layers, vocab = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, \
         cfg.num_hidden_layers, cfg.vocab_size
-    # bf16 elements per token that one layer's ops save: the norms' inputs and residuals (2 x 2H), the
+    # bytes per token that one layer's ops save (bf16): the norms' inputs and residuals (2 x 2H), the
     # qkv/gate_up inputs (2H), the qkv output (q + 2kv), the rotated q and k, the attention output (2q + kv),
-    # gate_up's output (2I) and down's input (I)
+    # gate_up's output (2I) and down's input (I). Checked against autograd's saved tensors on small models:
+    # exact per layer, plus at most 4H bytes per token for the final norm and the output layer's input.
     per_layer = 2 * (6 * h + 3 * q + 3 * kv + 3 * i)
     layer_inputs = 2 * 2 * h  # h and residual: all a checkpointed layer keeps
-    saved = t * (layers * (layer_inputs if checkpointing else per_layer) + 2 * h)
+    saved = t * (layers * (layer_inputs if checkpointing else per_layer) + 4 * h)
     chunk = min(scored, LOGPROB_CHUNK_ROWS) * vocab * 20  # bf16 + fp32 logits, log-dist, exp temp, dz, bf16 dy
     layer_bwd = 2 * t * per_layer if checkpointing else t * per_layer  # recomputed activations + grad temps
     tied = vocab * h * 4 if cfg.tie_word_embeddings else 0
