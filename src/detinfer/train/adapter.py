@@ -215,7 +215,8 @@ def _checkpointed(forward):
     non-reentrant checkpoint). The recompute calls the same ops with the same inputs, so it reproduces the
     saved tensors bit for bit (the ops are deterministic) and the backward is unchanged."""
     def run(*args):
-        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False)
+        # no RNG state to stash and restore: the layers draw no random numbers
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False)
     return run
 
 
