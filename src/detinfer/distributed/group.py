@@ -72,7 +72,10 @@ class TPGroup:
         """Every rank's `t` (same shape and dtype on all ranks), stacked in rank order: [P, *t.shape]."""
         t = t.contiguous()
         out = t.new_empty((self.size, *t.shape))  # gathered straight into the stacked result
-        self.pg.allgather([list(out.unbind(0))], [t]).wait()
+        if self.backend == "nccl":  # one flat all-gather into `out`: no staging buffer and copy-outs
+            self.pg._allgather_base(out, t).wait()
+        else:
+            self.pg.allgather([list(out.unbind(0))], [t]).wait()
         return out
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
