@@ -248,7 +248,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="GPUs to split the model over (rank r on the r-th GPU from cuda:0)")
     ap.add_argument("--tp-invariant-reduction", action="store_true",
-                    help="deterministic row-parallel sums with TP=1's bits at any TP size (docs/tensor-parallel.md); at "
+                    help="deterministic row-parallel sums with TP=1's bits at any TP size "
+                    "(docs/tensor-parallel.md); at "
                     "TP=1 it swaps the shared model's o_proj/down_proj in place: keep the default mode order")
     ap.add_argument("--repeat", type=int, default=1, help="timed e2e runs per mode (the median is reported)")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test the script (tiny --layers)")
@@ -267,7 +268,8 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name() if cuda else "cpu"
     tp = args.tensor_parallel_size
     print(f"{name}  torch {torch.__version__}  layers {args.layers}  TP {tp}  weights read per step"
-          f"  {wbytes / 1e9:.2f} GB{f' ({wbytes / tp / 1e9:.2f} GB per GPU)' if tp > 1 else ''} -> roofline {roof_step * 1e3:.2f} ms/step  (built in "
+          f"  {wbytes / 1e9:.2f} GB{f' ({wbytes / tp / 1e9:.2f} GB per GPU)' if tp > 1 else ''} -> roofline "
+          f"{roof_step * 1e3:.2f} ms/step  (built in "
           f"{time.perf_counter() - t:.1f}s)", flush=True)
     reqs = workload(args.num_requests, cfg.vocab_size, seed=1, prompt_len=args.prompt_len)
     results = {}

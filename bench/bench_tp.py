@@ -138,9 +138,9 @@ def _collective_worker(rank: int, port: int, calls: int, out) -> None:
         # Zeros: repeated in-place sums stay finite; the values do not change the time.
         part = torch.zeros(nbytes // 4, device=dev)
         half = torch.zeros(nbytes // 4, device=dev, dtype=torch.bfloat16)
-        cases = {"exact_sum (deterministic)": lambda: group.exact_sum(part),
-                 "all_gather + tree (before)": lambda: pairwise_tree_sum(group.all_gather(part)),
-                 "all_reduce bf16 (fast)": lambda: group.all_reduce_sum(half)}
+        cases = {"exact_sum (deterministic)": lambda part=part: group.exact_sum(part),
+                 "all_gather + tree (before)": lambda part=part: pairwise_tree_sum(group.all_gather(part)),
+                 "all_reduce bf16 (fast)": lambda half=half: group.all_reduce_sum(half)}
         for name, fn in cases.items():
             for graph in (False, True):
                 us = _time_calls(fn, calls, graph, dev)
@@ -193,7 +193,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--cuda-graph-max-tokens", type=int, default=128,
-                   help="largest graphed mixed step (decode graphs are what is timed; fewer mixed graphs: faster start)")
+                   help="largest graphed mixed step (decode graphs are what is timed; fewer mixed graphs start "
+                   "faster)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     p.add_argument("--eager", action="store_true", help="also deterministic TP=N without CUDA graphs")
     p.add_argument("--no-collectives", action="store_true", help="skip the cross-rank sum timings")

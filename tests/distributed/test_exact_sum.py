@@ -127,7 +127,8 @@ def test_exact_sum_refuses_16_bit_partials(ranks2):
 
 
 def test_broadcast_and_agree_min(ranks2, ranks4):
-    ids = ranks4.run(lambda g: g.broadcast(torch.tensor([7, -1, 2**40]) if g.rank == 0 else torch.zeros(3, dtype=torch.int64)))
+    ids = ranks4.run(lambda g: g.broadcast(torch.tensor([7, -1, 2**40]) if g.rank == 0 else
+                                           torch.zeros(3, dtype=torch.int64)))
     assert all(torch.equal(t, torch.tensor([7, -1, 2**40])) for t in ids)
     assert ranks4.run(lambda g: g.agree_min([90, 75, 120, 80][g.rank])) == [75] * 4
     assert ranks2.run(lambda g: g.agree_min(12)) == [12, 12]

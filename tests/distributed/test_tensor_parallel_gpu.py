@@ -91,7 +91,8 @@ def test_tp2_graphs_equal_eager_and_overlap_off(model_dir, two_gpus):
 
     reqs = REQUESTS + MORE
     results, replays = {}, {}
-    for name, kw in (("graphs", {}), ("eager", dict(enforce_eager=True)), ("graphs_sync", dict(async_scheduling=False))):
+    variants = (("graphs", {}), ("eager", dict(enforce_eager=True)), ("graphs_sync", dict(async_scheduling=False)))
+    for name, kw in variants:
         engine = engine_at(model_dir, 2, device="cuda", max_num_batched_tokens=64, max_num_seqs=8,
                            tp_invariant_reduction=True, **kw)
         try:

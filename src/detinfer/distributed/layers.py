@@ -17,9 +17,10 @@ Rank r of P holds:
 Row-parallel sums, deterministic mode: every rank computes fp32 partials with `Ops.linear_tree` and the
 ranks' results are added by `TPGroup.exact_sum`: the bits of all-gathering them and adding them in rank order
 in the fixed pairwise tree, whatever the message size or batch (at P = 2 one fp32 all-reduce gives exactly
-those bits: one commutative addition). With `tp_invariant_reduction`, the K dim is cut into C = `tp_invariant_chunks(config)`
-chunks fixed by the model shape; rank r sums its C/P chunks with the pairwise tree and the P results finish
-the same tree, so every P dividing C gives what TP=1 gives with the same chunks (kernels/chunked_linear.py).
+those bits: one commutative addition). With `tp_invariant_reduction`, the K dim is cut into
+C = `tp_invariant_chunks(config)` chunks fixed by the model shape; rank r sums its C/P chunks with the pairwise
+tree and the P results finish the same tree, so every P dividing C gives what TP=1 gives with the same chunks
+(kernels/chunked_linear.py).
 Without it each rank's partial is one chunk (deterministic, but its bits depend on P). Fast mode: the plain
 matmul and the library's all-reduce.
 """
