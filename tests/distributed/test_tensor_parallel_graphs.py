@@ -3,7 +3,7 @@
 CPU cannot capture graphs, but everything around the capture can be checked:
 - every step run on every rank padded exactly as its graph would pad it (`TensorParallelRunner.run_padded_eager`:
   the graph's shape, attention bounds and full-width tables, on rank 0 and the workers alike) gives the
-  unpadded steps' bits: token ids, logprobs, prompt logprobs, at TP=2;
+  unpadded steps' bits: token ids, logprobs, prompt logprobs, at TP=2 (with and without tp_invariant_reduction);
 - overlapped scheduling on / off give the same bits at TP=2, and pending token ids reach the workers by a
   broadcast from rank 0 without rank 0 reading them on the host;
 - the KV block count is agreed through the group before the pools are allocated (graphs capture their
@@ -48,20 +48,24 @@ def pad_every_step(runner) -> list:
 
 @pytest.fixture(scope="module")
 def runs(model_dir):  # noqa: F811
-    """Results of REQUESTS + MORE at TP=2: overlap on (eager, then padded), overlap off (eager)."""
+    """Results of REQUESTS + MORE at TP=2: overlap on (eager, then padded), overlap off (eager), and with
+    tp_invariant_reduction (eager, then padded)."""
     reqs = REQUESTS + MORE
     on = engine_at(model_dir, 2)
     off = engine_at(model_dir, 2, async_scheduling=False)
+    inv = engine_at(model_dir, 2, tp_invariant_reduction=True)
     try:
-        eager_on = run(on, reqs)
-        eager_off = run(off, reqs)
+        eager_on, eager_off, eager_inv = run(on, reqs), run(off, reqs), run(inv, reqs)
         seen = pad_every_step(on.runner)
         padded_on = run(on, reqs)
         del on.runner.execute
-        yield SimpleNamespace(engine=on, eager_on=eager_on, eager_off=eager_off, padded_on=padded_on, seen=seen)
+        pad_every_step(inv.runner)
+        padded_inv = run(inv, reqs)
+        yield SimpleNamespace(engine=on, eager_on=eager_on, eager_off=eager_off, padded_on=padded_on, seen=seen,
+                              eager_inv=eager_inv, padded_inv=padded_inv)
     finally:
-        on.close()
-        off.close()
+        for engine in (on, off, inv):
+            engine.close()
 
 
 def test_padded_steps_equal_unpadded_steps_at_tp2(runs):
@@ -70,6 +74,11 @@ def test_padded_steps_equal_unpadded_steps_at_tp2(runs):
     kinds = {kind for kind, _ in runs.seen}
     assert {"decode", "mixed"} <= kinds, runs.seen  # both graph families were padded
     assert ("decode", True) in runs.seen, "no padded step took pending ids from the previous step"
+
+
+def test_padded_steps_equal_unpadded_steps_with_invariant_reduction(runs):
+    assert runs.padded_inv == runs.eager_inv
+    assert runs.eager_inv != runs.eager_on  # the chunk tree is a different rounding: both runs were exercised
 
 
 def test_overlap_on_off_equal_at_tp2(runs):
