@@ -22,10 +22,12 @@ Rank r of P holds:
   its own slots and the library all-reduce adds the ranks.
 
 Row-parallel sums, deterministic mode: every rank computes fp32 partials with `Ops.linear_tree` and the
-ranks' results are all-gathered and added by `Ops.tree_sum` in rank order: a fixed order whatever the
-message size or batch. With `tp_invariant_reduction`, the K dim is cut into C = `tp_invariant_chunks(config)`
-chunks fixed by the model shape; rank r sums its C/P chunks with the pairwise tree and the P results finish
-the same tree, so every P dividing C gives what TP=1 gives with the same chunks (kernels/chunked_linear.py).
+ranks' results are added by `TPGroup.exact_sum`: the bits of all-gathering them and adding them in rank order
+in the fixed pairwise tree, whatever the message size or batch (at P = 2 one fp32 all-reduce gives exactly
+those bits: one commutative addition). With `tp_invariant_reduction`, the K dim is cut into
+C = `tp_invariant_chunks(config)` chunks fixed by the model shape; rank r sums its C/P chunks with the pairwise
+tree and the P results finish the same tree, so every P dividing C gives what TP=1 gives with the same chunks
+(kernels/chunked_linear.py).
 Without it each rank's partial is one chunk (deterministic, but its bits depend on P). Fast mode: the plain
 matmul and the library's all-reduce.
 """
@@ -180,7 +182,7 @@ class RowParallelLinear(nn.Module):
             return y if self.bias is None else y + self.bias
         y = ops.linear_tree(x, self.weight, self.chunks or 1)  # fp32 [T, N]: this rank's subtree
         if g is not None:
-            y = ops.tree_sum(g.all_gather(y))  # the tree's top levels, in rank order, on every rank
+            y = g.exact_sum(y)  # the tree's top levels, in rank order, on every rank (all-reduce at P=2)
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype)

@@ -8,8 +8,14 @@ vocab-parallel logits come back full width on rank 0.
 Start-up: rank 0 shards the full model it was given (loaded as for TP=1), keeps shard 0 and sends each
 worker its shard as CPU tensors (shared memory), so checkpoints, random presets and in-memory models all
 work the same way. Rank 0 therefore holds the full weights once while loading (a limit for models larger
-than one device). Steps run eagerly (collectives are not captured in CUDA graphs yet). All ranks agree on
-the KV pool size (the smallest any rank could allocate).
+than one device). All ranks agree on the KV pool size (the smallest any rank could allocate) before
+allocating it.
+
+CUDA graphs: every rank's `ModelRunner` captures the same shapes in the same order, collectives included.
+The shape a step replays is a pure function of its layout and the (shared) engine config; rank 0 sends its
+choice with the layout and each worker checks that it picked the same, so all ranks replay matching graphs.
+Overlapped scheduling: token ids sampled by the previous step stay on rank 0's device; they reach the
+workers by a device broadcast inside the step (an exact data move), so rank 0 never waits for them.
 
 Failures: any error in a step, or a worker's exit, is fatal for the group (collectives half done cannot be
 resumed): the workers are stopped, and this and every later `execute` raises a RuntimeError naming the
@@ -20,7 +26,6 @@ group when a worker exits, and every collective has a timeout (group.DEFAULT_TIM
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing.connection as mpc
 import threading
 import time
@@ -31,7 +36,7 @@ import torch.multiprocessing as mp
 
 from detinfer.distributed.group import DEFAULT_TIMEOUT_S, connect, master_store
 from detinfer.distributed.layers import build_local_model, check_tp_config, local_config, shard_state, use_chunk_tree
-from detinfer.distributed.worker import WorkerSpec, shrink_kv_cache, worker_main
+from detinfer.distributed.worker import WorkerSpec, step_message, worker_main
 from detinfer.engine.config import EngineConfig
 from detinfer.engine.model_runner import ModelRunner
 from detinfer.models.config import ModelConfig
@@ -86,7 +91,6 @@ class TensorParallelRunner:
         devices = rank_devices(device, size)
         self.config, self.size, self.model_config = config, size, model_config
         self._procs, self._conns, self._failure, self._closing = [], [], None, False
-        eager = config.replace(enforce_eager=True)
         store = master_store(size, timeout_s=timeout_s)
         port = store.port
         ctx = _process_context()
@@ -94,7 +98,7 @@ class TensorParallelRunner:
         try:
             for r in range(1, size):
                 parent, child = ctx.Pipe()
-                spec = WorkerSpec(r, size, port, str(devices[r]), model_config, eager, ops.mode, ops.dtype,
+                spec = WorkerSpec(r, size, port, str(devices[r]), model_config, config, ops.mode, ops.dtype,
                                   ops.attention, ops.cpu_triton, num_kv_blocks, timeout_s, threads)
                 proc = ctx.Process(target=worker_main, args=(spec, child), name=f"detinfer-tp-rank{r}")
                 proc.start()
@@ -108,12 +112,11 @@ class TensorParallelRunner:
                 conn.send(("state", shard_state(model, model_config, r, size, device="cpu")))
             local = build_local_model(model_config, size, ops, self.group, shard_state(model, model_config, 0, size),
                                       device, config.tp_invariant_reduction)
-            self.local = ModelRunner(local, local_config(model_config, size), eager, num_kv_blocks)
+            self.local = ModelRunner(local, local_config(model_config, size), config, num_kv_blocks,
+                                     tp_group=self.group)
             blocks = [self.local.num_kv_blocks] + [msg[1] for msg in self._expect("ready")]
-            if len(set(blocks)) > 1:
-                for conn in self._conns:
-                    conn.send(("shrink", min(blocks)))
-                shrink_kv_cache(self.local, min(blocks))
+            if len(set(blocks)) > 1:  # agreed inside ModelRunner (group.agree_min): a bug if not
+                raise RuntimeError(f"tensor-parallel ranks built KV pools of different sizes: {blocks} blocks")
         except BaseException:
             self.close()
             raise
@@ -138,20 +141,26 @@ class TensorParallelRunner:
 
     # -- steps -----------------------------------------------------------------------------------------
     def execute(self, batch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self._step(batch.layout, input_ids, False, lambda ids: self.local.execute(batch, input_ids=ids))
+
+    def run_padded_eager(self, layout, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Test hook: `ModelRunner.run_padded_eager` on every rank (the step padded as its graph pads it)."""
+        return self._step(layout, input_ids, True, lambda ids: self.local.run_padded_eager(layout, ids))
+
+    def _step(self, layout, input_ids: torch.Tensor | None, padded: bool, run_local) -> torch.Tensor:
         if self._failure is None:
             self._failure = self._worker_failure()
         if self._failure is not None:
             raise RuntimeError(self._failure)
         try:
-            layout = batch.layout
-            if input_ids is not None:
-                # Overlapped scheduling left some ids (the previous step's samples) on rank 0's device only:
-                # the workers get them as host data. This waits for the previous step, so under tensor
-                # parallelism overlap saves nothing yet; the bits are the same either way.
-                layout = dataclasses.replace(layout, token_ids=input_ids.tolist())
+            msg = step_message(self.local, layout, input_ids is not None, padded)
             for conn in self._conns:
-                conn.send(("step", layout))
-            return self.local.execute(batch, input_ids=input_ids)
+                conn.send(msg)
+            if input_ids is not None:
+                # Overlapped scheduling: some ids (the previous step's samples) are on rank 0's device only.
+                # The workers receive them by this broadcast (ordered on the stream: no host sync).
+                input_ids = self.group.broadcast(input_ids.contiguous())
+            return run_local(input_ids)
         except Exception as e:
             self._fail(self._worker_failure(wait_s=2.0) or
                        f"tensor-parallel step failed on rank 0 ({type(e).__name__}: {e})")
