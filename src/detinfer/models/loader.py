@@ -165,8 +165,9 @@ def load_state(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype, d
         to_load = check_checkpoint(model_dir, config)
     except ValueError as e:
         raise ValueError(f"{who}{e}") from None
-    if config.family.hf_sources is None:
-        raise ValueError(f"{config.architecture} has no HF source layout (hf_sources): cannot load it")
+    if config.family.hf_sources is None and size > 1:
+        raise ValueError(f"{who}the {config.family.model_type} family has no hf_sources layout, so its checkpoints "
+                         "cannot be loaded sharded; load the whole model and use LLMEngine.from_model")
     expected = config.family.hf_weight_shapes(config)
     device = torch.device(device)
     state = {}
@@ -179,6 +180,8 @@ def load_state(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype, d
                 handles[path] = stack.enter_context(_open(path))
             return _read_tensor(handles[path], path, name, device, dtype, index, who)
 
+        if config.family.hf_sources is None:  # whole tensors, fused by the family's own state_dict_from_hf
+            return config.family.state_dict_from_hf(config, {name: read(name) for name in to_load})
         sources = config.family.hf_sources(config)
         for name, shape in full_parameter_shapes(config).items():
             spec = shard_spec(name, shape, config, rank, size)
