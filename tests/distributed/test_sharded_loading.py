@@ -18,7 +18,7 @@ from detinfer.engine import EngineConfig, LLMEngine, SamplingParams
 from detinfer.engine.testing import drive
 from detinfer.models import loader
 from detinfer.models.config import ModelConfig
-from detinfer.models.testing import write_tiny_checkpoint
+from detinfer.models.testing import expected_shard_numel, write_tiny_checkpoint
 from detinfer.models.weight_sources import RandomWeights
 from detinfer.repro.random_model import preset_config
 
@@ -28,8 +28,6 @@ ENGINE = dict(max_num_batched_tokens=16, max_num_seqs=4, block_size=4, num_kv_bl
 
 
 def expected_shard_bytes(cfg: ModelConfig, size: int, element_size: int) -> int:
-    from tests.models.test_loader_sharded import expected_shard_numel
-
     return expected_shard_numel(cfg, size) * element_size
 
 

@@ -23,7 +23,7 @@ from detinfer.models import loader
 from detinfer.models import random_weights as rw
 from detinfer.models.config import ModelConfig
 from detinfer.models.loader import load_model, load_state
-from detinfer.models.testing import write_tiny_checkpoint
+from detinfer.models.testing import expected_shard_numel, write_tiny_checkpoint
 from detinfer.repro.random_model import build_random_model, preset_config
 
 STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260k"
@@ -33,22 +33,6 @@ LLAMA = dict(vocab_size=322, hidden_size=32, intermediate_size=64, num_attention
 MOE = {"Qwen3MoeForCausalLM": dict(extra=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                                               mlp_only_layers=[1])),
        "MixtralForCausalLM": dict(intermediate_size=48, extra=dict(num_local_experts=4))}
-
-
-def expected_shard_numel(cfg: ModelConfig, size: int) -> int:
-    """Parameters one rank of `size` holds, from the config alone (independent of the sharding code)."""
-    H, D, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size // size
-    hq, hkv = cfg.num_attention_heads // size, max(1, cfg.num_key_value_heads // size)
-    vocab_rows = -(-cfg.vocab_size // size)
-    n = vocab_rows * H * (1 if cfg.tie_word_embeddings else 2) + H
-    for layer in range(cfg.num_hidden_layers):
-        n += 2 * H + (hq + 2 * hkv) * D * H + H * hq * D
-        n += (hq + 2 * hkv) * D * cfg.qkv_bias + H * cfg.o_bias + 2 * D * cfg.qk_norm
-        if layer in cfg.moe_layers:
-            n += cfg.num_experts * H + cfg.num_experts // size * 3 * cfg.moe_intermediate_size * H
-        else:
-            n += 3 * inter * H + (2 * inter + H) * cfg.mlp_bias
-    return n
 
 
 @pytest.fixture(scope="module")
