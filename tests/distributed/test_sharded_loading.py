@@ -86,5 +86,6 @@ def test_a_worker_loading_error_names_the_rank_and_the_tensor(tmp_path):
     tensors = load_file(ckpt / "model.safetensors")
     tensors[name][-1, 0] = float("nan")  # read by rank 1 only
     save_file(tensors, str(ckpt / "model.safetensors"))
-    with pytest.raises(RuntimeError, match=rf"(?s)worker rank 1 failed during start-up.*rank 1 of 2: .*{name} holds NaN"):
+    message = rf"(?s)worker rank 1 failed during start-up.*rank 1 of 2: .*{name} holds NaN"
+    with pytest.raises(RuntimeError, match=message):
         LLMEngine(ckpt, EngineConfig(tensor_parallel_size=2, **ENGINE), device="cpu")

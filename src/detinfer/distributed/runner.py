@@ -32,8 +32,14 @@ import torch
 import torch.multiprocessing as mp
 
 from detinfer.distributed.group import DEFAULT_TIMEOUT_S, connect, master_store
-from detinfer.distributed.layers import (build_local_model, check_tp_config, local_config, shard_state, use_chunk_tree,
-                                         weight_bytes)
+from detinfer.distributed.layers import (
+    build_local_model,
+    check_tp_config,
+    local_config,
+    shard_state,
+    use_chunk_tree,
+    weight_bytes,
+)
 from detinfer.distributed.worker import WorkerSpec, shrink_kv_cache, worker_main
 from detinfer.engine.config import EngineConfig
 from detinfer.engine.model_runner import ModelRunner
