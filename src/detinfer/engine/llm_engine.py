@@ -133,6 +133,8 @@ class LLMEngine:
         return engine
 
     def _setup_sharded(self, weights, model_config, config, device, tokenizer, attention_backend) -> None:
+        if device.type == "cuda" and device.index is None:  # rank 0's GPU, as a loaded model's tensors say it
+            device = torch.device("cuda", torch.cuda.current_device())
         ops = Ops(config.mode, device, weights.dtype, head_dim=model_config.head_dim, attention=attention_backend)
         if config.tensor_parallel_size > 1:
             self._setup(None, model_config, config, tokenizer, weights=weights, ops=ops)
