@@ -157,3 +157,31 @@ def test_loading_errors_name_the_tensor_and_the_rank(tmp_path):
     _edit(ckpt2, lambda tensors: tensors.update({name: tensors[name][:-1]}))
     with pytest.raises(ValueError, match=rf"(?s)rank 0 of 2: .*{name} has shape"):
         load_state(ckpt2, cfg, torch.float32, "cpu", 0, 2)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_random_shards_of_any_shape_are_slices_of_the_whole(data):
+    """Any head / KV-head / vocab / intermediate shape and any TP size the model allows: each rank's own draw
+    is its slice of the whole draw, and holds the parameter count the config implies."""
+    from detinfer.distributed import check_tp_config
+    from detinfer.models.testing import tiny_config_dict
+
+    size = data.draw(st.sampled_from([2, 4]))
+    kv = data.draw(st.sampled_from([1, 2, 4, 8]))
+    heads = kv * data.draw(st.sampled_from([1, 2, 4]))
+    if heads % size:
+        heads *= size
+    cfg = ModelConfig.from_dict(tiny_config_dict(
+        data.draw(st.sampled_from(["LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM"])),
+        vocab_size=data.draw(st.integers(5, 70)), hidden_size=16, head_dim=4, num_attention_heads=heads,
+        num_key_value_heads=kv, intermediate_size=size * data.draw(st.integers(1, 6)), num_hidden_layers=1,
+        tie_word_embeddings=data.draw(st.booleans()), attention_bias=data.draw(st.booleans()),
+        mlp_bias=data.draw(st.booleans())))
+    check_tp_config(cfg, size)
+    whole = rw.random_state(cfg, seed=2, dtype=torch.float32, device="cpu")
+    for rank in range(size):
+        mine = rw.random_state(cfg, seed=2, dtype=torch.float32, device="cpu", rank=rank, size=size)
+        for name, t in whole.items():
+            assert torch.equal(mine[name], take_shard(t, shard_spec(name, tuple(t.shape), cfg, rank, size))), name
+        assert sum(t.numel() for t in mine.values()) == expected_shard_numel(cfg, size)
