@@ -80,7 +80,7 @@ def test_random_preset_tp4_draws_per_rank_and_matches_tp1():
     assert tp4 == tp1 and all(sig.error is None for sig in tp4.values())
 
 
-def test_a_worker_loading_error_names_the_rank_and_the_tensor(tmp_path):
+def test_loading_errors_name_the_rank_and_the_tensor(tmp_path):
     ckpt = write_tiny_checkpoint(tmp_path / "m", "LlamaForCausalLM", num_hidden_layers=1)
     name = "model.layers.0.self_attn.q_proj.weight"
     tensors = load_file(ckpt / "model.safetensors")
@@ -88,4 +88,8 @@ def test_a_worker_loading_error_names_the_rank_and_the_tensor(tmp_path):
     save_file(tensors, str(ckpt / "model.safetensors"))
     message = rf"(?s)worker rank 1 failed during start-up.*rank 1 of 2: .*{name} holds NaN"
     with pytest.raises(RuntimeError, match=message):
+        LLMEngine(ckpt, EngineConfig(tensor_parallel_size=2, **ENGINE), device="cpu")
+    tensors.pop("model.layers.0.mlp.up_proj.weight")
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"(?s)rank 0 of 2: .*missing tensors: model.layers.0.mlp.up_proj.weight"):
         LLMEngine(ckpt, EngineConfig(tensor_parallel_size=2, **ENGINE), device="cpu")

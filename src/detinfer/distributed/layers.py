@@ -13,6 +13,10 @@ Rank r of P holds:
   rows and picks the owner's (a copy, so bit-exact; summing "row + exact zeros" would turn -0.0 into +0.0).
   Logits: each rank's [S, V'] columns are gathered and concatenated (exact).
 - norms, rotary: replicated.
+- stacked experts of a mixture-of-experts layer (expert parallel): experts [r E/P, (r+1) E/P), whole; the
+  router replicated.
+These rules live in one function, `shard_spec`, which the in-memory split (`shard_state`) and the sharded
+loaders (a checkpoint's slices, a random preset's draws: models/loader.py, models/random_weights.py) share.
 
 Row-parallel sums, deterministic mode: every rank computes fp32 partials with `Ops.linear_tree` and the
 ranks' results are all-gathered and added by `Ops.tree_sum` in rank order: a fixed order whatever the
