@@ -14,9 +14,13 @@ matching graph (a mismatch is a bug, reported as an error, never a silent hang o
 Pending token ids (overlapped scheduling) are in the layout as PENDING_TOKEN; when the message says so, the
 step's ids come from rank 0 by a device broadcast before the forward.
 
-Messages to a worker: ("state", {name: cpu tensor}), ("step", layout, shape key, ids_follow, padded),
-("stop",).
-Messages from a worker: ("hello",), ("ready", num_kv_blocks), ("error", text).
+Weights: with `WorkerSpec.weights` (a models.weight_sources value: a checkpoint path or a random preset's
+seed, plus the dtype) the worker reads / draws only its own slices on its device; without it, rank 0 sends
+them (an in-memory model it sharded).
+
+Messages to a worker: ("state", {name: cpu tensor}) (only without `weights`), ("step", layout, shape key,
+ids_follow, padded), ("stop",).
+Messages from a worker: ("hello",), ("ready", num_kv_blocks, resident weight bytes), ("error", text).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import sys
 import traceback
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -47,6 +52,7 @@ class WorkerSpec:
     num_kv_blocks: int | None
     timeout_s: float
     num_threads: int | None
+    weights: Any = None  # a models.weight_sources value; None: rank 0 sends the shard ("state")
 
 
 @dataclass(frozen=True)
@@ -90,17 +96,20 @@ def worker_main(spec: WorkerSpec, conn) -> None:
         if spec.num_threads:
             torch.set_num_threads(spec.num_threads)
         from detinfer.distributed.group import connect
-        from detinfer.distributed.layers import build_local_model, local_config
+        from detinfer.distributed.layers import build_local_model, local_config, weight_bytes
         from detinfer.engine.model_runner import ModelRunner
         from detinfer.ops import Ops
 
         conn.send(("hello",))
         device = torch.device(spec.device)
         group = connect(spec.rank, spec.size, spec.port, device, timeout_s=spec.timeout_s)
-        kind, state = conn.recv()
-        if kind != "state":
-            raise RuntimeError(f"expected the weights first, got {kind!r}")
         cfg = spec.model_config
+        if spec.weights is not None:
+            state = spec.weights.state(cfg, spec.rank, spec.size, device)
+        else:
+            kind, state = conn.recv()
+            if kind != "state":
+                raise RuntimeError(f"expected the weights first, got {kind!r}")
         ops = Ops(spec.mode, device, spec.dtype, head_dim=cfg.head_dim, attention=spec.attention,
                   cpu_triton=spec.cpu_triton)
         model = build_local_model(cfg, spec.size, ops, group, state, device,
@@ -108,7 +117,7 @@ def worker_main(spec: WorkerSpec, conn) -> None:
         del state
         runner = ModelRunner(model, local_config(cfg, spec.size), spec.engine_config, spec.num_kv_blocks,
                              tp_group=group)
-        conn.send(("ready", runner.num_kv_blocks))
+        conn.send(("ready", runner.num_kv_blocks, weight_bytes(model)))
         _serve(conn, runner, group)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         sys.exit(0)  # rank 0 went away: nothing to report to

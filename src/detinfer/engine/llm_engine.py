@@ -45,6 +45,8 @@ from detinfer.models.config import ModelConfig
 from detinfer.models.hub import resolve_model_path
 from detinfer.models.loader import load_model, load_tokenizer
 from detinfer.models.transformer import Transformer
+from detinfer.models.weight_sources import CheckpointWeights, build_full_model
+from detinfer.ops import Ops
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:
@@ -91,8 +93,13 @@ class LLMEngine:
         model_dir = resolve_model_path(model_dir)  # a directory, or a hub id -> its cached snapshot
         dtype = resolve_dtype(config.dtype, ModelConfig.from_dir(model_dir).dtype, device)
         try:
-            model, model_config = load_model(model_dir, dtype, device, config.mode, attention=attention_backend)
-            self._setup(model, model_config, config, load_tokenizer(model_dir))
+            if config.tensor_parallel_size > 1:  # every rank reads only its own slices (no full copy anywhere)
+                model_config = ModelConfig.from_dir(model_dir)
+                self._setup_sharded(CheckpointWeights(str(model_dir), dtype), model_config, config, device,
+                                    load_tokenizer(model_dir), attention_backend)
+            else:
+                model, model_config = load_model(model_dir, dtype, device, config.mode, attention=attention_backend)
+                self._setup(model, model_config, config, load_tokenizer(model_dir))
         except (torch.OutOfMemoryError, MemoryError) as e:
             raise RuntimeError(out_of_memory_message(config, device, e)) from e
         except RuntimeError as e:
@@ -113,7 +120,28 @@ class LLMEngine:
         engine._setup(model, model_config, EngineConfig() if config is None else config, tokenizer)
         return engine
 
-    def _setup(self, model, model_config, config, tokenizer) -> None:
+    @classmethod
+    def from_weights(cls, weights, model_config: ModelConfig, config: EngineConfig | None = None,
+                     device: torch.device | str | None = None, tokenizer=None, *,
+                     attention_backend: str = "auto") -> LLMEngine:
+        """An engine over `weights` (a models.weight_sources value, e.g. `RandomWeights(seed, dtype)` for a
+        random preset): at TP=1 the whole model is built from it; under tensor parallelism every rank builds
+        only its own shard from it. Tokenizer: as for `from_model`."""
+        engine = cls.__new__(cls)
+        engine._setup_sharded(weights, model_config, EngineConfig() if config is None else config,
+                              resolve_device(device), tokenizer, attention_backend)
+        return engine
+
+    def _setup_sharded(self, weights, model_config, config, device, tokenizer, attention_backend) -> None:
+        if device.type == "cuda" and device.index is None:  # rank 0's GPU, as a loaded model's tensors say it
+            device = torch.device("cuda", torch.cuda.current_device())
+        ops = Ops(config.mode, device, weights.dtype, head_dim=model_config.head_dim, attention=attention_backend)
+        if config.tensor_parallel_size > 1:
+            self._setup(None, model_config, config, tokenizer, weights=weights, ops=ops)
+        else:
+            self._setup(build_full_model(weights, model_config, ops), model_config, config, tokenizer)
+
+    def _setup(self, model, model_config, config, tokenizer, *, weights=None, ops=None) -> None:
         limit = model_config.max_position_embeddings
         max_len = limit if config.max_model_len is None else config.max_model_len
         if max_len > limit:
@@ -127,7 +155,7 @@ class LLMEngine:
         if config.tensor_parallel_size > 1 or config.tp_invariant_reduction:
             from detinfer.distributed import make_runner  # rank 0 of a TP group (docs/tensor-parallel.md)
 
-            self.runner = make_runner(model, model_config, config, config.num_kv_blocks)
+            self.runner = make_runner(model, model_config, config, config.num_kv_blocks, weights=weights, ops=ops)
         else:
             self.runner = ModelRunner(model, model_config, config, config.num_kv_blocks)
         self.ops = self.runner.ops  # the model's numerics backend (logprobs use its log_softmax)
