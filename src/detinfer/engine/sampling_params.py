@@ -7,14 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from detinfer.engine.config import MAX_SEED, check_float, check_int
+from detinfer.engine.config import FLOAT32_MAX, FLOAT32_MIN_NORMAL, INT64_MAX, MAX_SEED, check_float, check_int
 
 PENALTY_RANGE = 2.0  # presence/frequency penalties live in [-2, 2] (OpenAI's range)
-# Bounds of what the sampler can hold: counts, ids and top_k travel as int64; temperature and the
-# repetition penalty divide float32 logits, so they must be normal, finite float32 numbers.
-INT64_MAX = (1 << 63) - 1
-FLOAT32_MAX = 3.4028234663852886e38
-FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
+# Bounds of what the sampler can hold (INT64_MAX, FLOAT32_MAX, FLOAT32_MIN_NORMAL from engine.config): counts,
+# ids and top_k travel as int64; temperature and the repetition penalty divide float32 logits, so they must
+# be normal, finite float32 numbers.
 # Temperatures below this sample greedily. Why: the sampler draws argmax(z / T + g) with Gumbel noise g,
 # |g| < 40 for every 52-bit uniform draw, so at T = 1e-5 only tokens whose logits lie within 4e-4 of the
 # best can still be drawn (sampling is already greedy but for near-ties), while much smaller T overflow
