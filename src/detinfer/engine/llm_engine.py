@@ -27,6 +27,7 @@ size: `EngineConfig.num_kv_blocks` if given, else see `ModelRunner._pick_num_blo
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,7 @@ import torch
 from detinfer.dtypes import resolve_dtype
 from detinfer.engine.config import EngineConfig
 from detinfer.engine.device_step import LaunchedStep, SampledIds, launch_step
+from detinfer.engine.logits_processors import bad_word_sequences
 from detinfer.engine.model_runner import ModelRunner
 from detinfer.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from detinfer.engine.sampling_params import SamplingParams
@@ -178,14 +180,37 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need a tokenizer; this engine has none "
                              "(use stop_token_ids)")
+        params = self._processor_params(request_id, params)
         seqs = self.scheduler.add_request(request_id, ids, params)  # the prompt's checks, seeds
         ids = seqs[0].prompt_token_ids
         detoks = [None if self.tokenizer is None else
-                  self.tokenizer.incremental_detokenizer(ids, stop=params.stop) for _ in seqs]
+                  self.tokenizer.incremental_detokenizer(ids, stop=params.stop,
+                                                         skip_special_tokens=params.skip_special_tokens,
+                                                         include_stop_str=params.include_stop_str_in_output,
+                                                         min_tokens=params.min_tokens) for _ in seqs]
         self._requests[request_id] = _Request(request_id, prompt_text, tuple(ids), params, seqs, detoks,
                                               [0.0] * len(seqs))
         for seq, detok in zip(seqs, detoks):
             self._seq_detok[seq.seq_id] = detok
+
+    def _processor_params(self, request_id: str, params: SamplingParams) -> SamplingParams:
+        """`params` with bad_words tokenized into bad_words_token_ids, after checking every token id the
+        logits processors use against the vocabulary (so a bad id is refused here, not inside a step)."""
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError(f"request {request_id!r}: bad_words need a tokenizer; this engine has none "
+                                 "(use bad_words_token_ids)")
+            params = dataclasses.replace(params, bad_words_token_ids=params.bad_words_token_ids
+                                         + bad_word_sequences(self.tokenizer, params.bad_words))
+        vocab = self.model_config.vocab_size
+        used = {"logit_bias": [t for t, _ in params.logit_bias or ()],
+                "allowed_token_ids": list(params.allowed_token_ids or ()),
+                "bad_words_token_ids": [t for seq in params.bad_words_token_ids for t in seq]}
+        for name, ids in used.items():
+            if ids and max(ids) >= vocab:
+                raise ValueError(f"request {request_id!r}: {name} holds token id {max(ids)}, not a token id of "
+                                 f"this model (ids are 0..{vocab - 1})")
+        return params
 
     def _prompt_ids(self, request_id: str, prompt) -> tuple[str | None, list[int] | object]:
         """(text, token ids) of a text prompt; token-id prompts pass through (the scheduler checks them)."""
@@ -238,8 +263,8 @@ class LLMEngine:
         self._aborted.clear()
         previous, self._inflight = self._inflight, []
         touched: list[str] = []
-        if previous and any(d.seq.params.has_penalties and not d.seq.is_finished for d in _sampled(previous)):
-            # Penalties need every earlier token's id on the host to build the histories: no overlap.
+        if previous and any(d.seq.params.needs_history and not d.seq.is_finished for d in _sampled(previous)):
+            # Penalties, bad words and token masks need every earlier token's id on the host: no overlap.
             touched += self._resolve_or_abort(previous)
             previous = []
         batch = self.scheduler.schedule()
@@ -259,7 +284,8 @@ class LLMEngine:
         pending = SampledIds.join([p.sampled for p in previous])
         try:
             try:
-                launched = [launch_step(self.runner, self.ops.log_softmax, batch, pending)]
+                launched = [launch_step(self.runner, self.ops.log_softmax, batch, pending,
+                                         self.scheduler.eos_token_ids)]
             except Exception as exc:
                 launched = self._isolate_failure(batch, exc, pending)
         except BaseException:
@@ -298,7 +324,8 @@ class LLMEngine:
             for rid, part in groups.items():
                 sub = ScheduledBatch(tuple(part), sum(item.query_len for item in part))
                 try:
-                    launched = launch_step(self.runner, self.ops.log_softmax, sub, pending)
+                    launched = launch_step(self.runner, self.ops.log_softmax, sub, pending,
+                                           self.scheduler.eos_token_ids)
                     launched.read()  # a failure on the device shows here, in this request's share
                     kept.append(launched)
                 except Exception as e:
