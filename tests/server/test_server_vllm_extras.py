@@ -90,8 +90,9 @@ def test_include_stop_str_and_skip_special_tokens(http):
     cut = complete(http, max_tokens=16, stop=[stop])["choices"][0]
     kept = complete(http, max_tokens=16, stop=[stop], include_stop_str_in_output=True)["choices"][0]
     assert kept["text"] == cut["text"] + stop and kept["finish_reason"] == "stop"
+    # token 1 is a special token (<|im_start|>) of the tiny tokenizer
     shown = complete(http, skip_special_tokens=False, allowed_token_ids=[1])["choices"][0]["text"]
-    hidden = complete(http, allowed_token_ids=[1])["choices"][0]["text"]  # 1: a special token (<|im_start|>) of the tiny tokenizer
+    hidden = complete(http, allowed_token_ids=[1])["choices"][0]["text"]
     assert hidden == "" and shown != ""
 
 

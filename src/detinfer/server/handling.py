@@ -23,7 +23,6 @@ from detinfer.server.context import ServerState
 from detinfer.server.generation import ChoiceTracker, Generation
 from detinfer.server.request_io import AbortingStream, sse
 
-
 log = logging.getLogger("detinfer.server")
 IGNORED_FIELDS_HEADER = "X-Detinfer-Ignored-Fields"
 _MAX_HEADER_CHARS = 1024
