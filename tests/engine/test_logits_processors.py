@@ -165,11 +165,12 @@ def engine_requests(draw):
             kw["allowed_token_ids"] = draw(st.lists(st.integers(0, 511), min_size=2, max_size=40))
         kw["skip_special_tokens"] = draw(st.booleans())
         reqs.append((draw(st.integers(0, 2)), f"r{i}", draw(st.sampled_from(prompts)), SamplingParams(**kw)))
-    return reqs, draw(st.sampled_from([16, 64]))
+    return reqs, draw(st.sampled_from([16, 64])), draw(st.booleans())
 
 
-def _alone_equals_batched(path, device, reqs, budget):
-    batched = drive(stories_engine(path, device, max_num_batched_tokens=budget), reqs)
+def _alone_equals_batched(path, device, reqs, budget, overlap):
+    """The batched run chunks prompts by `budget` and may overlap steps (histories resolved late)."""
+    batched = drive(stories_engine(path, device, max_num_batched_tokens=budget, async_scheduling=overlap), reqs)
     for _, rid, prompt, params in reqs:
         alone = drive(stories_engine(path, device), [(0, rid, prompt, params)])
         assert alone[rid] == batched[rid], rid

@@ -27,7 +27,6 @@ size: `EngineConfig.num_kv_blocks` if given, else see `ModelRunner._pick_num_blo
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +36,7 @@ import torch
 from detinfer.dtypes import resolve_dtype
 from detinfer.engine.config import EngineConfig
 from detinfer.engine.device_step import LaunchedStep, SampledIds, launch_step
-from detinfer.engine.logits_processors import bad_word_sequences
+from detinfer.engine.logits_processors import prepare_processors
 from detinfer.engine.model_runner import ModelRunner
 from detinfer.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from detinfer.engine.sampling_params import SamplingParams
@@ -180,7 +179,10 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need a tokenizer; this engine has none "
                              "(use stop_token_ids)")
-        params = self._processor_params(request_id, params)
+        try:
+            params = prepare_processors(params, self.tokenizer, self.model_config.vocab_size)
+        except ValueError as e:
+            raise ValueError(f"request {request_id!r}: {e}") from None
         seqs = self.scheduler.add_request(request_id, ids, params)  # the prompt's checks, seeds
         ids = seqs[0].prompt_token_ids
         detoks = [None if self.tokenizer is None else
@@ -192,25 +194,6 @@ class LLMEngine:
                                               [0.0] * len(seqs))
         for seq, detok in zip(seqs, detoks):
             self._seq_detok[seq.seq_id] = detok
-
-    def _processor_params(self, request_id: str, params: SamplingParams) -> SamplingParams:
-        """`params` with bad_words tokenized into bad_words_token_ids, after checking every token id the
-        logits processors use against the vocabulary (so a bad id is refused here, not inside a step)."""
-        if params.bad_words:
-            if self.tokenizer is None:
-                raise ValueError(f"request {request_id!r}: bad_words need a tokenizer; this engine has none "
-                                 "(use bad_words_token_ids)")
-            params = dataclasses.replace(params, bad_words_token_ids=params.bad_words_token_ids
-                                         + bad_word_sequences(self.tokenizer, params.bad_words))
-        vocab = self.model_config.vocab_size
-        used = {"logit_bias": [t for t, _ in params.logit_bias or ()],
-                "allowed_token_ids": list(params.allowed_token_ids or ()),
-                "bad_words_token_ids": [t for seq in params.bad_words_token_ids for t in seq]}
-        for name, ids in used.items():
-            if ids and max(ids) >= vocab:
-                raise ValueError(f"request {request_id!r}: {name} holds token id {max(ids)}, not a token id of "
-                                 f"this model (ids are 0..{vocab - 1})")
-        return params
 
     def _prompt_ids(self, request_id: str, prompt) -> tuple[str | None, list[int] | object]:
         """(text, token ids) of a text prompt; token-id prompts pass through (the scheduler checks them)."""

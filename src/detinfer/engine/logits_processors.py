@@ -21,6 +21,7 @@ The reported logprobs are not affected: they are the raw model distribution (see
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Sequence
 
 import torch
@@ -38,6 +39,25 @@ def bad_word_sequences(tokenizer, words: Sequence[str]) -> tuple[tuple[int, ...]
             if ids:
                 seqs[ids] = None
     return tuple(seqs)
+
+
+def prepare_processors(params: SamplingParams, tokenizer, vocab_size: int) -> SamplingParams:
+    """What the engine does when a request is added: `params` with bad_words tokenized into
+    bad_words_token_ids, after checking every token id the processors use against the vocabulary (a bad id
+    is a ValueError here, never an error inside a step)."""
+    if params.bad_words:
+        if tokenizer is None:
+            raise ValueError("bad_words need a tokenizer; this engine has none (use bad_words_token_ids)")
+        params = dataclasses.replace(params, bad_words_token_ids=params.bad_words_token_ids
+                                     + bad_word_sequences(tokenizer, params.bad_words))
+    used = {"logit_bias": [t for t, _ in params.logit_bias or ()],
+            "allowed_token_ids": list(params.allowed_token_ids or ()),
+            "bad_words_token_ids": [t for seq in params.bad_words_token_ids for t in seq]}
+    for name, ids in used.items():
+        if ids and max(ids) >= vocab_size:
+            raise ValueError(f"{name} holds token id {max(ids)}, not a token id of this model (ids are "
+                             f"0..{vocab_size - 1})")
+    return params
 
 
 def _banned_last_tokens(bad_words: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:
