@@ -86,7 +86,15 @@ def _allowed_mask(allowed, row: int, vocab_size: int, device: torch.device) -> t
     _check_ids(f"row {row}: token_mask", ids, vocab_size)
     mask = torch.zeros(vocab_size, dtype=torch.bool)
     mask[ids] = True
-    return mask.to(device)
+    return _upload(mask, device)
+
+
+def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; on CUDA through pinned memory without blocking (a pageable copy would wait
+    for the forward pass queued before it, as in the sampler's `_row_tensor`)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _check_ids(what: str, ids: Sequence[int], vocab_size: int) -> None:
@@ -139,13 +147,13 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams], posit
     if bias_rows:
         bias = torch.zeros(S, V, dtype=torch.float32)
         bias[bias_rows, bias_toks] = torch.tensor(bias_vals, dtype=torch.float32)
-        bias = bias.to(dev)
+        bias = _upload(bias, dev)
         # Only biased entries change: adding 0.0 elsewhere would turn -0.0 logits into +0.0.
         x = torch.where(bias != 0, x + bias, x)
     if ban_rows or allow:
         masked = torch.zeros(S, V, dtype=torch.bool)
         masked[ban_rows, ban_toks] = True
-        masked = masked.to(dev)
+        masked = _upload(masked, dev)
         for r, ok in allow.items():
             masked[r] |= ~ok
         x = torch.where(masked, torch.full_like(x, float("-inf")), x)
