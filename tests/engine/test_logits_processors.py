@@ -255,3 +255,16 @@ def test_engine_refuses_token_ids_outside_the_vocabulary(engine):
         with pytest.raises(ValueError, match=f"{name} holds token id .* not a token id of this model"):
             engine.add_request("bad", "Hi", params)
         assert not engine.has_unfinished_requests()
+
+
+def test_engine_process_gets_the_same_bits(stories):
+    """The processors' fields cross to the engine process (pickled SamplingParams) and give the same tokens."""
+    from detinfer.engine import LLM
+
+    params = SamplingParams(temperature=0.7, seed=5, max_tokens=8, logit_bias={432: -100}, bad_words=["Lily"],
+                            min_tokens=3, allowed_token_ids=list(range(250, 512)))
+    kw = dict(device="cpu", mode="deterministic", max_model_len=128, max_num_seqs=4)
+    with LLM(str(stories), engine_process=True, **kw) as remote:
+        there = remote.generate({"prompt": "Once upon a time"}, params, use_tqdm=False)[0].outputs[0]
+    here = LLM(str(stories), **kw).generate("Once upon a time", params, use_tqdm=False)[0].outputs[0]
+    assert there.token_ids == here.token_ids and all(t >= 250 for t in here.token_ids)
