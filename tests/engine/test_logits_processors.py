@@ -57,6 +57,8 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     for pos, banned in [(0, {1, 6}), (1, {1, 6}), (2, set())]:
         out = process_logits(logits, [p], [pos], [[0] * pos], eos_token_ids={1})
         assert {i for i in range(8) if out[0, i] == NEG_INF} == banned
+    beyond = SamplingParams(min_tokens=2, stop_token_ids=[6, 1000])  # a stop id outside the vocabulary: no error
+    assert torch.isinf(process_logits(logits, [beyond], [0], [[]])[0]).tolist() == [i == 6 for i in range(8)]
     ignoring = SamplingParams(min_tokens=2, ignore_eos=True)
     out = process_logits(logits, [ignoring], [0], [[]], eos_token_ids={1})
     assert not torch.isinf(out).any()

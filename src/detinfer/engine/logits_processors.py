@@ -70,9 +70,11 @@ def _banned_last_tokens(bad_words: Sequence[Sequence[int]], output: Sequence[int
     return banned
 
 
-def _stop_ids(p: SamplingParams, eos_token_ids: Collection[int]) -> list[int]:
-    """What min_tokens holds back: the request's stop token ids, and EOS unless it ignores EOS."""
-    return list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(eos_token_ids))
+def _stop_ids(p: SamplingParams, eos_token_ids: Collection[int], vocab_size: int) -> list[int]:
+    """What min_tokens holds back: the request's stop token ids, and EOS unless it ignores EOS (ids beyond the
+    vocabulary are left out: they can never be drawn, and a stop id is not checked against the model)."""
+    ids = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(eos_token_ids))
+    return [t for t in ids if t < vocab_size]
 
 
 def _allowed_mask(allowed, row: int, vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -130,7 +132,7 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams], posit
         if p.bad_words_token_ids:
             banned += _banned_last_tokens(p.bad_words_token_ids, output_token_ids[r])
         if positions[r] < p.min_tokens:
-            banned += _stop_ids(p, eos_token_ids)
+            banned += _stop_ids(p, eos_token_ids, V)
         ban_rows += [r] * len(banned)
         ban_toks += banned
         if p.allowed_token_ids is not None:
