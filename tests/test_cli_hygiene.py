@@ -104,3 +104,28 @@ def test_cpu_thread_policy(monkeypatch):
         assert cli_util.cpu_thread_policy("cpu") == 1  # every core busy: one thread
     finally:
         torch.set_num_threads(before)
+
+
+def test_repro_never_calls_the_users_value_a_default(capsys):
+    ns = repro_cli.build_parser().parse_args(["m", "--prompt", "p", "--device", "cpu", "--n", "0"])
+    repro_cli._size_defaults(ns)
+    err = capsys.readouterr().err
+    assert "--max-tokens 64" in err and "--n" not in err
+
+
+def test_version_flag_prints_the_package_version(capsys):
+    from detinfer import __version__
+    from detinfer.cli import main
+
+    for flag in ("--version", "-V"):
+        assert main([flag]) == 0
+        assert capsys.readouterr().out.strip() == f"detinfer {__version__}"
+
+
+def test_pull_without_a_name_says_what_to_give(capsys):
+    from detinfer.models import pull
+
+    assert pull.main([]) == 2
+    err = capsys.readouterr().err
+    assert "usage: detinfer pull" in err and "give the name of the model" in err
+    assert all(name in err for name in pull.REGISTRY)

@@ -160,4 +160,6 @@ def test_cli_errors(tmp_path, capsys):
     assert "prompt file" in capsys.readouterr().err
     assert _run_cli(["--model", str(tmp_path), "--prompt", "x", "--prompt-file", "y"]) == 2
     assert _run_cli(["--model", str(tmp_path), "--prompt", "x", "--n", "0"]) == 2
-    assert "n must be in" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "n must be >= 1, got 0" in err
+    assert "--n 0" not in err  # the user's own value is never called a default

@@ -36,6 +36,7 @@ import torch
 from detinfer.dtypes import resolve_dtype
 from detinfer.engine.config import EngineConfig
 from detinfer.engine.device_step import LaunchedStep, SampledIds, launch_step
+from detinfer.engine.logits_processors import prepare_processors
 from detinfer.engine.model_runner import ModelRunner
 from detinfer.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from detinfer.engine.sampling_params import SamplingParams
@@ -206,10 +207,17 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need a tokenizer; this engine has none "
                              "(use stop_token_ids)")
+        try:
+            params = prepare_processors(params, self.tokenizer, self.model_config.vocab_size)
+        except ValueError as e:
+            raise ValueError(f"request {request_id!r}: {e}") from None
         seqs = self.scheduler.add_request(request_id, ids, params)  # the prompt's checks, seeds
         ids = seqs[0].prompt_token_ids
         detoks = [None if self.tokenizer is None else
-                  self.tokenizer.incremental_detokenizer(ids, stop=params.stop) for _ in seqs]
+                  self.tokenizer.incremental_detokenizer(ids, stop=params.stop,
+                                                         skip_special_tokens=params.skip_special_tokens,
+                                                         include_stop_str=params.include_stop_str_in_output,
+                                                         min_tokens=params.min_tokens) for _ in seqs]
         self._requests[request_id] = _Request(request_id, prompt_text, tuple(ids), params, seqs, detoks,
                                               [0.0] * len(seqs))
         for seq, detok in zip(seqs, detoks):
@@ -266,8 +274,8 @@ class LLMEngine:
         self._aborted.clear()
         previous, self._inflight = self._inflight, []
         touched: list[str] = []
-        if previous and any(d.seq.params.has_penalties and not d.seq.is_finished for d in _sampled(previous)):
-            # Penalties need every earlier token's id on the host to build the histories: no overlap.
+        if previous and any(d.seq.params.needs_history and not d.seq.is_finished for d in _sampled(previous)):
+            # Penalties, bad words and token masks need every earlier token's id on the host: no overlap.
             touched += self._resolve_or_abort(previous)
             previous = []
         batch = self.scheduler.schedule()
@@ -287,7 +295,8 @@ class LLMEngine:
         pending = SampledIds.join([p.sampled for p in previous])
         try:
             try:
-                launched = [launch_step(self.runner, self.ops.log_softmax, batch, pending)]
+                launched = [launch_step(self.runner, self.ops.log_softmax, batch, pending,
+                                         self.scheduler.eos_token_ids)]
             except Exception as exc:
                 launched = self._isolate_failure(batch, exc, pending)
         except BaseException:
@@ -326,7 +335,8 @@ class LLMEngine:
             for rid, part in groups.items():
                 sub = ScheduledBatch(tuple(part), sum(item.query_len for item in part))
                 try:
-                    launched = launch_step(self.runner, self.ops.log_softmax, sub, pending)
+                    launched = launch_step(self.runner, self.ops.log_softmax, sub, pending,
+                                           self.scheduler.eos_token_ids)
                     launched.read()  # a failure on the device shows here, in this request's share
                     kept.append(launched)
                 except Exception as e:
