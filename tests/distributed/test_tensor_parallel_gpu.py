@@ -8,6 +8,7 @@ with the default reduction; TP=4 == TP=1 when 4 GPUs are visible; fast mode (NCC
 with CUDA graphs == eager == overlap off; exact_sum (NCCL all-reduce at TP=2) == all-gather + tree in graphs.
 """
 
+import os
 import random
 
 import pytest
@@ -136,6 +137,11 @@ def _sum_worker(rank, port, cases, queue):
         torch.cuda.synchronize(dev)
         out.append([t.cpu().view(torch.int32) for t in (tree, eager, captured)])
     queue.put((rank, out))
+    # Flush the queue's feeder thread, then leave without running NCCL's teardown at interpreter exit: a
+    # process that exits while its results are still being written resets the parent's pipe.
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
 
 
 def test_exact_sum_nccl_is_gather_and_tree_in_and_out_of_graphs(two_gpus):
