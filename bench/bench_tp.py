@@ -72,7 +72,14 @@ def engine_runs(args) -> list[tuple[str, int, bool, bool]]:
             ("fast", args.tp, False, False), ("deterministic", args.tp, True, False)]
     if args.eager:
         runs.append(("deterministic", args.tp, False, True))
-    return runs + [("deterministic", 1, True, False)]
+    runs.append(("deterministic", 1, True, False))
+    if args.only:
+        names = {f"{m[:3]}{t}{'inv' if inv else ''}{'eager' if e else ''}": (m, t, inv, e) for m, t, inv, e in runs}
+        unknown = set(args.only) - set(names)
+        if unknown:
+            raise SystemExit(f"--only: unknown {sorted(unknown)}; choose from {sorted(names)}")
+        runs = [r for name, r in names.items() if name in args.only]
+    return runs
 
 
 def bench_engines(args) -> list[dict]:
@@ -201,6 +208,8 @@ def main() -> None:
     p.add_argument("--graph-calls", type=int, default=100, help="cross-rank sums captured per graph")
     p.add_argument("--quick", action="store_true", help="smoke test: 4 layers, batch 1 and 8, 8 steps")
     p.add_argument("--out", type=Path, help="write all rows as JSON here")
+    p.add_argument("--only", type=lambda s: s.split(","), default=None,
+                   help="engines to run, e.g. det1,det2 (det/fas + TP size + inv / eager)")
     args = p.parse_args()
     if args.quick:
         args.layers, args.batch_sizes, args.steps, args.max_len, args.graph_calls = 4, [1, 8], 8, 512, 20

@@ -128,6 +128,12 @@ class TensorParallelRunner:
             self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns)
             self._expect("hello")
             self.group = connect(0, size, port, device, timeout_s=timeout_s, store=store)
+            # From here a worker's exit aborts the group (NCCL would wait for it until the timeout). A weak
+            # reference: a dropped engine must still be collected (and its workers stopped).
+            self._watcher = threading.Thread(target=_watch, args=([p.sentinel for p in self._procs],
+                                                                  weakref.ref(self)),
+                                             name="detinfer-tp-watcher", daemon=True)
+            self._watcher.start()
             if weights is None:
                 for r, conn in enumerate(self._conns, 1):
                     conn.send(("state", shard_state(model, model_config, r, size, device="cpu")))
@@ -137,20 +143,29 @@ class TensorParallelRunner:
             local = build_local_model(model_config, size, ops, self.group, state, device,
                                       config.tp_invariant_reduction)
             del state
-            self.local = ModelRunner(local, local_config(model_config, size), config, num_kv_blocks,
-                                     tp_group=self.group)
-            ready = self._expect("ready")
-            self.weight_bytes = (weight_bytes(local),) + tuple(msg[2] for msg in ready)
-            blocks = [self.local.num_kv_blocks] + [msg[1] for msg in ready]
+            # Every shard is built before the runners' start-up collectives (KV pool agreement, profiling,
+            # graph capture): a worker that fails to load is reported as such, not as a broken collective.
+            loaded = self._expect("loaded")
+            self.weight_bytes = (weight_bytes(local),) + tuple(msg[1] for msg in loaded)
+            self.local = self._start_local_runner(local, model_config, config, num_kv_blocks)
+            blocks = [self.local.num_kv_blocks] + [msg[1] for msg in self._expect("ready")]
             if len(set(blocks)) > 1:  # agreed inside ModelRunner (group.agree_min): a bug if not
                 raise RuntimeError(f"tensor-parallel ranks built KV pools of different sizes: {blocks} blocks")
         except BaseException:
             self.close()
             raise
-        # The thread holds a weak reference: a dropped engine must still be collected (and its workers stopped).
-        self._watcher = threading.Thread(target=_watch, args=([p.sentinel for p in self._procs], weakref.ref(self)),
-                                         name="detinfer-tp-watcher", daemon=True)
-        self._watcher.start()
+
+    def _start_local_runner(self, local, model_config: ModelConfig, config: EngineConfig, num_kv_blocks):
+        """Rank 0's ModelRunner; a worker's failure during the collectives it runs is reported as that."""
+        try:
+            return ModelRunner(local, local_config(model_config, self.size), config, num_kv_blocks,
+                               tp_group=self.group)
+        except Exception as e:
+            failure = self._worker_failure(wait_s=2.0)
+            if failure is None:
+                raise
+            raise RuntimeError(failure) from e
+
 
     # -- what the engine reads ------------------------------------------------------------------------
     @property

@@ -20,7 +20,8 @@ them (an in-memory model it sharded).
 
 Messages to a worker: ("state", {name: cpu tensor}) (only without `weights`), ("step", layout, shape key,
 ids_follow, padded), ("stop",).
-Messages from a worker: ("hello",), ("ready", num_kv_blocks, resident weight bytes), ("error", text).
+Messages from a worker: ("hello",), ("loaded", resident weight bytes) (its shard is built: the runner's
+start-up collectives follow), ("ready", num_kv_blocks), ("error", text).
 """
 
 from __future__ import annotations
@@ -115,9 +116,10 @@ def worker_main(spec: WorkerSpec, conn) -> None:
         model = build_local_model(cfg, spec.size, ops, group, state, device,
                                   spec.engine_config.tp_invariant_reduction)
         del state
+        conn.send(("loaded", weight_bytes(model)))  # rank 0 waits for this before the runner's collectives
         runner = ModelRunner(model, local_config(cfg, spec.size), spec.engine_config, spec.num_kv_blocks,
                              tp_group=group)
-        conn.send(("ready", runner.num_kv_blocks, weight_bytes(model)))
+        conn.send(("ready", runner.num_kv_blocks))
         _serve(conn, runner, group)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         sys.exit(0)  # rank 0 went away: nothing to report to
