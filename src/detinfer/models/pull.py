@@ -119,13 +119,17 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="detinfer pull", description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("name", nargs="?", help=f"model name ({', '.join(sorted(REGISTRY))})")
     parser.add_argument("--cache", help="cache root (default: $DETINFER_CACHE or ~/.cache/detinfer)")
     parser.add_argument("--force", action="store_true", help="download and convert again")
     parser.add_argument("--list", action="store_true", help="list known models and exit")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.list or not args.name:
         for key, src in sorted(REGISTRY.items()):
             print(f"{key}\t{src.package}=={src.version}\t{src.description}")
