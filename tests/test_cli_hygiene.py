@@ -129,3 +129,19 @@ def test_pull_without_a_name_says_what_to_give(capsys):
     err = capsys.readouterr().err
     assert "usage: detinfer pull" in err and "give the name of the model" in err
     assert all(name in err for name in pull.REGISTRY)
+
+
+@pytest.mark.parametrize("name", ["generate", "repro"])
+def test_generate_and_repro_send_raw_text_unless_chat(name):
+    """Both commands take the prompt as raw text by default (vLLM's generate / completions) and take
+    --chat and --no-chat; before, generate had no --no-chat and repro defaulted to the chat template."""
+    parser = PARSERS[name]()
+    assert parser.parse_args(["m", "--prompt", "p"]).chat is False
+    assert parser.parse_args(["m", "--prompt", "p", "--chat"]).chat is True
+    assert parser.parse_args(["m", "--prompt", "p", "--chat", "--no-chat"]).chat is False
+
+
+def test_repro_config_default_matches_the_cli():
+    from detinfer.repro.experiment import ReproConfig
+
+    assert ReproConfig().chat is False

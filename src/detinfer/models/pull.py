@@ -119,12 +119,17 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="detinfer pull", description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("name", nargs="?", help=f"model name ({', '.join(sorted(REGISTRY))})")
     parser.add_argument("--cache", help="cache root (default: $DETINFER_CACHE or ~/.cache/detinfer)")
     parser.add_argument("--force", action="store_true", help="download and convert again")
     parser.add_argument("--list", action="store_true", help="list known models and exit")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.list:
         for key, src in sorted(REGISTRY.items()):
