@@ -144,7 +144,8 @@ def _share(rng: random.Random) -> tuple[str, int]:
 
 def _speed(rng: random.Random) -> tuple[str, int]:
     name = rng.choice(_NAMES)
-    speed, hours, back = rng.randint(20, 80), rng.randint(2, 6), rng.randint(1, 3)
+    speed, hours = rng.randint(20, 80), rng.randint(2, 6)
+    back = rng.randint(1, hours - 1)
     return (f"{name} drives at {speed} km per hour for {hours} hours, then drives back toward home for "
             f"{back} hours at the same speed. How far from home, in km, is {name} now?", speed * (hours - back))
 
