@@ -155,21 +155,23 @@ def test_jsonl_dataset_with_a_held_out_eval_set(stories_dir, tmp_path):
     assert [x["eval_reward_mean"] for x in lines] == [h["eval_reward_mean"] for h in history]
 
 
-def test_fast_tis_with_several_updates_recomputes_the_old_policy(stories_dir):
+@pytest.mark.parametrize("arm", ["fast", "fast-tis"])
+def test_fast_arms_with_several_updates_recompute_the_old_policy(stories_dir, arm):
     config = RLConfig(**{**TINY, "steps": 1, "ppo_epochs": 2, "mini_batch_seqs": 4, "kl_coef": 0.1})
-    t = GRPOTrainer(stories_dir, config, "fast-tis", device="cpu", max_model_len=64)
+    t = GRPOTrainer(stories_dir, config, arm, device="cpu", max_model_len=64)
     try:
         calls, score = [], t._score_no_grad
         t._score_no_grad = lambda *a: calls.append(a) or score(*a)
         r = t.rollout(0)
         stats = t.update(r)
-        assert len(calls) == 1  # fast-tis needs the trainer's pre-update logprobs: one no-grad pass
-        assert stats["updates"] == 6 and stats["tis_clipped_frac"] is not None
+        assert len(calls) == 1  # the sampler's logprobs are not the trainer's: one no-grad pass for pi_old
+        assert stats["updates"] == 6 and (stats["tis_clipped_frac"] is not None) == (arm == "fast-tis")
         assert stats["mismatch_tokens"] == sum(map(len, r.completion_ids))  # every token, from that pass
     finally:
         t.close()
-    with pytest.raises(ValueError, match="fast-tis arm needs temperature 1"):
-        GRPOTrainer(stories_dir, config.replace(temperature=0.7), "fast-tis", device="cpu", max_model_len=64)
+    if arm == "fast-tis":
+        with pytest.raises(ValueError, match="fast-tis arm needs temperature 1"):
+            GRPOTrainer(stories_dir, config.replace(temperature=0.7), arm, device="cpu", max_model_len=64)
 
 
 def test_trainer_scores_under_a_temperature(stories_dir):

@@ -20,9 +20,10 @@ Old logprobs without a recompute pass. In deterministic mode the sampler's logpr
 the trainer computes for it under the same weights, so the sampler's logprobs *are* pi_old: the no-grad
 forward over every rollout token that other stacks run before the update is skipped (a forward is about a
 third of a forward + backward, so with one update per rollout this saves about a quarter of the training
-compute). It is run only where the sampler's logprobs cannot serve: at temperature != 1 with more than one
-update (the engine reports untempered logprobs) and in the fast-tis arm with more than one update (its
-importance weight needs the trainer's pre-update logprobs). The mismatch statistics compare the sampler's
+compute). It is run only where the sampler's logprobs cannot serve, when there is more than one update: at
+temperature != 1 (the engine reports untempered logprobs), and in the fast arms, whose sampler logprobs
+differ from the trainer's: there pi_old is the trainer's, as in other stacks (fast ignores the mismatch,
+fast-tis corrects it with its truncated weight). The mismatch statistics compare the sampler's
 logprobs with the trainer's before the first update: every token when there is one update or a recompute
 pass, else the first mini-batch's tokens.
 
@@ -216,12 +217,11 @@ class GRPOTrainer:
         first = list(range(min(size, n)))
         # pi_old per sequence: the sampler's logprobs, unless they cannot be (see the module doc)
         old = None
-        if updates > 1 and (c.temperature != 1.0 or self.arm == "fast-tis"):
+        if updates > 1 and (c.temperature != 1.0 or self.arm != "deterministic"):
             old = self._score_no_grad(r, range(n), c.temperature)
-        if c.temperature == 1.0:
-            before = old if old is not None else None  # else the first mini-batch's pass fills it in
-        else:
-            before = self._score_no_grad(r, first, 1.0)  # untempered, comparable with the engine's
+        # the trainer's pre-update logprobs for the mismatch statistics: the recompute pass if it ran, else
+        # the first mini-batch's pass fills them in; at temperature != 1 an untempered pass (the engine's kind)
+        before = old if c.temperature == 1.0 else self._score_no_grad(r, first, 1.0)
         totals = {"loss": 0.0, "grad_norm": 0.0, "clip_tokens": 0, "tis_clipped": 0, "tokens": 0}
         done = self.step_index * c.updates_per_step
         lr = c.lr
@@ -237,14 +237,16 @@ class GRPOTrainer:
                 if capture:
                     before = first_lps
                 done += 1
-        scored = sorted(before) if isinstance(before, dict) else first
+        scored = sorted(before)
         trainer_lp = torch.cat([before[j] for j in scored]) if scored else torch.zeros(0)
         sampler_lp = torch.tensor([x for j in scored for x in r.sampler_logprobs[j]], dtype=torch.float32)
         mismatch = mismatch_stats(trainer_lp.cpu(), sampler_lp)
-        return {"loss": totals["loss"] / updates, "grad_norm": totals["grad_norm"] / updates if c.max_grad_norm else None,
-                "lr": lr, "updates": updates, "clip_frac": totals["clip_tokens"] / max(1, totals["tokens"]),
+        tokens = max(1, totals["tokens"])
+        return {"loss": totals["loss"] / updates,
+                "grad_norm": None if c.max_grad_norm is None else totals["grad_norm"] / updates,
+                "lr": lr, "updates": updates, "clip_frac": totals["clip_tokens"] / tokens,
                 **{f"mismatch_{k}": v for k, v in mismatch.items()},
-                "tis_clipped_frac": totals["tis_clipped"] / max(1, totals["tokens"]) if self.arm == "fast-tis" else None}
+                "tis_clipped_frac": totals["tis_clipped"] / tokens if self.arm == "fast-tis" else None}
 
     def _update_once(self, r: Rollout, seqs: list[int], advantages, keep, old, lr: float, totals: dict,
                      capture: bool):
@@ -314,7 +316,7 @@ class GRPOTrainer:
         norm = torch.tensor(norms, dtype=torch.float32, device=dev)
         if old is not None:
             old_lp = torch.cat([old[j] for j in batch]).to(dev)
-        elif self.arm == "fast-tis" or c.temperature != 1.0:
+        elif self.arm != "deterministic" or c.temperature != 1.0:
             old_lp = lp.detach()  # one update per rollout: this pass is the pre-update policy
         else:
             old_lp = sampler_lp  # deterministic: the trainer's bits under the rollout's weights
