@@ -139,3 +139,13 @@ def test_resume_may_extend_steps_only_under_a_constant_lr():
     with pytest.raises(ValueError, match="steps: 4 -> 8"):
         check_compatible({"arm": "deterministic", "task": "emit-token", "config": cos.to_dict()},
                          cos.replace(steps=8), "deterministic", "emit-token")
+
+
+def test_cli_reports_a_missing_dataset_in_one_line(tmp_path, capsys):
+    from detinfer.rl.cli import main
+
+    argv = ["--model", "unused", "--dataset", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o"),
+            "--no-progress", "--device", "cpu"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("detinfer rl: error: dataset file") and "nope.jsonl not found" in err

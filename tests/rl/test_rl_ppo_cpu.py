@@ -59,6 +59,21 @@ def test_n_samples_of_one_request_are_not_all_identical(stories_dir):
         t.close()
 
 
+def test_rollout_sampling_options_reach_the_engine(stories_dir, monkeypatch):
+    config = RLConfig(task="unused", prompts_per_step=2, n_samples=2, max_tokens=4, temperature=0.6, top_p=0.8,
+                      top_k=7)
+    t = GRPOTrainer(stories_dir, config, "deterministic", task=_fixed_prompt_task(), device="cpu", max_model_len=64)
+    try:
+        seen, generate = [], t.llm.generate
+        monkeypatch.setattr(t.llm, "generate", lambda prompts, params, **kw: seen.extend(params) or
+                            generate(prompts, params, **kw))
+        t.rollout(0)
+        assert [(p.temperature, p.top_p, p.top_k, p.n, p.max_tokens) for p in seen] == [(0.6, 0.8, 7, 2, 4)] * 2
+        assert len({p.seed for p in seen}) == 2
+    finally:
+        t.close()
+
+
 OPTIONS = RLConfig(**{**TINY, "steps": 2, "ppo_epochs": 2, "mini_batch_seqs": 4, "clip_eps_high": 0.28,
                       "loss_norm": "sequence", "lr_schedule": "cosine", "warmup_steps": 1, "weight_decay": 0.1,
                       "temperature": 0.8, "top_p": 0.95, "top_k": 40, "overlong_buffer": 2, "max_grad_norm": 0.5})
