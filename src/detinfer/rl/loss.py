@@ -25,10 +25,10 @@ import torch
 
 def token_norms(lengths: Sequence[int], keep: Sequence[bool], loss_norm: str, max_tokens: int) -> list[float]:
     """Each token's share of a mini-batch's loss (see the module doc), flattened sequence-major."""
-    kept = [n for n, k in zip(lengths, keep) if k]
+    kept = [n for n, k in zip(lengths, keep) if k and n]  # an empty completion has no token to weigh
     out: list[float] = []
     for n, k in zip(lengths, keep):
-        if not k or not kept:
+        if not k or not n:
             out += [0.0] * n
         elif loss_norm == "token":
             out += [1.0 / sum(kept)] * n
