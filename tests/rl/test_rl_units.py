@@ -151,7 +151,7 @@ def test_cli_errors_are_one_line(capsys):
 
     for argv, needle in ((["--model", "x", "--task", "nope", "--steps", "1"], "unknown task 'nope'"),
                          (["--model", "x", "--step", "3"], "unrecognized arguments: --step"),  # no abbreviations
-                         (["--model", "x", "--n-samples", "1"], "n_samples must be in"),
+                         (["--model", "x", "--n-samples", "1"], "n_samples must be >= 2"),
                          (["--model", "x", "--mode", "slow"], "invalid choice"),
                          (["--task", "addition"], "--model")):
         assert _exit_status(main, argv) == 2

@@ -22,17 +22,22 @@ def stories(model_dirs):
     return model_dirs["stories260k"]
 
 
-def _unchunked(hidden, weight, targets, rows, base):
-    """The path chunking replaced: logits of all the rows at once (LinearFn), then LogprobFn."""
+def _unchunked(hidden, weight, targets, rows, base, temperature=1.0):
+    """The path chunking replaced: logits of all the rows at once (LinearFn), divided by the temperature
+    (autograd's division; none at 1.0, as score() did before temperatures), then LogprobFn."""
     h = hidden if rows is None else hidden.index_select(0, rows)
     logits = DifferentiableOps(base).logits(h, weight)
+    if temperature != 1.0:
+        logits = logits / temperature
     return LogprobFn.apply(logits, targets, base.log_softmax)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(n=st.integers(0, 300), chunk_blocks=st.integers(1, 4), subset=st.booleans(),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**31 - 1))
-def test_chunked_output_layer_equals_unchunked_bitwise(n, chunk_blocks, subset, dtype, seed):
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**31 - 1),
+       temperature=st.one_of(st.just(1.0), st.floats(0.05, 4.0)))
+def test_chunked_output_layer_equals_unchunked_bitwise(n, chunk_blocks, subset, dtype, seed, temperature):
+    """Chunked == unchunked (forward, d hidden, d W_out), with or without a sampling temperature."""
     gen = torch.Generator().manual_seed(seed)
     hid, vocab = 24, 80
     base = Ops("deterministic", "cpu", dtype)
@@ -50,9 +55,9 @@ def test_chunked_output_layer_equals_unchunked_bitwise(n, chunk_blocks, subset, 
         if hasattr(weight, "grad_dtype"):
             weight.grad_dtype = torch.float32  # compare dW before any rounding to bf16
         if chunked:
-            lp = chunked_logprobs(hidden, weight, targets, rows, LogprobHead(base, 64 * chunk_blocks))
+            lp = chunked_logprobs(hidden, weight, targets, rows, LogprobHead(base, 64 * chunk_blocks), temperature)
         else:
-            lp = _unchunked(hidden, weight, targets, rows, base)
+            lp = _unchunked(hidden, weight, targets, rows, base, temperature)
         (lp * upstream).sum().backward()
         results.append((lp.detach(), hidden.grad, weight.grad))
     (lp_c, dh_c, dw_c), (lp_u, dh_u, dw_u) = results
@@ -85,8 +90,9 @@ def test_chunked_rows_must_be_a_multiple_of_the_token_block():
         weight_grad_ref(torch.zeros(4, 3), torch.zeros(4, 2), out=torch.zeros(2, 3))
 
 
-def _old_score(trainer, ids, cu):
-    """score() before chunking: logits of every packed position, LogprobFn, ends masked to 0."""
+def _old_score(trainer, ids, cu, temperature=1.0):
+    """score() before chunking: logits of every packed position (divided by the temperature unless 1.0),
+    LogprobFn, ends masked to 0."""
     n = ids.shape[0]
     tg = torch.zeros_like(ids)
     tg[:-1] = ids[1:]
@@ -95,6 +101,8 @@ def _old_score(trainer, ids, cu):
     has[ends], tg[ends] = False, 0
     _, logits = trainer.forward_runner.run(ids, trainer._positions_of(cu, ids.device),
                                            trainer._attention(cu, ids.device))
+    if temperature != 1.0:
+        logits = logits / temperature
     lp = LogprobFn.apply(logits, tg, trainer.ops.log_softmax)
     return torch.where(has, lp, torch.zeros_like(lp))
 
@@ -128,6 +136,32 @@ def test_score_gradients_equal_the_unchunked_path_bitwise(stories, dtype, length
     assert torch.equal(lp.detach(), old.detach())
     new_grads, old_grads = _grads(trainer, lp, weights), _grads(trainer, old, weights)
     assert new_grads.keys() == old_grads.keys() and len(new_grads) > 5
+    for name in new_grads:
+        assert torch.equal(new_grads[name], old_grads[name]), name
+
+
+@settings(max_examples=4, deadline=None)
+@given(dtype=st.sampled_from([torch.float32, torch.bfloat16]), temperature=st.sampled_from([0.6, 1.7]),
+       lengths=st.lists(st.integers(1, 70), min_size=1, max_size=3), data=st.data())
+def test_tempered_scored_positions_equal_the_unchunked_tempered_path_bitwise(stories, dtype, temperature,
+                                                                            lengths, data):
+    """score(positions=, temperature=) (the RL update's call) == the unchunked path over the same rows:
+    their logits at once (LinearFn), `/ T`, LogprobFn; the logprobs and every gradient. (Against the full
+    score only the logprobs match: d W_out sums over other rows there, in other token blocks.)"""
+    model, _ = load_model(stories, dtype, "cpu", "deterministic")
+    trainer = TrainableModel(model, logprob_chunk_rows=64)
+    ids, cu = _batch(lengths)
+    ends = {b - 1 for b in cu[1:]}
+    picked = data.draw(st.lists(st.booleans(), min_size=len(ids), max_size=len(ids)))
+    positions = torch.tensor([i for i, p in enumerate(picked) if p and i not in ends], dtype=torch.int64)
+    weights = torch.linspace(-1, 1, positions.numel())
+    lp = trainer.score(ids, cu, positions=positions, temperature=temperature)
+    with torch.no_grad():
+        assert torch.equal(lp.detach(), _old_score(trainer, ids, cu, temperature)[positions])
+    hidden = trainer._hidden(ids, cu)
+    old = _unchunked(hidden, model.output_weight, ids[positions + 1], positions, trainer.head.base, temperature)
+    assert torch.equal(lp.detach(), old.detach())
+    new_grads, old_grads = _grads(trainer, lp, weights), _grads(trainer, old, weights)
     for name in new_grads:
         assert torch.equal(new_grads[name], old_grads[name]), name
 
@@ -222,7 +256,8 @@ def test_chunked_output_layer_equals_unchunked_on_cuda(dtype):
     base = Ops("deterministic", "cuda", dtype)
     hidden0 = torch.randn(n, hid, device="cuda", generator=gen).to(dtype)
     weight0 = (torch.randn(vocab, hid, device="cuda", generator=gen) / 16).to(dtype)
-    for rows in (None, torch.nonzero(torch.rand(n, device="cuda", generator=gen) < 0.5).reshape(-1)):
+    subset = torch.nonzero(torch.rand(n, device="cuda", generator=gen) < 0.5).reshape(-1)
+    for rows, temperature in ((None, 1.0), (subset, 1.0), (subset, 0.7)):
         m = n if rows is None else rows.numel()
         targets = torch.randint(0, vocab, (m,), device="cuda", generator=gen)
         upstream = torch.randn(m, device="cuda", generator=gen)
@@ -230,8 +265,8 @@ def test_chunked_output_layer_equals_unchunked_on_cuda(dtype):
         for chunked in (True, False):
             hidden, weight = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()
             weight.grad_dtype = torch.float32
-            lp = chunked_logprobs(hidden, weight, targets, rows, LogprobHead(base, 128)) if chunked else \
-                _unchunked(hidden, weight, targets, rows, base)
+            lp = chunked_logprobs(hidden, weight, targets, rows, LogprobHead(base, 128), temperature) \
+                if chunked else _unchunked(hidden, weight, targets, rows, base, temperature)
             (lp * upstream).sum().backward()
             results.append((lp.detach(), hidden.grad, weight.grad))
         for got, want in zip(*results):

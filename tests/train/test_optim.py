@@ -43,8 +43,17 @@ def test_adamw_on_cpu_is_single_tensor_and_two_runs_are_bitwise_equal(stories):
 def test_adamw_rejects_an_empty_parameter_list_and_keeps_explicit_choices():
     with pytest.raises(ValueError, match="no parameters"):
         adamw([], lr=1e-3)
+    with pytest.raises(ValueError, match="no parameters"):
+        adamw([{"params": []}, {"params": [], "weight_decay": 0.0}], lr=1e-3)
     p = torch.nn.Parameter(torch.zeros(3))
     assert adamw([p], lr=1e-3, foreach=True).param_groups[0]["foreach"] is True
+
+
+def test_adamw_takes_param_groups_each_with_the_same_implementation():
+    a, b = torch.nn.Parameter(torch.zeros(3, 2)), torch.nn.Parameter(torch.zeros(3))
+    opt = adamw([{"params": [a], "weight_decay": 0.1}, {"params": [b], "weight_decay": 0.0}], lr=1e-3)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert all(g["foreach"] is False and not g["fused"] for g in opt.param_groups)
 
 
 def test_state_bytes_per_param():
@@ -59,8 +68,9 @@ def test_adamw_on_cuda_is_fused_and_deterministic():
     for _ in range(2):
         gen = torch.Generator(device="cuda").manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(1000, 77, device="cuda", generator=gen)) for _ in range(3)]
-        opt = adamw(params, lr=1e-2, weight_decay=0.1)
-        assert opt.param_groups[0]["fused"] is True
+        opt = adamw([{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}], lr=1e-2,
+                    weight_decay=0.1)  # the two groups of detinfer rl's build_optimizer
+        assert all(g["fused"] is True for g in opt.param_groups)
         for _ in range(3):
             for p in params:
                 p.grad = torch.randn(p.shape, device="cuda", generator=gen)

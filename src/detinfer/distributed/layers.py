@@ -20,12 +20,16 @@ Rank r of P holds:
   each slot's owner's (a copy: exact), then sums a token's k slots in routing-rank order exactly as the
   one-device layer does, so the layer's output has the same bits at every P. Fast mode: each rank combines
   its own slots and the library all-reduce adds the ranks.
+These rules live in one function, `shard_spec`, which the in-memory split (`shard_state`) and the sharded
+loaders (a checkpoint's slices, a random preset's draws: models/loader.py, models/random_weights.py) share.
 
 Row-parallel sums, deterministic mode: every rank computes fp32 partials with `Ops.linear_tree` and the
-ranks' results are all-gathered and added by `Ops.tree_sum` in rank order: a fixed order whatever the
-message size or batch. With `tp_invariant_reduction`, the K dim is cut into C = `tp_invariant_chunks(config)`
-chunks fixed by the model shape; rank r sums its C/P chunks with the pairwise tree and the P results finish
-the same tree, so every P dividing C gives what TP=1 gives with the same chunks (kernels/chunked_linear.py).
+ranks' results are added by `TPGroup.exact_sum`: the bits of all-gathering them and adding them in rank order
+in the fixed pairwise tree, whatever the message size or batch (at P = 2 one fp32 all-reduce gives exactly
+those bits: one commutative addition). With `tp_invariant_reduction`, the K dim is cut into
+C = `tp_invariant_chunks(config)` chunks fixed by the model shape; rank r sums its C/P chunks with the pairwise
+tree and the P results finish the same tree, so every P dividing C gives what TP=1 gives with the same chunks
+(kernels/chunked_linear.py).
 Without it each rank's partial is one chunk (deterministic, but its bits depend on P). Fast mode: the plain
 matmul and the library's all-reduce.
 """
@@ -33,6 +37,7 @@ matmul and the library's all-reduce.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -116,38 +121,65 @@ def expert_block(config: ModelConfig, rank: int, size: int) -> range:
     return range(rank * per, (rank + 1) * per)
 
 
-def _is_expert_weight(name: str) -> bool:
-    # SparseMoE's stacked experts: `layers.{i}.mlp.gate_up_proj` [E, 2I, H] and `.mlp.down_proj` [E, H, I]
-    # (parameters of the MoE module itself; a dense MLP's are `...down_proj.weight`).
-    return name.endswith((".mlp.gate_up_proj", ".mlp.down_proj"))
+@dataclass(frozen=True)
+class ShardSpec:
+    """The part of a full parameter one rank holds: the `ranges` [start, stop) along `dim` of the full tensor,
+    concatenated in order, then `pad` zero slices along `dim` (the last vocab shard). dim None: all of it."""
+
+    dim: int | None
+    ranges: tuple[tuple[int, int], ...] = ()
+    pad: int = 0
+
+    def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if self.dim is None:
+            return tuple(shape)
+        n = sum(b - a for a, b in self.ranges) + self.pad
+        return tuple(shape[:self.dim]) + (n,) + tuple(shape[self.dim + 1:])
 
 
-def _shard(name: str, t: torch.Tensor, config: ModelConfig, rank: int, size: int) -> torch.Tensor:
-    d = config.head_dim
-    if _is_expert_weight(name):
-        block = expert_block(config, rank, size)
-        return t[block.start:block.stop]
-    hq = config.num_attention_heads // size
+REPLICATED = ShardSpec(None)
+
+
+def shard_spec(name: str, shape: tuple[int, ...], config: ModelConfig, rank: int, size: int) -> ShardSpec:
+    """Which slice of the full parameter `name` (a `Transformer` state-dict name, full `shape`) rank `rank` of
+    `size` holds: the one rule both the in-memory split (`shard_state`) and the sharded loaders
+    (models/loader.py `load_state`, models/random_weights.py) follow, so their shards are the same bits."""
+    if size == 1:
+        return REPLICATED
+    d, hq = config.head_dim, config.num_attention_heads // size
     if name in ("embed_tokens", "lm_head"):
-        per = vocab_shard_size(config.vocab_size, size)
-        rows = t[rank * per:(rank + 1) * per]
-        if rows.shape[0] < per:  # the last shard: zero rows past the vocab (never looked up, logits cut)
-            rows = torch.cat((rows, rows.new_zeros((per - rows.shape[0],) + tuple(rows.shape[1:]))))
-        return rows
+        per, vocab = vocab_shard_size(config.vocab_size, size), config.vocab_size
+        start, stop = min(rank * per, vocab), min((rank + 1) * per, vocab)
+        return ShardSpec(0, ((start, stop),), per - (stop - start))  # zero rows past the vocab: never looked up
+    if len(shape) == 3:  # stacked experts [E, ...] (expert parallel): a contiguous block of E / P experts
+        block = expert_block(config, rank, size)
+        return ShardSpec(0, ((block.start, block.stop),))
     if ".qkv_proj." in name:
         kv = _kv_heads_of(config, rank, size)
         q0, k0 = config.q_size, config.q_size + config.kv_size
-        return torch.cat((t[rank * hq * d:(rank + 1) * hq * d], t[q0 + kv.start * d:q0 + kv.stop * d],
-                          t[k0 + kv.start * d:k0 + kv.stop * d]))
+        return ShardSpec(0, ((rank * hq * d, (rank + 1) * hq * d), (q0 + kv.start * d, q0 + kv.stop * d),
+                             (k0 + kv.start * d, k0 + kv.stop * d)))
     if ".gate_up_proj." in name:
         inter, per = config.intermediate_size, config.intermediate_size // size
-        return torch.cat((t[rank * per:(rank + 1) * per], t[inter + rank * per:inter + (rank + 1) * per]))
+        return ShardSpec(0, ((rank * per, (rank + 1) * per), (inter + rank * per, inter + (rank + 1) * per)))
     if name.endswith("o_proj.weight"):
-        return t[:, rank * hq * d:(rank + 1) * hq * d]
+        return ShardSpec(1, ((rank * hq * d, (rank + 1) * hq * d),))
     if name.endswith("down_proj.weight"):
         per = config.intermediate_size // size
-        return t[:, rank * per:(rank + 1) * per]
-    return t  # norms, row-parallel biases: replicated
+        return ShardSpec(1, ((rank * per, (rank + 1) * per),))
+    return REPLICATED  # norms, routers, row-parallel biases
+
+
+def take_shard(t: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """`spec`'s slice of the full tensor `t` (views where possible)."""
+    if spec.dim is None:
+        return t
+    parts = [t.narrow(spec.dim, a, b - a) for a, b in spec.ranges]
+    if spec.pad:
+        shape = list(t.shape)
+        shape[spec.dim] = spec.pad
+        parts.append(t.new_zeros(shape))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=spec.dim)
 
 
 def shard_state(model: Transformer, config: ModelConfig, rank: int, size: int,
@@ -156,9 +188,14 @@ def shard_state(model: Transformer, config: ModelConfig, rank: int, size: int,
     `device` (default: the model's; copied there slice by slice, never as a whole shard on the model's)."""
     out = {}
     for name, p in model.named_parameters():
-        t = _shard(name, p.detach(), config, rank, size)
+        t = take_shard(p.detach(), shard_spec(name, tuple(p.shape), config, rank, size))
         out[name] = (t.clone() if device is None else t.to(device, copy=True)).contiguous()
     return out
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes a model's parameters occupy (what a rank holds resident of the weights)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 # -- the layers -------------------------------------------------------------------------------------------
@@ -180,7 +217,7 @@ class RowParallelLinear(nn.Module):
             return y if self.bias is None else y + self.bias
         y = ops.linear_tree(x, self.weight, self.chunks or 1)  # fp32 [T, N]: this rank's subtree
         if g is not None:
-            y = ops.tree_sum(g.all_gather(y))  # the tree's top levels, in rank order, on every rank
+            y = g.exact_sum(y)  # the tree's top levels, in rank order, on every rank (all-reduce at P=2)
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype)

@@ -17,6 +17,11 @@ matmul. The one reduction over rows, d W_out = dY^T @ H, continues one fp32 accu
 (`weight_grad(..., out=)`), which adds the same token blocks in the same order as one call when
 `chunk_rows` is a multiple of TOKEN_CHUNK_MULTIPLE. tests/train/test_chunked_logprobs.py checks both.
 
+A sampling temperature T (score under softmax(logits / T)) divides each chunk's fp32 logits by T before
+the log_softmax, in the forward and the backward's recompute, and the backward divides d logits by T as
+autograd does for the unchunked `logits / T`: the same elementwise ops, so the same bits. At T = 1 no
+division runs at all.
+
 Fast mode uses the same chunking with stock ops (F.linear, torch.log_softmax, torch matmuls): the memory
 saving, with no bit promise beyond what stock PyTorch gives.
 """
@@ -52,19 +57,23 @@ class LogprobHead:
         self.base, self.chunk_rows = base, check_chunk_rows(chunk_rows)
         self.deterministic = bool(base.deterministic)
 
-    def log_distribution(self, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
-        """-> ([rows, V] fp32 log_softmax of the logits, the dtype the output linear computed in)."""
+    def log_distribution(self, hidden: torch.Tensor, weight: torch.Tensor,
+                         temperature: float = 1.0) -> tuple[torch.Tensor, torch.dtype]:
+        """-> ([rows, V] fp32 log_softmax of the logits / temperature, the dtype the output linear
+        computed in)."""
         if self.deterministic:
             logits = self.base.linear(hidden, weight)  # = base.logits before its .float()
-            return self.base.log_softmax(logits.float(), dim=-1), logits.dtype
+            return self.base.log_softmax(_tempered(logits.float(), temperature), dim=-1), logits.dtype
         logits = F.linear(hidden, weight)
-        return torch.log_softmax(logits.float(), dim=-1), logits.dtype
+        return torch.log_softmax(_tempered(logits.float(), temperature), dim=-1), logits.dtype
 
     def backward(self, grad: torch.Tensor, logprobs: torch.Tensor, targets: torch.Tensor, logits_dtype,
-                 hidden: torch.Tensor, weight: torch.Tensor, dw: torch.Tensor | None):
+                 hidden: torch.Tensor, weight: torch.Tensor, dw: torch.Tensor | None, temperature: float = 1.0):
         """d hidden of these rows; d W_out of these rows added into `dw` (None: a fresh one). -> (dh, dw)"""
-        # LogprobFn's backward, then the backward of `.float()` (a cast back to the linear's dtype)
-        dy = log_softmax_gather_backward_ref(grad, logprobs, targets).to(torch.float32).to(logits_dtype)
+        # LogprobFn's backward, the backward of `/ temperature` (autograd's: the same division of the
+        # gradient), then the backward of `.float()` (a cast back to the linear's dtype)
+        dz = _tempered(log_softmax_gather_backward_ref(grad, logprobs, targets).to(torch.float32), temperature)
+        dy = dz.to(logits_dtype)
         if self.deterministic:
             dh, dw, _ = linear_backward(dy, hidden, weight, False, dw_out=dw)
             return dh, dw
@@ -73,28 +82,35 @@ class LogprobHead:
         return dh, (part if dw is None else dw.add_(part))
 
 
+def _tempered(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """x / temperature, the op an unchunked `logits / temperature` runs (forward) and its autograd runs on
+    the gradient (backward); skipped at 1.0 so the untempered path stays bit for bit what it was."""
+    return x if temperature == 1.0 else x / temperature
+
+
 def _chunk(hidden: torch.Tensor, rows: torch.Tensor | None, c0: int, c1: int) -> torch.Tensor:
     return hidden[c0:c1] if rows is None else hidden.index_select(0, rows[c0:c1])
 
 
-def _forward_chunks(hidden, weight, targets, rows, head: LogprobHead) -> torch.Tensor:
+def _forward_chunks(hidden, weight, targets, rows, head: LogprobHead, temperature: float) -> torch.Tensor:
     out = []
     for c0 in range(0, targets.shape[0], head.chunk_rows):
         c1 = min(targets.shape[0], c0 + head.chunk_rows)
-        logprobs, _ = head.log_distribution(_chunk(hidden, rows, c0, c1), weight)
+        logprobs, _ = head.log_distribution(_chunk(hidden, rows, c0, c1), weight, temperature)
         out.append(logprobs.gather(1, targets[c0:c1, None])[:, 0])
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.float32, device=hidden.device)
 
 
 class ChunkedLogprobFn(torch.autograd.Function):
-    """(hidden [N, H], W_out [V, H], targets [M], rows [M] strictly increasing or None = all N rows)
-    -> [M] fp32 logprob of targets[i] under the logits of hidden[rows[i]]. See the module doc."""
+    """(hidden [N, H], W_out [V, H], targets [M], rows [M] strictly increasing or None = all N rows,
+    head, temperature) -> [M] fp32 logprob of targets[i] under log_softmax(logits of hidden[rows[i]] /
+    temperature). See the module doc."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, rows, head: LogprobHead):
+    def forward(ctx, hidden, weight, targets, rows, head: LogprobHead, temperature: float = 1.0):
         ctx.save_for_backward(hidden, weight, targets, rows)
-        ctx.head = head
-        return _forward_chunks(hidden, weight, targets, rows, head)
+        ctx.head, ctx.temperature = head, temperature
+        return _forward_chunks(hidden, weight, targets, rows, head, temperature)
 
     @staticmethod
     def backward(ctx, grad):
@@ -105,8 +121,9 @@ class ChunkedLogprobFn(torch.autograd.Function):
         for c0 in range(0, targets.shape[0], head.chunk_rows):
             c1 = min(targets.shape[0], c0 + head.chunk_rows)
             h = _chunk(hidden, rows, c0, c1)
-            logprobs, logits_dtype = head.log_distribution(h, weight)
-            dh_chunk, dw = head.backward(grad[c0:c1], logprobs, targets[c0:c1], logits_dtype, h, weight, dw)
+            logprobs, logits_dtype = head.log_distribution(h, weight, ctx.temperature)
+            dh_chunk, dw = head.backward(grad[c0:c1], logprobs, targets[c0:c1], logits_dtype, h, weight, dw,
+                                         ctx.temperature)
             del logprobs
             if dh is not None:
                 if rows is None:
@@ -115,12 +132,14 @@ class ChunkedLogprobFn(torch.autograd.Function):
                     dh[rows[c0:c1]] = dh_chunk  # distinct rows (strictly increasing): no accumulation order
         if dw is None:  # no rows: a zero gradient, in the dtype the kernels would have given
             dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        return dh, (dw if ctx.needs_input_grad[1] else None), None, None, None
+        return dh, (dw if ctx.needs_input_grad[1] else None), None, None, None, None
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                     rows: torch.Tensor | None, head: LogprobHead) -> torch.Tensor:
-    """`ChunkedLogprobFn` when autograd needs it, the same chunked forward otherwise."""
+                     rows: torch.Tensor | None, head: LogprobHead, temperature: float = 1.0) -> torch.Tensor:
+    """`ChunkedLogprobFn` when autograd needs it, the same chunked forward otherwise. temperature: score
+    under softmax(logits / temperature), the division applied to the scored rows' fp32 logits before
+    log_softmax, in the forward and the backward's recompute alike."""
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return ChunkedLogprobFn.apply(hidden, weight, targets, rows, head)
-    return _forward_chunks(hidden, weight, targets, rows, head)
+        return ChunkedLogprobFn.apply(hidden, weight, targets, rows, head, temperature)
+    return _forward_chunks(hidden, weight, targets, rows, head, temperature)

@@ -197,7 +197,8 @@ class TrainableModel:
 
     # -- scoring -------------------------------------------------------------------------------------
     def score(self, token_ids: torch.Tensor, cu_seqlens=None, targets: torch.Tensor | None = None, *,
-              lengths=None, positions=None, mask: torch.Tensor | None = None) -> torch.Tensor:
+              lengths=None, positions=None, mask: torch.Tensor | None = None,
+              temperature: float = 1.0) -> torch.Tensor:
         """Logprobs of the next tokens, with autograd.
 
         Packed: token_ids [N] with cu_seqlens [S+1] (list or tensor; default one sequence) -> [N] fp32,
@@ -207,13 +208,18 @@ class TrainableModel:
         rows only) and returned, [len(positions)], equal bit for bit to `score(...)[positions]`.
         Padded: token_ids [B, T] (right padding) with lengths [B] -> [B, T], padding positions 0.0;
         mask [B, T] (bool): score only those positions, the others 0.0.
+        temperature: score under softmax(logits / temperature) (the distribution a sampler at that
+        temperature draws from, before any top-k/top-p truncation); 1.0 is bit for bit the untempered path.
         """
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0 \
+                or temperature == float("inf"):
+            raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
         if not isinstance(token_ids, torch.Tensor) or token_ids.dtype not in (torch.int32, torch.int64):
             raise TypeError("token_ids must be an int32/int64 tensor")
         if token_ids.dim() == 2:
             if cu_seqlens is not None or positions is not None:
                 raise ValueError("a padded [B, T] batch takes lengths= and mask=, not cu_seqlens or positions")
-            return self._score_padded(token_ids, lengths, targets, mask)
+            return self._score_padded(token_ids, lengths, targets, mask, float(temperature))
         if token_ids.dim() != 1:
             raise ValueError(f"token_ids must be [N] (packed) or [B, T] (padded), got {tuple(token_ids.shape)}")
         if lengths is not None or mask is not None:
@@ -221,9 +227,9 @@ class TrainableModel:
                              "and positions")
         n = token_ids.shape[0]
         cu = _cu_list([0, n] if cu_seqlens is None else cu_seqlens, n)
-        return self._score_packed(token_ids, cu, targets, _positions(positions, n))
+        return self._score_packed(token_ids, cu, targets, _positions(positions, n), float(temperature))
 
-    def _score_padded(self, token_ids, lengths, targets, mask):
+    def _score_padded(self, token_ids, lengths, targets, mask, temperature: float):
         b, t = token_ids.shape
         ids, cu = pack_padded(token_ids, lengths)
         tg = None if targets is None else pack_padded(targets, lengths)[0]
@@ -232,7 +238,7 @@ class TrainableModel:
             if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != (b, t):
                 raise ValueError(f"mask must be a bool tensor of the batch's shape {(b, t)}")
             positions = torch.nonzero(pack_padded(mask.cpu(), lengths)[0]).reshape(-1)
-        lp = self._score_packed(ids, cu, tg, positions)
+        lp = self._score_packed(ids, cu, tg, positions, temperature)
         if positions is not None:  # back onto the packed layout, zeros where not scored
             lp = lp.new_zeros(ids.shape[0]).index_put((positions.to(lp.device),), lp)
         out = lp.new_zeros((b, t))
@@ -266,7 +272,8 @@ class TrainableModel:
     def _hidden(self, ids: torch.Tensor, cu: list[int]) -> torch.Tensor:
         return self.forward_runner.hidden(ids, self._positions_of(cu, ids.device), self._attention(cu, ids.device))
 
-    def _score_packed(self, token_ids: torch.Tensor, cu: list[int], targets, positions) -> torch.Tensor:
+    def _score_packed(self, token_ids: torch.Tensor, cu: list[int], targets, positions,
+                      temperature: float = 1.0) -> torch.Tensor:
         dev = self.model.embed_tokens.device
         vocab = self.model.config.vocab_size
         ids = token_ids.to(device=dev, dtype=torch.int64)
@@ -289,7 +296,7 @@ class TrainableModel:
         rows = None if positions is None else positions.to(dev)
         if rows is not None:
             tg, has_target = tg[rows], has_target[rows]
-        lp = chunked_logprobs(hidden, self.model.output_weight, tg, rows, self.head)
+        lp = chunked_logprobs(hidden, self.model.output_weight, tg, rows, self.head, temperature)
         return torch.where(has_target, lp, torch.zeros_like(lp))
 
 

@@ -29,14 +29,16 @@ import torch
 __all__ = ["OffloadedAdamW", "adamw", "state_bytes_per_param"]
 
 
-def adamw(params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float = 0.0,
-          **kwargs) -> torch.optim.AdamW:
-    """AdamW, fused on CUDA, single-tensor elsewhere (see the module doc). kwargs go to AdamW (betas,
+def adamw(params: Iterable, lr: float, weight_decay: float = 0.0, **kwargs) -> torch.optim.AdamW:
+    """AdamW, fused on CUDA, single-tensor elsewhere (see the module doc). params: parameters, or param
+    groups (dicts with "params" and their own settings, as torch.optim takes). kwargs go to AdamW (betas,
     eps); `fused` / `foreach` given there override the choice."""
     params = list(params)
-    if not params:
+    groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+    tensors = [p for g in groups for p in g["params"]]
+    if not tensors:
         raise ValueError("adamw: no parameters to optimize")
-    on_cuda = all(p.is_cuda and p.dtype.is_floating_point for p in params)
+    on_cuda = all(p.is_cuda and p.dtype.is_floating_point for p in tensors)
     impl = {"fused": True} if on_cuda else {"foreach": False}
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **{**impl, **kwargs})
 
