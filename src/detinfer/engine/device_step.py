@@ -146,8 +146,11 @@ def _input_ids(batch: ScheduledBatch, pending: SampledIds | None) -> torch.Tenso
     return fill_pending(layout.token_ids, sources, pending.ids, pending.ids.device)
 
 
-def launch_step(runner, log_softmax, batch: ScheduledBatch, pending: SampledIds | None) -> LaunchedStep:
-    """Enqueue one step (forward, sampling, logprobs, the copy back) and return without waiting for it."""
+def launch_step(runner, log_softmax, batch: ScheduledBatch, pending: SampledIds | None,
+                logits_mask=None) -> LaunchedStep:
+    """Enqueue one step (forward, sampling, logprobs, the copy back) and return without waiting for it.
+    `logits_mask(logits, rows, seqs) -> logits`, when given, masks the sampled rows (structured output's
+    grammars, `GrammarMasks.mask_logits`) before both sampling and logprobs."""
     logits = runner.execute(batch, input_ids=_input_ids(batch, pending))
     dev = logits.device
     items = batch.scheduled
@@ -156,8 +159,10 @@ def launch_step(runner, log_softmax, batch: ScheduledBatch, pending: SampledIds 
     drawn = torch.empty(0, dtype=torch.int64, device=dev)
     if sample_items:
         rows = [offsets[i] + items[i].num_logits - 1 for i in sample_items]
-        picked = logits if rows == list(range(logits.shape[0])) else logits[to_device([rows], dev)[0]]
         seqs = [items[i].seq for i in sample_items]
+        if logits_mask is not None:
+            logits = logits_mask(logits, rows, seqs)
+        picked = logits if rows == list(range(logits.shape[0])) else logits[to_device([rows], dev)[0]]
         penalties = any(s.params.has_penalties for s in seqs)  # the engine resolved their histories first
         drawn = sample(picked, [s.params for s in seqs], [s.seed for s in seqs],
                        [items[i].output_position for i in sample_items], [s.sample_index for s in seqs],

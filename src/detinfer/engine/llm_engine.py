@@ -138,6 +138,7 @@ class LLMEngine:
                                    vocab_size=model_config.vocab_size)
         self._requests: dict[str, _Request] = {}
         self._seq_detok: dict[int, object] = {}  # seq_id -> its detokenizer (stop strings' lookup)
+        self._grammars = None  # GrammarMasks, made by the first structured request (llguidance is optional)
         self._aborted: list[str] = []  # aborted requests whose final output is still owed
         self._inflight: list[LaunchedStep] = []  # launched, not read back yet (async scheduling)
         self._counters = dict(num_steps=0, prompt_tokens=0, generation_tokens=0, num_preemptions=0,
@@ -178,7 +179,11 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need a tokenizer; this engine has none "
                              "(use stop_token_ids)")
+        if params.structured_outputs is not None:
+            self._grammar_masks().check(params.structured_outputs)  # compiled (and cached) before queueing
         seqs = self.scheduler.add_request(request_id, ids, params)  # the prompt's checks, seeds
+        if params.structured_outputs is not None:
+            self._grammars.add([s.seq_id for s in seqs], params.structured_outputs)
         ids = seqs[0].prompt_token_ids
         detoks = [None if self.tokenizer is None else
                   self.tokenizer.incremental_detokenizer(ids, stop=params.stop) for _ in seqs]
@@ -186,6 +191,14 @@ class LLMEngine:
                                               [0.0] * len(seqs))
         for seq, detok in zip(seqs, detoks):
             self._seq_detok[seq.seq_id] = detok
+
+    def _grammar_masks(self):
+        if self._grammars is None:
+            from detinfer.engine.grammar import GrammarMasks  # imports llguidance, an optional dependency
+
+            self._grammars = GrammarMasks(self.tokenizer, self.model_config.vocab_size,
+                                          self.scheduler.eos_token_ids)
+        return self._grammars
 
     def _prompt_ids(self, request_id: str, prompt) -> tuple[str | None, list[int] | object]:
         """(text, token ids) of a text prompt; token-id prompts pass through (the scheduler checks them)."""
@@ -238,8 +251,8 @@ class LLMEngine:
         self._aborted.clear()
         previous, self._inflight = self._inflight, []
         touched: list[str] = []
-        if previous and any(d.seq.params.has_penalties and not d.seq.is_finished for d in _sampled(previous)):
-            # Penalties need every earlier token's id on the host to build the histories: no overlap.
+        if previous and any(_needs_history(d.seq) and not d.seq.is_finished for d in _sampled(previous)):
+            # Penalties and grammars need every earlier token's id on the host: no overlap.
             touched += self._resolve_or_abort(previous)
             previous = []
         batch = self.scheduler.schedule()
@@ -259,7 +272,7 @@ class LLMEngine:
         pending = SampledIds.join([p.sampled for p in previous])
         try:
             try:
-                launched = [launch_step(self.runner, self.ops.log_softmax, batch, pending)]
+                launched = [launch_step(self.runner, self.ops.log_softmax, batch, pending, self._logits_mask)]
             except Exception as exc:
                 launched = self._isolate_failure(batch, exc, pending)
         except BaseException:
@@ -298,7 +311,7 @@ class LLMEngine:
             for rid, part in groups.items():
                 sub = ScheduledBatch(tuple(part), sum(item.query_len for item in part))
                 try:
-                    launched = launch_step(self.runner, self.ops.log_softmax, sub, pending)
+                    launched = launch_step(self.runner, self.ops.log_softmax, sub, pending, self._logits_mask)
                     launched.read()  # a failure on the device shows here, in this request's share
                     kept.append(launched)
                 except Exception as e:
@@ -336,7 +349,13 @@ class LLMEngine:
                     seq.output_logprobs.append(entry)
                     self._requests[seq.request_id].cumulative_logprobs[seq.sample_index] += entry.logprob
             live = [item.sample and not item.seq.is_finished for item in part.batch.scheduled]
-            finished = self.scheduler.resolve(part.batch, tokens, self._stop_strings(part.batch, tokens))
+            stops = self._stop_strings(part.batch, tokens)
+            if self._grammars:  # a sequence whose grammar is complete stops (docs/structured-output.md)
+                stops, refused = self._grammars.stops(part.batch, tokens, stops)
+                for rid, message in refused:  # that request alone ends, with the error
+                    self._requests[rid].error = message
+                    self.abort_request(rid)
+            finished = self.scheduler.resolve(part.batch, tokens, stops)
             for seq in finished:
                 detok = self._seq_detok.get(seq.seq_id)
                 if detok is not None:
@@ -360,6 +379,10 @@ class LLMEngine:
             found[i] = detok.stopped
         return found
 
+    @property
+    def _logits_mask(self):
+        return self._grammars.mask_logits if self._grammars else None
+
     def _output(self, req: _Request) -> RequestOutput:
         params = req.params
         outs = []
@@ -379,6 +402,8 @@ class LLMEngine:
             del self._requests[req.request_id]
             for seq in req.seqs:
                 self._seq_detok.pop(seq.seq_id, None)
+                if self._grammars is not None:
+                    self._grammars.release(seq.seq_id)
             self._counters["num_finished_requests"] += 1
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, prompt_lp, tuple(outs), finished,
                              req.error if finished else None)
@@ -395,6 +420,11 @@ class LLMEngine:
             prefix_cache_hit_tokens=bm.prefix_hit_tokens, num_preemptions=c["num_preemptions"],
             num_finished_requests=c["num_finished_requests"], last_step_seconds=self._last_step_seconds,
             last_step_tokens=c["last_step_tokens"])
+
+
+def _needs_history(seq: Sequence) -> bool:
+    """Whether sampling the sequence's next token needs its earlier tokens' ids on the host."""
+    return seq.params.has_penalties or seq.params.structured_outputs is not None
 
 
 def _sampled(launched: list[LaunchedStep]):

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from detinfer.engine.config import MAX_SEED, check_float, check_int
+from detinfer.engine.structured import StructuredOutputs
 
 PENALTY_RANGE = 2.0  # presence/frequency penalties live in [-2, 2] (OpenAI's range)
 # Bounds of what the sampler can hold: counts, ids and top_k travel as int64; temperature and the
@@ -45,6 +46,8 @@ class SamplingParams:
     ignore_eos: keep generating past the model's EOS tokens.
     logprobs: None: no logprobs; k >= 0: the sampled token's logprob plus the top-k alternatives.
     prompt_logprobs: like logprobs, for every prompt token (from position 1; position 0 has no context).
+    structured_outputs: a `StructuredOutputs` (JSON schema, JSON object, regex, choice or grammar) the output
+        must match; None: free text. See docs/structured-output.md.
     """
 
     n: int = 1
@@ -62,6 +65,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self):
         check_int("n", self.n, minimum=1, maximum=INT64_MAX)
@@ -97,6 +101,9 @@ class SamplingParams:
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         check_int("logprobs", self.logprobs, minimum=0, maximum=INT64_MAX, optional=True)
         check_int("prompt_logprobs", self.prompt_logprobs, minimum=0, maximum=INT64_MAX, optional=True)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise TypeError(f"structured_outputs must be a StructuredOutputs or None, "
+                            f"got {type(self.structured_outputs).__name__}")
 
     @property
     def is_greedy(self) -> bool:
