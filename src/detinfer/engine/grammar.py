@@ -22,70 +22,19 @@ requests fail, with an error saying what to install.
 
 from __future__ import annotations
 
-import functools
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch
 
-from detinfer.engine.structured import StructuredOutputs
+from detinfer.engine.structured import StructuredOutputError, StructuredOutputs, compile_grammar, llguidance
 
-INSTALL_HINT = "structured output needs the llguidance package: pip install 'detinfer[structured]'"
 TEMPLATE_CACHE_SIZE = 64  # compiled grammars kept per engine, least recently used dropped first
-# JSON is generated without free whitespace: a grammar that lets any amount of whitespace through lets a model
-# pad forever (small models do), and one compact form keeps outputs comparable across runs.
-JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 class GrammarRefused(RuntimeError):
     """A sequence's grammar refused a token (its matcher is then in an error state, for good)."""
-
-
-class StructuredOutputError(ValueError):
-    """A constraint the grammar library refuses; `field` names it (json, regex, choice or grammar)."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-
-
-def llguidance():
-    """The llguidance module, or a ValueError saying how to install it."""
-    try:
-        import llguidance as llg
-    except ImportError:
-        raise ValueError(INSTALL_HINT) from None
-    return llg
-
-
-@functools.lru_cache(maxsize=256)
-def compile_grammar(kind: str, text: str) -> str:
-    """The llguidance grammar of one constraint (cached by its text), checked: a StructuredOutputError names
-    the field when the schema, regex or grammar is invalid."""
-    llg = llguidance()
-    field = "json" if kind == "json_object" else kind
-    try:
-        if kind in ("json", "json_object"):
-            grammar = llg.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
-        else:
-            grammar = llg.grammar_from(kind, text)  # regex, choice (a JSON list) or grammar (Lark or GBNF)
-    except (ValueError, TypeError) as e:
-        raise StructuredOutputError(field, str(e).strip()) from None
-    error = llg.LLMatcher.validate_grammar(grammar)
-    if error:
-        raise StructuredOutputError(field, f"invalid {_WHAT[kind]}: {error.strip()}")
-    return grammar
-
-
-_WHAT = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regular expression",
-         "choice": "choice list", "grammar": "grammar"}
-
-
-def check_structured_outputs(so: StructuredOutputs) -> None:
-    """Raise what `GrammarMasks.add` would for this constraint (no tokenizer needed): a ValueError when
-    llguidance is missing, a StructuredOutputError naming the field when the constraint is invalid."""
-    compile_grammar(so.kind, so.text)
 
 
 class GrammarMasks:

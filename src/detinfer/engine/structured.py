@@ -7,10 +7,15 @@ turns it into a grammar and masks, at every output position, the tokens that wou
 
 Frozen and hashable: `kind` and `text` (the constraint as canonical text) key the compile caches, and the
 whole object crosses to an engine process inside `SamplingParams`.
+
+`compile_grammar` / `check_structured_outputs` turn a constraint into llguidance's grammar and check it
+without a tokenizer (the API server checks requests with it, naming the field). llguidance is imported only
+there, so a missing library fails structured requests alone, with an error saying what to install.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +24,10 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # The schema used for json_object: any JSON object (JSON mode, OpenAI's {"type": "json_object"}).
 ANY_JSON_OBJECT_SCHEMA = '{"type": "object"}'
 MAX_CONSTRAINT_CHARS = 1 << 20  # a schema, regex or grammar larger than 1 MiB of text is refused
+INSTALL_HINT = "structured output needs the llguidance package: pip install 'detinfer[structured]'"
+# JSON is generated without free whitespace: a grammar that lets any amount of whitespace through lets a model
+# pad forever (small models do), and one compact form keeps outputs comparable across runs.
+JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 @dataclass(frozen=True)
@@ -103,3 +112,49 @@ def _choices(choice: Any) -> tuple[str, ...]:
         if not isinstance(c, str) or not c:
             raise ValueError(f"choice[{i}] must be a non-empty string, got {c!r}")
     return choices
+
+
+class StructuredOutputError(ValueError):
+    """A constraint the grammar library refuses; `field` names it (json, regex, choice or grammar)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def llguidance():
+    """The llguidance module, or a ValueError saying how to install it."""
+    try:
+        import llguidance as llg
+    except ImportError:
+        raise ValueError(INSTALL_HINT) from None
+    return llg
+
+
+_WHAT = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regular expression",
+         "choice": "choice list", "grammar": "grammar"}
+
+
+@functools.lru_cache(maxsize=256)
+def compile_grammar(kind: str, text: str) -> str:
+    """llguidance's grammar for one constraint (an LRU cache keyed by its text), checked: a
+    StructuredOutputError naming the field when the schema, regex or grammar is invalid."""
+    llg = llguidance()
+    field = "json" if kind == "json_object" else kind
+    try:
+        if kind in ("json", "json_object"):
+            grammar = llg.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
+        else:
+            grammar = llg.grammar_from(kind, text)  # regex, choice (a JSON list) or grammar (Lark or GBNF)
+    except (ValueError, TypeError) as e:
+        raise StructuredOutputError(field, str(e).strip()) from None
+    error = llg.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise StructuredOutputError(field, f"invalid {_WHAT[kind]}: {error.strip()}")
+    return grammar
+
+
+def check_structured_outputs(so: StructuredOutputs) -> None:
+    """Raise what the engine would for this constraint, without a tokenizer: a ValueError when llguidance is
+    missing, a StructuredOutputError naming the field when the constraint is invalid."""
+    compile_grammar(so.kind, so.text)

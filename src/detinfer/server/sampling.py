@@ -12,6 +12,7 @@ from typing import Any
 
 from detinfer.engine.sampling_params import SamplingParams
 from detinfer.server.protocol import APIError, bad_request
+from detinfer.server.structured import structured_outputs
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,8 @@ def sampling_params(req: Any, limits: RequestLimits, *, max_tokens: int | None, 
                   frequency_penalty=_default(req.frequency_penalty, 0.0),
                   repetition_penalty=_default(req.repetition_penalty, 1.0), seed=req.seed, stop=tuple(stop),
                   stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-                  max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                  max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                  structured_outputs=structured_outputs(req))
     try:
         return SamplingParams(**fields)
     except (ValueError, TypeError) as e:  # the message starts with the field's name
