@@ -82,7 +82,7 @@ def test_completion_request_errors_name_the_field(body, param):
     ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
      "response_format.type"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": -1}, "top_logprobs"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": 3}, "logprobs"),
