@@ -241,3 +241,14 @@ def test_bad_constraints_and_a_missing_tokenizer_are_refused(engine, stories):
     bare = LLMEngine.from_model(model, cfg, EngineConfig(max_num_seqs=2, num_kv_blocks=16, block_size=16))
     with pytest.raises(ValueError, match="needs the model's tokenizer"):
         bare.add_request("r", [1, 2, 3], SamplingParams(structured_outputs=StructuredOutputs(regex="a")))
+
+
+def test_ids_past_the_tokenizer_are_never_allowed():
+    """A model vocab padded past the tokenizer's (600 > 512): the padding ids are never allowed."""
+    masks = GrammarMasks(masks_tokenizer(), 600, [EOS])
+    masks.add([1], StructuredOutputs(json_object=True))
+    seq = _Seq(1)
+    for _ in range(4):
+        allowed = unpack_bitmask(masks.allowed([seq]), 600)[0]
+        assert allowed[:512].any() and not allowed[512:].any()
+        seq.output_token_ids.append(int(allowed.nonzero()[-1]))
