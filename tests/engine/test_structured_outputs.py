@@ -118,9 +118,10 @@ def test_missing_llguidance_is_a_clear_error(stories, monkeypatch):
 @given(st.lists(st.lists(st.integers(-(1 << 31), (1 << 31) - 1), min_size=3, max_size=3), min_size=1, max_size=4),
        st.integers(65, 96))
 def test_unpack_bitmask_reads_bit_j_of_word_w_as_token_32w_plus_j(words, vocab):
-    got = unpack_bitmask(torch.tensor(words, dtype=torch.int32), vocab)
     want = [[bool((row[t // 32] >> (t % 32)) & 1) for t in range(vocab)] for row in words]
-    assert got.tolist() == want
+    assert unpack_bitmask(torch.tensor(words, dtype=torch.int32), vocab).tolist() == want
+    if torch.cuda.is_available():  # the device path (elementwise shifts)
+        assert unpack_bitmask(torch.tensor(words, dtype=torch.int32, device="cuda"), vocab).tolist() == want
 
 
 class _Seq:
@@ -252,3 +253,14 @@ def test_ids_past_the_tokenizer_are_never_allowed():
         allowed = unpack_bitmask(masks.allowed([seq]), 600)[0]
         assert allowed[:512].any() and not allowed[512:].any()
         seq.output_token_ids.append(int(allowed.nonzero()[-1]))
+
+
+def test_offline_llm_generate_with_structured_outputs(stories):
+    from detinfer import LLM
+
+    llm = LLM(stories, max_num_seqs=4, num_kv_blocks=32, block_size=16, device="cpu")
+    choice = SamplingParams(temperature=0, max_tokens=10, structured_outputs=StructuredOutputs(choice=["x", "yz"]))
+    free = SamplingParams(temperature=0, max_tokens=5)
+    a, b = llm.generate(["Lily", "Lily"], [choice, free], use_tqdm=False)
+    assert a.outputs[0].text in ("x", "yz") and a.outputs[0].finish_reason == "stop"
+    assert len(b.outputs[0].token_ids) == 5

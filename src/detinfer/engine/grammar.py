@@ -26,6 +26,7 @@ from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from typing import Any
 
+import numpy as np
 import torch
 
 from detinfer.engine.structured import StructuredOutputError, StructuredOutputs, compile_grammar, llguidance
@@ -135,6 +136,9 @@ class GrammarMasks:
         outputs = seq.output_token_ids
         for t in range(self._consumed[seq.seq_id], len(outputs)):
             self.consume(seq.seq_id, t, outputs[t])
+        matcher = self._matchers[seq.seq_id]
+        if matcher.is_error():  # e.g. a grammar past llguidance's resource limits: this sequence alone fails
+            raise GrammarRefused(f"sequence {seq.seq_id}: its grammar failed: {matcher.get_error()}")
 
     def allowed(self, seqs: Seq) -> torch.Tensor:
         """[len(seqs), ceil(V / 32)] int32 bitmask of the tokens each sequence's grammar allows next (bit j of
@@ -167,7 +171,12 @@ class GrammarMasks:
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[R, W] int32 bitmask -> [R, vocab_size] bool (bit j of word w is token 32 w + j; elementwise ops)."""
+    """[R, W] int32 bitmask -> [R, vocab_size] bool (bit j of word w is token 32 w + j). On the device with
+    elementwise shifts; on the host numpy's unpackbits (little-endian words, so byte order is bit order),
+    which is an order of magnitude faster there than broadcasting shifts."""
+    if bitmask.device.type == "cpu":
+        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1, bitorder="little")
+        return torch.from_numpy(bits[:, :vocab_size].view(np.bool_))
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     bits = (bitmask[:, :, None] >> shifts) & 1
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size] != 0
