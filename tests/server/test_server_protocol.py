@@ -212,7 +212,8 @@ def test_system_fingerprint_tracks_everything_that_changes_numbers(tiny_model_di
                        ("software", SoftwareInfo("c2", "2.13.0", "13.0", "3.9.0")),
                        ("software", SoftwareInfo("c", "2.12.0", "13.0", "3.9.0")),
                        ("software", SoftwareInfo("c", "2.13.0", "12.8", "3.9.0")),
-                       ("software", SoftwareInfo("c", "2.13.0", "13.0", "3.8.0"))]:
+                       ("software", SoftwareInfo("c", "2.13.0", "13.0", "3.8.0")),
+                       ("software", SoftwareInfo("c", "2.13.0", "13.0", "3.9.0", "1.9.1"))]:
         assert system_fingerprint(**{**base, key: other}) != fp, (key, other)
     assert len(numeric_code_digest()) == 64
 
