@@ -102,10 +102,10 @@ class GrammarMasks:
         if output_position == self._consumed[seq_id]:
             if not matcher.consume_token(token):
                 raise GrammarRefused(f"sequence {seq_id}: the grammar refused token {token} at output position "
-                                   f"{output_position}: {matcher.get_error()}")
+                                     f"{output_position}: {matcher.get_error()}")
             self._consumed[seq_id] += 1
         elif output_position > self._consumed[seq_id]:
-            raise RuntimeError(f"sequence {seq_id}: output position {output_position} reached the grammar before "
+            raise GrammarRefused(f"sequence {seq_id}: output position {output_position} reached the grammar before "
                                f"position {self._consumed[seq_id]}")
         return matcher.is_stopped()
 
