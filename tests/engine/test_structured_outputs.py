@@ -264,3 +264,29 @@ def test_offline_llm_generate_with_structured_outputs(stories):
     a, b = llm.generate(["Lily", "Lily"], [choice, free], use_tqdm=False)
     assert a.outputs[0].text in ("x", "yz") and a.outputs[0].finish_reason == "stop"
     assert len(b.outputs[0].token_ids) == 5
+
+
+def test_a_grammar_failure_ends_that_request_alone(stories):
+    """A matcher in error (at mask time) and a refused token (when read back) each abort their own request
+    with the error; the free request next to them gets exactly what it gets alone."""
+    free = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
+    so = StructuredOutputs(regex="x+")
+    config = EngineConfig(max_num_seqs=4, num_kv_blocks=32, block_size=16)
+    alone = drive(LLMEngine(stories, config, device="cpu"), [(0, "free", "Once", free)])["free"]
+    engine = LLMEngine(stories, config, device="cpu")
+    engine.add_request("broken", "Lily", SamplingParams(temperature=0, max_tokens=8, structured_outputs=so))
+    engine.add_request("refused", "Lily", SamplingParams(temperature=0, max_tokens=8, structured_outputs=so))
+    engine.add_request("free", "Once", free)
+    broken_seq, refused_seq = (r.seqs[0].seq_id for r in (engine._requests["broken"], engine._requests["refused"]))
+    engine._grammars._matchers[broken_seq].consume_token(EOS)  # "x+" refuses EOS first: the matcher errs
+    inner = engine._grammars.mask_logits
+
+    def skip_refused(logits, rows, seqs):  # "refused" gets no mask: its greedy token leaves the grammar
+        kept = [(r, s) for r, s in zip(rows, seqs) if s.seq_id != refused_seq]
+        return inner(logits, *zip(*kept)) if kept else logits
+
+    engine._grammars.mask_logits = skip_refused
+    got = drive(engine, [])
+    assert got["free"] == alone
+    for rid, what in (("broken", "grammar failed"), ("refused", "refused token")):
+        assert got[rid].completions[0].finish_reason == "abort" and what in got[rid].error, got[rid]

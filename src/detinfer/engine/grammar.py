@@ -109,24 +109,22 @@ class GrammarMasks:
                                f"position {self._consumed[seq_id]}")
         return matcher.is_stopped()
 
-    def stops(self, batch, tokens: Seq[int | None],
-              found: Seq[str | None]) -> tuple[list[str | bool | None], list[tuple[str, str]]]:
-        """Feed every structured sequence's sampled token of a read-back step to its matcher. Returns the
-        engine's stop results with True added where the token completed the grammar (finish_reason "stop", no
+    def consume_step(self, batch, tokens: Seq[int | None]) -> tuple[list[bool], list[tuple[str, str]]]:
+        """Feed every structured sequence's sampled token of a read-back step to its matcher. Returns, per
+        batch entry, whether its token completed the grammar (the sequence stops: finish_reason "stop", no
         stop_reason), and (request_id, error) of each request whose token the grammar refused (possible only
         when other masks left no allowed token): the engine aborts those requests alone."""
-        stops: list[str | bool | None] = list(found)
+        complete = [False] * len(tokens)
         refused: list[tuple[str, str]] = []
         for i, (item, token) in enumerate(zip(batch.scheduled, tokens, strict=True)):
             seq = item.seq
             if token is None or seq.is_finished or seq.seq_id not in self._matchers:
                 continue
             try:
-                if self.consume(seq.seq_id, item.output_position, token) and not stops[i]:
-                    stops[i] = True
+                complete[i] = self.consume(seq.seq_id, item.output_position, token)
             except GrammarRefused as e:
                 refused.append((seq.request_id, str(e)))
-        return stops, refused
+        return complete, refused
 
     def _catch_up(self, seq) -> None:
         """Feed the sequence's known output tokens its matcher has not taken yet."""

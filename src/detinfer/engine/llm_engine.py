@@ -339,6 +339,12 @@ class LLMEngine:
         touched: list[str] = []
         for part in launched:
             tokens, entries = part.read()
+            complete = None
+            if self._grammars:  # before anything is recorded: a refused token ends its request alone, unrecorded
+                complete, refused = self._grammars.consume_step(part.batch, tokens)
+                for rid, message in refused:
+                    self._requests[rid].error = message
+                    self.abort_request(rid)
             for dest, entry in entries:
                 seq = dest.seq
                 if seq.is_finished:
@@ -349,12 +355,9 @@ class LLMEngine:
                     seq.output_logprobs.append(entry)
                     self._requests[seq.request_id].cumulative_logprobs[seq.sample_index] += entry.logprob
             live = [item.sample and not item.seq.is_finished for item in part.batch.scheduled]
-            stops = self._stop_strings(part.batch, tokens)
-            if self._grammars:  # a sequence whose grammar is complete stops (docs/structured-output.md)
-                stops, refused = self._grammars.stops(part.batch, tokens, stops)
-                for rid, message in refused:  # that request alone ends, with the error
-                    self._requests[rid].error = message
-                    self.abort_request(rid)
+            stops: list = self._stop_strings(part.batch, tokens)
+            if complete is not None:  # a complete grammar stops its sequence (docs/structured-output.md)
+                stops = [s if s else (True if c else None) for s, c in zip(stops, complete)]
             finished = self.scheduler.resolve(part.batch, tokens, stops)
             for seq in finished:
                 detok = self._seq_detok.get(seq.seq_id)
