@@ -11,6 +11,7 @@ checkpoint file); both modes share the same weight tensors. No tokenizer: prompt
     python bench/bench_e2e.py                                  # full: 36 layers, 1000 requests
     python bench/bench_e2e.py --layers 4 --num-requests 100    # quick, scaled down
     python bench/bench_e2e.py --async-scheduling on,off       # overlapped scheduling on and off
+    python bench/bench_e2e.py --tensor-parallel-size 2        # the same on 2 GPUs (tensor parallelism)
 
 Per decode batch it also splits a step's wall time into the host's time blocked waiting for the device
 (`wait`, in Event.synchronize: the engine reads a step's results back through one event) and the rest
@@ -115,8 +116,10 @@ def count_graph_steps(engine: LLMEngine) -> dict:
     logits on the host) by kind: "mixed" (a prefill chunk in the step) or "decode"."""
     counts = {"graph": 0, "eager": 0, "mixed_graph": 0, "step_ms": {"mixed": [], "decode": []},
               "mixed_tokens": []}
-    runner, orig_graph, orig_eager, orig_step = engine.runner, engine.runner._run_graph, engine.runner._run_eager, \
-        engine.step
+    # Under tensor parallelism the engine's runner sends each step to the workers and runs rank 0's
+    # ModelRunner (`.local`): that one picks graph or eager.
+    local = getattr(engine.runner, "local", engine.runner)
+    runner, orig_graph, orig_eager, orig_step = engine.runner, local._run_graph, local._run_eager, engine.step
     kind = []
 
     def graph(host, *args, **kwargs):
@@ -142,7 +145,7 @@ def count_graph_steps(engine: LLMEngine) -> dict:
             counts["step_ms"][kind[-1]].append((time.perf_counter() - t) * 1e3)
         return out
 
-    runner._run_graph, runner._run_eager, runner.execute, engine.step = graph, eager, execute, step
+    local._run_graph, local._run_eager, runner.execute, engine.step = graph, eager, execute, step
     return counts
 
 
@@ -242,6 +245,12 @@ def main(argv=None) -> int:
                     help="also capture decode graphs bounded to 256 keys (A/B: --no-cuda-graph-short-kv)")
     ap.add_argument("--async-scheduling", default="on",
                     help="on, off, or on,off: overlapped scheduling setting(s) to run each mode with")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="GPUs to split the model over (rank r on the r-th GPU from cuda:0)")
+    ap.add_argument("--tp-invariant-reduction", action="store_true",
+                    help="deterministic row-parallel sums with TP=1's bits at any TP size "
+                    "(docs/tensor-parallel.md); at "
+                    "TP=1 it swaps the shared model's o_proj/down_proj in place: keep the default mode order")
     ap.add_argument("--repeat", type=int, default=1, help="timed e2e runs per mode (the median is reported)")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test the script (tiny --layers)")
     ap.add_argument("--json", default=None, help="write the results here")
@@ -255,10 +264,12 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     fast_model = random_model(cfg, dev, seed=0)
     wbytes = matmul_weight_bytes(fast_model)
-    roof_step = wbytes / HBM_BYTES_PER_S
+    roof_step = wbytes / args.tensor_parallel_size / HBM_BYTES_PER_S  # each GPU reads its shard of the weights
     name = torch.cuda.get_device_name() if cuda else "cpu"
-    print(f"{name}  torch {torch.__version__}  layers {args.layers}  weights read per step"
-          f"  {wbytes / 1e9:.2f} GB -> roofline {roof_step * 1e3:.2f} ms/step  (built in "
+    tp = args.tensor_parallel_size
+    print(f"{name}  torch {torch.__version__}  layers {args.layers}  TP {tp}  weights read per step"
+          f"  {wbytes / 1e9:.2f} GB{f' ({wbytes / tp / 1e9:.2f} GB per GPU)' if tp > 1 else ''} -> roofline "
+          f"{roof_step * 1e3:.2f} ms/step  (built in "
           f"{time.perf_counter() - t:.1f}s)", flush=True)
     reqs = workload(args.num_requests, cfg.vocab_size, seed=1, prompt_len=args.prompt_len)
     results = {}
@@ -276,7 +287,8 @@ def main(argv=None) -> int:
             mode=mode, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
             cuda_graph_max_tokens=args.cuda_graph_max_tokens, cuda_graph_short_kv=args.cuda_graph_short_kv,
-            async_scheduling=overlap == "on"))
+            async_scheduling=overlap == "on", tensor_parallel_size=args.tensor_parallel_size,
+            tp_invariant_reduction=args.tp_invariant_reduction))
         init_s = time.perf_counter() - t
         graphs = engine.runner.graphs
         if graphs is not None:
@@ -328,6 +340,7 @@ def main(argv=None) -> int:
             print(f"[{key}] decode batch {d['batch']:>3}: {d['step_ms']:.2f} ms/step  {d['tok_s']:.0f} tok/s  "
                   f"= {d['tok_s'] / roof:.0%} of roofline {roof:.0f} tok/s  (host {d['host_ms']:.2f} ms, "
                   f"waiting for the device {d['wait_ms']:.2f} ms)", flush=True)
+        engine.close()  # stops tensor-parallel workers at once (a no-op otherwise)
         del engine
     suffixes = [""] if len(overlaps) == 1 else [f"/async-{o}" for o in overlaps]
     for sfx in suffixes:

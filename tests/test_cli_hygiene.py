@@ -104,3 +104,44 @@ def test_cpu_thread_policy(monkeypatch):
         assert cli_util.cpu_thread_policy("cpu") == 1  # every core busy: one thread
     finally:
         torch.set_num_threads(before)
+
+
+def test_repro_never_calls_the_users_value_a_default(capsys):
+    ns = repro_cli.build_parser().parse_args(["m", "--prompt", "p", "--device", "cpu", "--n", "0"])
+    repro_cli._size_defaults(ns)
+    err = capsys.readouterr().err
+    assert "--max-tokens 64" in err and "--n" not in err
+
+
+def test_version_flag_prints_the_package_version(capsys):
+    from detinfer import __version__
+    from detinfer.cli import main
+
+    for flag in ("--version", "-V"):
+        assert main([flag]) == 0
+        assert capsys.readouterr().out.strip() == f"detinfer {__version__}"
+
+
+def test_pull_without_a_name_says_what_to_give(capsys):
+    from detinfer.models import pull
+
+    assert pull.main([]) == 2
+    err = capsys.readouterr().err
+    assert "usage: detinfer pull" in err and "give the name of the model" in err
+    assert all(name in err for name in pull.REGISTRY)
+
+
+@pytest.mark.parametrize("name", ["generate", "repro"])
+def test_generate_and_repro_send_raw_text_unless_chat(name):
+    """Both commands take the prompt as raw text by default (vLLM's generate / completions) and take
+    --chat and --no-chat; before, generate had no --no-chat and repro defaulted to the chat template."""
+    parser = PARSERS[name]()
+    assert parser.parse_args(["m", "--prompt", "p"]).chat is False
+    assert parser.parse_args(["m", "--prompt", "p", "--chat"]).chat is True
+    assert parser.parse_args(["m", "--prompt", "p", "--chat", "--no-chat"]).chat is False
+
+
+def test_repro_config_default_matches_the_cli():
+    from detinfer.repro.experiment import ReproConfig
+
+    assert ReproConfig().chat is False

@@ -39,7 +39,7 @@ def _apply_cpu_thread_policy(cmd: str, rest: list[str]) -> None:
 
 
 def _usage() -> str:
-    lines = ["usage: detinfer <command> [options]", "", "commands:"]
+    lines = ["usage: detinfer <command> [options]  |  detinfer --version", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in _COMMANDS.items()]
     lines += ["", "run `detinfer <command> --help` for a command's options"]
     return "\n".join(lines)
@@ -49,6 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from detinfer import __version__
+
+        print(f"detinfer {__version__}")
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd not in _COMMANDS:

@@ -76,10 +76,15 @@ def linear_table(device: torch.device, dtype: torch.dtype, in_f: int, out_f: int
     return list(zip(ms, stock, ours))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="detinfer demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--shuffles", type=int, default=10_000, help="shuffles in the sum-order demo")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -4,9 +4,12 @@ Skipped (shown as skipped) without CUDA; the TP>1 tests also with a single GPU. 
 Qwen3-shaped checkpoint (q/k norm, GQA 8/2, head_dim 128, 8 reduction chunks), big enough that the matmul
 and attention kernels pick several configs. Checked: TP=1 with the chunk tree in CUDA graphs == eager (one
 GPU); TP=2 == TP=1 with tp_invariant_reduction (requests and a forward's logits); TP=2 alone == batched
-with the default reduction; TP=4 == TP=1 when 4 GPUs are visible; fast mode (NCCL all-reduce) runs.
+with the default reduction; TP=4 == TP=1 when 4 GPUs are visible; fast mode (NCCL all-reduce) runs; TP=2
+with CUDA graphs == eager == overlap off; exact_sum (NCCL all-reduce at TP=2) == all-gather + tree in graphs.
 """
 
+import hashlib
+import os
 import random
 
 import pytest
@@ -80,3 +83,96 @@ def test_tp2_fast_mode_runs(model_dir, two_gpus):
         assert out.error is None and len(out.completions[0].token_ids) == 4
     finally:
         engine.close()
+
+
+def test_tp2_graphs_equal_eager_and_overlap_off(model_dir, two_gpus):
+    """CUDA graphs under TP (collectives captured, every rank replaying the same shape; pending ids broadcast
+    from rank 0) give the eager steps' bits, with overlapped scheduling on and off; decode and mixed steps
+    both replay graphs."""
+    from test_tensor_parallel_graphs import MORE
+
+    reqs = REQUESTS + MORE
+    results, replays = {}, {}
+    variants = (("graphs", {}), ("eager", dict(enforce_eager=True)), ("graphs_sync", dict(async_scheduling=False)))
+    for name, kw in variants:
+        engine = engine_at(model_dir, 2, device="cuda", max_num_batched_tokens=64, max_num_seqs=8,
+                           tp_invariant_reduction=True, **kw)
+        try:
+            local, kinds = engine.runner.local, []
+            assert (local.graphs is not None) == (name != "eager")
+            orig = local._run_graph
+
+            def counted(layout, *args, _orig=orig, _kinds=kinds, **kwargs):
+                _kinds.append("decode" if layout.all_single_token else "mixed")
+                return _orig(layout, *args, **kwargs)
+
+            local._run_graph = counted
+            results[name] = (run(engine, reqs), forward_logits(engine).cpu())
+            replays[name] = set(kinds)
+        finally:
+            engine.close()
+    assert replays["graphs"] == {"decode", "mixed"}, replays
+    assert results["graphs"][0] == results["eager"][0] == results["graphs_sync"][0]
+    assert torch.equal(results["graphs"][1], results["eager"][1])
+    assert all(sig.error is None for sig in results["graphs"][0].values())
+
+
+def _sum_worker(rank, port, cases, queue):
+    from detinfer.distributed.group import connect
+    from detinfer.kernels.chunked_linear import pairwise_tree_sum
+
+    dev = torch.device("cuda", rank)
+    group = connect(rank, 2, port, dev)
+    out = []
+    for parts in cases:
+        mine = parts[rank].to(dev)
+        tree = pairwise_tree_sum(group.all_gather(mine.clone()))
+        eager = group.exact_sum(mine.clone())
+        static = mine.clone()
+        torch.cuda.synchronize(dev)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            captured = group.exact_sum(static)
+        static.copy_(mine)
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        # Compared here; only plain values cross the queue (a tensor would be passed as a file descriptor
+        # that the parent fetches from this process's resource sharer, which is gone once it exits).
+        bits = tree.cpu().view(torch.int32)
+        out.append((torch.equal(eager, tree), torch.equal(captured, tree), hashlib.sha256(bits.numpy()).hexdigest()))
+    queue.put((rank, out))
+    # Flush the queue's feeder thread, then leave without running NCCL's teardown at interpreter exit.
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
+
+
+def test_exact_sum_nccl_is_gather_and_tree_in_and_out_of_graphs(two_gpus):
+    """TP=2 on NCCL: exact_sum (one fp32 all-reduce) == all-gather + tree, bit for bit, eagerly and inside a
+    CUDA graph, from 1 element to 1 MiB (NCCL switches protocol / algorithm with the size), with -0.0,
+    infinities and subnormals in the partials."""
+    from detinfer.distributed.group import free_port
+
+    gen = torch.Generator().manual_seed(0)
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 1e-45, -1e-40, 3.4e38, -3.4e38])
+    cases = []
+    for n in (1, 7, 2048, 16384, 65536, 262144):
+        parts = [torch.randn(n, generator=gen) * torch.exp2(torch.randint(-130, 120, (n,), generator=gen).float())
+                 for _ in range(2)]
+        for p in parts:
+            idx = torch.randint(0, n, (min(n, 64),), generator=gen)
+            p[idx] = special[torch.randint(0, len(special), (len(idx),), generator=gen)]
+        parts[1][: n // 4] = -parts[0][: n // 4]  # exact cancellations
+        cases.append(parts)
+    ctx = torch.multiprocessing.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_sum_worker, args=(r, port, cases, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(queue.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    for rank in (0, 1):
+        for i, (eager_ok, captured_ok, _) in enumerate(got[rank]):
+            assert eager_ok and captured_ok, f"rank {rank}, case {i}: eager {eager_ok}, in a graph {captured_ok}"
+    assert [c[2] for c in got[0]] == [c[2] for c in got[1]], "the ranks' sums differ"

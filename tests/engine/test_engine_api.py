@@ -253,3 +253,26 @@ def test_failed_forward_aborts_its_batch_and_engine_recovers(model_dir):
     assert engine.stats().kv_blocks_used == 0
     engine.add_request("z", [11, 12, 13], params)
     assert drain(engine)["z"].outputs[0].finish_reason == "length"
+
+
+def test_get_tokenizer_and_vllm_prompt_dicts(stories):
+    llm = LLM(stories, mode="deterministic", device="cpu", max_num_seqs=4, max_model_len=128)
+    tok = llm.get_tokenizer()
+    assert tok is llm.engine.tokenizer
+    ids = tok.encode("Once upon a time")
+    assert tok.decode(ids) == "Once upon a time"
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    plain = [o.outputs[0].token_ids for o in llm.generate(["Hi", ids], params, use_tqdm=False)]
+    single = llm.generate({"prompt": "Hi"}, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in single] == plain[:1]
+    mixed = llm.generate([{"prompt_token_ids": ids}, "Hi", {"prompt": "Hi"}, ids], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed] == [plain[1], plain[0], plain[0], plain[1]]
+    assert mixed[0].prompt_token_ids == tuple(ids) and mixed[2].prompt == "Hi"
+    for bad, error, match in [({"prompt": "Hi", "cache_salt": "x"}, ValueError, r"unsupported key\(s\) 'cache_salt'"),
+                              ({}, ValueError, "needs exactly one of"),
+                              ({"prompt": "Hi", "prompt_token_ids": [1]}, ValueError, "needs exactly one of"),
+                              ({"prompt": 5}, TypeError, '"prompt" must be a str'),
+                              ([{"prompt_token_ids": "abc"}], TypeError, '"prompt_token_ids" must be a non-empty')]:
+        with pytest.raises(error, match=match):
+            llm.generate(bad, params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()

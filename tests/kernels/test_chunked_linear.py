@@ -71,6 +71,18 @@ def test_rows_are_independent_triton():
     assert torch.equal(cl.linear_tree(x, w, 4)[2:5], cl.linear_tree(x[2:5], w, 4))
 
 
+def test_one_chunk_written_in_place_keeps_row_bits(monkeypatch):
+    """One chunk (a TP rank's partial without tp_invariant_reduction): the kernel writes straight into the
+    result, also across row blocks; every row equals that row computed alone."""
+    x, w = rand((9, 48), 4), rand((20, 48), 5)
+    whole = cl.linear_tree(x, w, 1)
+    monkeypatch.setattr(cl, "TREE_MAX_PARTIAL_ELEMS", 3 * 20)  # 3 rows per block
+    blocked = cl.linear_tree(x, w, 1)
+    alone = torch.cat([cl.linear_tree(x[i:i + 1], w, 1) for i in range(9)])
+    assert torch.equal(whole, blocked) and torch.equal(whole, alone)
+    assert torch.allclose(whole.double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("fn", IMPLS)
 def test_accurate_against_float64(fn):
     x, w = rand((5, 256), 3), rand((33, 256), 4)

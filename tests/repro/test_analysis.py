@@ -3,12 +3,15 @@
 import math
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from detinfer.repro.analysis import (
     CONTEXT_TOKENS,
     Completion,
     first_divergence,
     first_logprob_divergence,
+    max_logprob_difference,
     summarize,
 )
 
@@ -154,3 +157,47 @@ def test_completion_validation():
     with pytest.raises(ValueError, match="max_pairs"):
         summarize([Completion(0, "a")], max_pairs=-1)
     assert math.isinf(Completion(0, "a", tokens=(1,), logprobs=(float("-inf"),)).logprobs[0])
+
+
+def test_max_logprob_difference_counts_only_positions_where_the_tokens_agree():
+    """Reference: the majority (runs 0-2). Run 3 drifts by 2^-20 at token 50; run 4 drifts by 0.125 at
+    token 50, then takes another token at 102 and its logprobs there and after (1.5 off) are not
+    comparable: the largest difference is 0.125, run 4, token 50."""
+    runs = [_queens(r, 0) for r in range(3)] + [_queens(3, 0, lp_shift=2.0 ** -20), _queens(4, 1, lp_shift=0.125)]
+    tail = list(runs[4].logprobs)
+    tail[102:] = [lp - 1.5 for lp in tail[102:]]
+    runs[4] = Completion(4, runs[4].text, tokens=runs[4].tokens, logprobs=tail)
+    s = summarize(runs)
+    assert s.reference_run == 0
+    assert s.max_logprob_diff == 0.125 and s.max_logprob_diff_at == (4, 50)
+    assert max_logprob_difference(runs[0], runs[:4]) == (2.0 ** -20, (3, 50))
+
+
+def test_max_logprob_difference_is_zero_when_the_logprobs_reproduce():
+    runs = [_queens(r, r % 2) for r in range(4)]  # two texts, identical logprobs where they agree
+    s = summarize(runs)
+    assert s.max_logprob_diff == 0.0 and s.max_logprob_diff_at is None
+    assert summarize([Completion(0, "ab"), Completion(1, "ab")]).max_logprob_diff is None  # no logprobs
+    inf = Completion(0, "ab", tokens=(1, 2), logprobs=(float("-inf"), -1.0))
+    assert max_logprob_difference(inf, [Completion(1, "ab", tokens=(1, 2), logprobs=(-3.0, -1.0))]) == (0.0, None)
+
+
+_runs = st.lists(st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=6),
+                           st.lists(st.floats(-8, 0, width=32), min_size=6, max_size=6)), min_size=1, max_size=6)
+
+
+@given(_runs)
+def test_max_logprob_difference_property(spec):
+    """Over random runs: the result is the largest |difference| at a position inside a run's shared token
+    prefix with the reference, it names such a position, and it does not depend on the runs' order."""
+    comps = [Completion(r, "", tokens=tuple(t), logprobs=tuple(lp[:len(t)])) for r, (t, lp) in enumerate(spec)]
+    ref = comps[0]
+    diffs = {}
+    for c in comps:
+        shared = first_divergence(ref.units, c.units)
+        shared = min(len(ref.units), len(c.units)) if shared is None else shared
+        diffs.update({(c.run, i): abs(c.logprobs[i] - ref.logprobs[i]) for i in range(shared)})
+    best, at = max_logprob_difference(ref, comps)
+    assert best == max(diffs.values())
+    assert (at is None) == (best == 0.0) and (at is None or diffs[at] == best)
+    assert max_logprob_difference(ref, comps[::-1])[0] == best

@@ -64,7 +64,7 @@ def _alone(model_dir, mode, prompt_ids, max_tokens):
 def test_repro_cli_both_modes(tiny_chat_model, repro_flags, tmp_path, capsys):
     out = tmp_path / "report"
     n, max_tokens = 6, 8
-    rc = _run_cli(["--model", str(tiny_chat_model), "--prompt", PROMPT, "--mode", "both", "--n", str(n),
+    rc = _run_cli(["--model", str(tiny_chat_model), "--prompt", PROMPT, "--chat", "--mode", "both", "--n", str(n),
                    "--max-tokens", str(max_tokens), "--out", str(out), "--no-progress", "--check", "--device",
                    "cpu", *repro_flags])
     printed = capsys.readouterr().out
@@ -160,4 +160,6 @@ def test_cli_errors(tmp_path, capsys):
     assert "prompt file" in capsys.readouterr().err
     assert _run_cli(["--model", str(tmp_path), "--prompt", "x", "--prompt-file", "y"]) == 2
     assert _run_cli(["--model", str(tmp_path), "--prompt", "x", "--n", "0"]) == 2
-    assert "n must be in" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "n must be >= 1, got 0" in err
+    assert "--n 0" not in err  # the user's own value is never called a default

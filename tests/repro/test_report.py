@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from detinfer.repro.analysis import Completion, summarize  # noqa: E402
-from detinfer.repro.report import REPORT_FORMAT, Section, write_report  # noqa: E402
+from detinfer.repro.report import REPORT_FORMAT, Section, panel_title, write_report  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -108,3 +108,40 @@ def test_logprob_only_differences_are_not_reproducible(tmp_path):
     assert "at token 0" in html
     lines = cli.describe(fast)
     assert "not reproducible" in lines and "the earliest at token 0" in lines
+
+
+def _drifting_section(label="fast"):
+    """One text in 4 runs, but run 2's logprob at token 1 is 0.25 off: 2 distinct logprob sequences."""
+    comps = [Completion(r, "abc", tokens=tuple("abc"), logprobs=(-0.5, -0.75 if r == 2 else -0.5, -0.5))
+             for r in range(4)]
+    return Section(label=label, target="synthetic", prompt="p", summary=summarize(comps), completions=tuple(comps),
+                   elapsed_s=1.0)
+
+
+def test_panel_titles_state_both_counts_and_the_verdict(tmp_path):
+    """The histogram's title once read "fast: 1 unique of 4 (not reproducible)": one text, yet not
+    reproducible. Titles now give the text count, the logprob-sequence count and the verdict from both."""
+    from detinfer.report_html import pyplot
+    from detinfer.repro.report import _draw_divergence, _draw_histogram
+
+    s = _drifting_section()
+    title = panel_title(s.label, s.summary)
+    assert title == "fast: not reproducible (4 runs)\n1 distinct text but 2 distinct logprob sequences"
+    plt = pyplot()
+    fig, (hist, div) = plt.subplots(1, 2)
+    _draw_histogram(hist, s)
+    _draw_divergence(div, s)
+    assert hist.get_title() == title and "unique" not in hist.get_title()
+    assert div.get_title().endswith("largest |logprob difference| from run 0: 0.25")
+    plt.close(fig)
+
+
+def test_max_logprob_difference_in_json_and_html(tmp_path):
+    paths = write_report(tmp_path, [_drifting_section(), _section("deterministic", ["abc"] * 3)], {"prompt": "p"})
+    fast, det = (s["summary"] for s in _strict_json(paths["json"])["sections"])
+    assert fast["max_abs_logprob_diff"] == 0.25 and fast["max_abs_logprob_diff_at"] == {"run": 2, "position": 1}
+    assert det["max_abs_logprob_diff"] == 0.0 and det["max_abs_logprob_diff_at"] is None
+    html = paths["html"].read_text(encoding="utf-8")
+    assert "largest |logprob difference| from the reference run, where the tokens so far agree" in html
+    assert "0.25 (run 2 vs run 0, at token 1)" in html
+    assert "0 (every run&#x27;s logprobs equal run 0&#x27;s while their tokens agree)" in html

@@ -100,3 +100,24 @@ def test_smollm2_addition_deterministic_vs_fast(tmp_path):
     assert all(h["mismatch_bits_differ"] == 0.0 and h["mismatch_max_abs_diff"] == 0.0 for h in det)
     fast = _run(model, tmp_path, arm="fast", config=config)
     assert max(h["mismatch_bits_differ"] for h in fast) > 0.0
+
+
+def test_bf16_ppo_epochs_sampler_logprobs_are_pi_old_and_runs_repeat(tiny_dir, tmp_path):
+    # several updates per rollout (bf16 engine, fp32 masters pushed after each update, CUDA graphs):
+    # the sampler's logprobs equal a trainer recompute bit for bit before the first update, and every
+    # step's first mini-batch still matches the sampler exactly
+    config = CFG.replace(steps=2, ppo_epochs=2, mini_batch_seqs=6, clip_eps_high=0.28, lr_schedule="cosine",
+                         warmup_steps=1, weight_decay=0.01, temperature=0.9, top_p=0.95)
+    t = GRPOTrainer(tiny_dir, config.replace(temperature=1.0, top_p=1.0), "deterministic", task=ODD,
+                    device="cuda", max_model_len=256)
+    try:
+        r = t.rollout(0)
+        recompute = t._score_no_grad(r, range(len(r.completion_ids)), 1.0)
+        for j, lps in enumerate(r.sampler_logprobs):
+            assert torch.equal(recompute[j].cpu(), torch.tensor(lps, dtype=torch.float32)), j
+    finally:
+        t.close()
+    a = _run(tiny_dir, tmp_path / "a", config=config)
+    b = _run(tiny_dir, tmp_path / "b", config=config)
+    assert _untimed(a) == _untimed(b)
+    assert all(h["updates"] == 6 and h["mismatch_bits_differ"] == 0.0 and h["mismatch_tokens"] > 0 for h in a)

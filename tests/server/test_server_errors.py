@@ -57,9 +57,17 @@ CASES = [
     (COMPLETIONS, _ok(seed=2**64), 400, "seed"),
     (COMPLETIONS, _ok(stop=[1, 2]), 400, "stop"),
     (COMPLETIONS, _ok(stream=1), 400, "stream"),
-    (COMPLETIONS, _ok(logit_bias={"1": 5}), 400, "logit_bias"),
+    (COMPLETIONS, _ok(logit_bias={"one": 5}), 400, "logit_bias"),  # keys are token ids
+    (COMPLETIONS, _ok(logit_bias={"1": 101}), 400, "logit_bias"),  # OpenAI's range is [-100, 100]
+    (COMPLETIONS, _ok(logit_bias={"100000": 1}), 400, "logit_bias"),  # outside the vocabulary
+    (COMPLETIONS, _ok(allowed_token_ids=[1, 100000]), 400, "allowed_token_ids"),
+    (COMPLETIONS, _ok(allowed_token_ids=[]), 400, "allowed_token_ids"),
+    (COMPLETIONS, _ok(min_tokens=5), 400, "min_tokens"),  # more than max_tokens
+    (COMPLETIONS, _ok(bad_words=[""]), 400, "bad_words"),
+    (COMPLETIONS, _ok(prompt_logprobs=1000), 400, "prompt_logprobs"),  # above --max-logprobs
+    (COMPLETIONS, _ok(echo=True, logprobs=1, prompt_logprobs=2), 400, "prompt_logprobs"),
     (COMPLETIONS, _ok(suffix="s"), 400, "suffix"),
-    (COMPLETIONS, _ok(unknown_knob=True), 400, "unknown_knob"),
+    (COMPLETIONS, _ok(stream_options={"include_usage": True, "knob": 1}), 400, "stream_options.knob"),
     (CHAT, {"model": MODEL}, 400, "messages"),
     (CHAT, _chat(messages=[]), 400, "messages"),
     (CHAT, _chat(messages=[{"role": "user"}, {"content": "x"}]), 400, "messages[1].role"),
@@ -70,6 +78,9 @@ CASES = [
     (CHAT, _chat(logprobs=True, top_logprobs=1000), 400, "top_logprobs"),
     (CHAT, _chat(max_completion_tokens=0), 400, "max_completion_tokens"),
     (CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    (CHAT, _chat(functions=[{"name": "f"}]), 400, "functions"),
+    (CHAT, _chat(audio={"voice": "alloy", "format": "wav"}), 400, "audio"),
+    (CHAT, _chat(modalities=["text", "audio"]), 400, "modalities[1]"),
     (CHAT, _chat(model="nope"), 404, "model"),
 ]
 
@@ -116,3 +127,15 @@ def test_server_keeps_serving_after_bad_requests(http, server):
     m = server.wait_idle()
     assert m['detinfer_http_requests_total{path="/v1/completions",status="400"}'] >= 10
     assert m["detinfer_kv_cache_blocks_used"] == 0 and m["detinfer_engine_alive"] == 1
+
+
+def test_unknown_fields_are_ignored_and_named_in_a_header(http):
+    r = http.post(COMPLETIONS, json=_ok(temperature=0, unknown_knob=True, use_beam_search=False))
+    assert r.status_code == 200, r.text
+    assert r.headers["X-Detinfer-Ignored-Fields"] == "unknown_knob, use_beam_search"
+    plain = http.post(COMPLETIONS, json=_ok(temperature=0))
+    assert "X-Detinfer-Ignored-Fields" not in plain.headers
+    assert plain.json()["choices"][0]["text"] == r.json()["choices"][0]["text"]
+    with http.stream("POST", CHAT, json=_chat(stream=True, knob="\u00e9")) as s:
+        assert s.status_code == 200 and s.headers["X-Detinfer-Ignored-Fields"] == "knob"
+        s.read()

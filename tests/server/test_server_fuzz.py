@@ -49,6 +49,13 @@ SAMPLING = {
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "user": st.text(max_size=8),
+    "min_tokens": st.sampled_from([0, 1, 4]),
+    "skip_special_tokens": st.booleans(),
+    "include_stop_str_in_output": st.booleans(),
+    "logit_bias": st.dictionaries(st.integers(0, 300).map(str), st.floats(-100, 100), max_size=3),
+    "allowed_token_ids": st.lists(st.integers(0, 300), min_size=1, max_size=5),
+    "bad_words": st.lists(st.text(min_size=1, max_size=4), max_size=2),
+    "prompt_logprobs": st.sampled_from([0, 1, 3]),
 }
 COMPLETION_ONLY = {
     "logprobs": st.sampled_from([0, 1, 5, 20]),

@@ -60,9 +60,16 @@ def test_completion_request_defaults_and_nulls():
     ({"model": "m", "prompt": "x", "stop": ["a", ""]}, "stop"),
     ({"model": "m", "prompt": "x", "stop": 3}, "stop"),
     ({"model": "m", "prompt": "x", "logprobs": -1}, "logprobs"),
-    ({"model": "m", "prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"5": 100.5}}, "logit_bias"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"-5": 1.0}}, "logit_bias"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"5": "1"}}, "logit_bias.5"),
     ({"model": "m", "prompt": "x", "suffix": "tail"}, "suffix"),
-    ({"model": "m", "prompt": "x", "frobnicate": 1}, "frobnicate"),
+    ({"model": "m", "prompt": "x", "min_tokens": -1}, "min_tokens"),
+    ({"model": "m", "prompt": "x", "skip_special_tokens": "no"}, "skip_special_tokens"),
+    ({"model": "m", "prompt": "x", "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+    ({"model": "m", "prompt": "x", "allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ({"model": "m", "prompt": "x", "bad_words": "word"}, "bad_words"),
+    ({"model": "m", "prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
     ({"model": "m", "prompt": "x", "presence_penalty": 3}, "presence_penalty"),
     ({"model": "m", "prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
     ({"model": "m", "prompt": "x", "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
@@ -247,3 +254,14 @@ def test_engine_config_flags_parse_into_engine_config():
     cfg = from_args(EngineConfig, ns)
     assert cfg.num_kv_blocks == 12 and cfg.max_model_len is None
     assert isinstance(ns, argparse.Namespace)
+
+
+def test_unknown_top_level_fields_are_kept_as_ignored():
+    req = P.parse_request(P.CompletionRequest, {"model": "m", "prompt": "x", "frobnicate": 1, "best_of": 1,
+                                                "use_beam_search": False})
+    assert req.ignored_fields() == ["frobnicate", "use_beam_search"]
+    assert P.parse_request(P.ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                                     "knob": 1}).ignored_fields() == ["knob"]
+    # nested objects stay strict
+    assert _err(P.CompletionRequest, {"model": "m", "prompt": "x", "stream_options": {"knob": 1}}).param == \
+        "stream_options.knob"

@@ -43,14 +43,18 @@ def test_chat_json_schema_with_the_openai_client(client):
     ({"guided_json": PET}, lambda t: json.loads(t)["kind"] in ("cat", "dog")),
     ({"structured_outputs": {"regex": "(on|off)!"}}, lambda t: t in ("on!", "off!")),
     ({"structured_outputs": {"choice": ["up", "down"]}}, lambda t: t in ("up", "down")),
+    ({"guided_choice": ["up", "down"], "min_tokens": 1, "logit_bias": {"2": 50.0}, "bad_words": ["zzz"]},
+     lambda t: t in ("up", "down")),  # with vLLM's sampling extras: both apply
     ({"structured_outputs": {"json": json.dumps(PET)}}, lambda t: set(json.loads(t)) == {"kind", "ok"}),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PET}}},
      lambda t: set(json.loads(t)) == {"kind", "ok"}),
 ])
 def test_completions_follow_every_spelling(server, body, check):
     r = _post(server, "completions", {"prompt": "Once upon a time", "max_tokens": 40, "temperature": 1.0,
-                                      "seed": 5, "n": 2, **body})
+                                      "seed": 5, "n": 2, "vendor_knob": 1, **body})
     assert r.status_code == 200, r.text
+    # the structured fields are real fields: only the unknown one is reported as ignored
+    assert r.headers["X-Detinfer-Ignored-Fields"] == "vendor_knob"
     for choice in r.json()["choices"]:
         assert choice["finish_reason"] == "stop" and check(choice["text"]), choice
 

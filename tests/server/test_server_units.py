@@ -52,7 +52,26 @@ def test_mapping_copies_every_field():
                                stop_token_ids=(3,), ignore_eos=True, max_tokens=5, logprobs=2)
 
 
+def test_mapping_copies_the_vllm_extras():
+    p = _params(min_tokens=2, skip_special_tokens=False, include_stop_str_in_output=True,
+                logit_bias={"7": -100, "3": 2.5}, allowed_token_ids=[3, 7, 9], bad_words=["foo bar"],
+                prompt_logprobs=1)
+    assert p == SamplingParams(min_tokens=2, skip_special_tokens=False, include_stop_str_in_output=True,
+                               logit_bias={3: 2.5, 7: -100.0}, allowed_token_ids=(3, 7, 9), bad_words=("foo bar",),
+                               prompt_logprobs=1)
+
+
+def test_mapping_checks_token_ids_against_the_vocabulary():
+    req = _completion(logit_bias={"5": 1}, allowed_token_ids=[4])
+    assert sampling_params(req, LIMITS, max_tokens=2, logprobs=None, vocab_size=6).logit_bias == ((5, 1.0),)
+    for kw, param in [({"logit_bias": {"6": 1}}, "logit_bias"), ({"allowed_token_ids": [1, 6]}, "allowed_token_ids")]:
+        err = _error(sampling_params, _completion(**kw), LIMITS, max_tokens=2, logprobs=None, vocab_size=6)
+        assert err.param == param and "outside the vocabulary [0, 6)" in err.message
+
+
 @pytest.mark.parametrize("kw,param", [
+    ({"min_tokens": 17}, "min_tokens"),  # more than max_tokens (16)
+    ({"prompt_logprobs": 6}, "prompt_logprobs"),  # above max_logprobs
     ({"n": 5}, "n"),  # above max_n
     ({"temperature": 2.5}, "temperature"),  # above max_temperature (OpenAI's 2)
     ({"repetition_penalty": 1e-300}, "repetition_penalty"),  # zero as float32: would divide by it

@@ -13,12 +13,23 @@ Rank r of P holds:
   rows and picks the owner's (a copy, so bit-exact; summing "row + exact zeros" would turn -0.0 into +0.0).
   Logits: each rank's [S, V'] columns are gathered and concatenated (exact).
 - norms, rotary: replicated.
+- mixture-of-experts layers (`ExpertParallelMoE`): expert parallelism. The router is replicated (every rank
+  routes every token identically: the hidden states entering the layer are the same on every rank); the
+  experts are split in contiguous blocks, rank r owning [r E/P, (r+1) E/P). Each rank computes the slots
+  (token, routing rank) routed to its experts; deterministic mode gathers every rank's slot outputs and picks
+  each slot's owner's (a copy: exact), then sums a token's k slots in routing-rank order exactly as the
+  one-device layer does, so the layer's output has the same bits at every P. Fast mode: each rank combines
+  its own slots and the library all-reduce adds the ranks.
+These rules live in one function, `shard_spec`, which the in-memory split (`shard_state`) and the sharded
+loaders (a checkpoint's slices, a random preset's draws: models/loader.py, models/random_weights.py) share.
 
 Row-parallel sums, deterministic mode: every rank computes fp32 partials with `Ops.linear_tree` and the
-ranks' results are all-gathered and added by `Ops.tree_sum` in rank order: a fixed order whatever the
-message size or batch. With `tp_invariant_reduction`, the K dim is cut into C = `tp_invariant_chunks(config)`
-chunks fixed by the model shape; rank r sums its C/P chunks with the pairwise tree and the P results finish
-the same tree, so every P dividing C gives what TP=1 gives with the same chunks (kernels/chunked_linear.py).
+ranks' results are added by `TPGroup.exact_sum`: the bits of all-gathering them and adding them in rank order
+in the fixed pairwise tree, whatever the message size or batch (at P = 2 one fp32 all-reduce gives exactly
+those bits: one commutative addition). With `tp_invariant_reduction`, the K dim is cut into
+C = `tp_invariant_chunks(config)` chunks fixed by the model shape; rank r sums its C/P chunks with the pairwise
+tree and the P results finish the same tree, so every P dividing C gives what TP=1 gives with the same chunks
+(kernels/chunked_linear.py).
 Without it each rank's partial is one chunk (deterministic, but its bits depend on P). Fast mode: the plain
 matmul and the library's all-reduce.
 """
@@ -26,6 +37,7 @@ matmul and the library's all-reduce.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +45,7 @@ from torch import nn
 
 from detinfer.distributed.group import TPGroup
 from detinfer.models.config import ModelConfig
-from detinfer.models.transformer import Transformer
+from detinfer.models.transformer import MLP, Transformer
 from detinfer.ops import Ops
 
 # The most ranks the chunk tree is built for: one 8-GPU node, the usual limit of tensor parallelism (beyond
@@ -42,11 +54,17 @@ from detinfer.ops import Ops
 MAX_TP_CHUNKS = 8
 
 
+def _has_dense_mlp(config: ModelConfig) -> bool:
+    """Whether some layer has a dense MLP (split by intermediate size); MoE layers split by expert instead."""
+    return len(config.moe_layers) < config.num_hidden_layers
+
+
 def tp_invariant_chunks(config: ModelConfig) -> int:
     """C: the largest power of two <= MAX_TP_CHUNKS dividing both row-parallel K dims' units (the attention
-    head count and the intermediate size), so every rank of any TP size dividing C owns whole chunks."""
+    head count and, where a dense MLP exists, the intermediate size), so every rank of any TP size dividing C
+    owns whole chunks."""
     c = MAX_TP_CHUNKS
-    while c > 1 and (config.num_attention_heads % c or config.intermediate_size % c):
+    while c > 1 and (config.num_attention_heads % c or (_has_dense_mlp(config) and config.intermediate_size % c)):
         c //= 2
     return c
 
@@ -57,8 +75,10 @@ def _tp_problem(config: ModelConfig, size: int, invariant: bool) -> str | None:
     hkv = config.num_key_value_heads
     if hkv % size and size % hkv:
         return f"num_key_value_heads={hkv} neither divides it nor is a multiple of it"
-    if config.intermediate_size % size:
+    if _has_dense_mlp(config) and config.intermediate_size % size:
         return f"intermediate_size={config.intermediate_size} is not a multiple of it"
+    if config.num_experts % size:  # 0 for dense models
+        return f"num_experts={config.num_experts} is not a multiple of it (experts are split in equal blocks)"
     if invariant and tp_invariant_chunks(config) % size:
         return (f"with tp_invariant_reduction it must divide this model's {tp_invariant_chunks(config)} "
                 "reduction chunks")
@@ -67,9 +87,6 @@ def _tp_problem(config: ModelConfig, size: int, invariant: bool) -> str | None:
 
 def check_tp_config(config: ModelConfig, size: int, invariant: bool = False) -> None:
     """Raise a ValueError naming the problem and the TP sizes this model allows."""
-    if config.num_experts:
-        raise ValueError("tensor parallelism does not support mixture-of-experts models yet "
-                         f"({config.architecture}); use tensor_parallel_size=1")
     problem = _tp_problem(config, size, invariant) if size > 1 else None
     if problem is not None:
         allowed = [p for p in range(1, config.num_attention_heads + 1) if _tp_problem(config, p, invariant) is None]
@@ -98,29 +115,71 @@ def _kv_heads_of(config: ModelConfig, rank: int, size: int) -> range:
     return range(head, head + 1)
 
 
-def _shard(name: str, t: torch.Tensor, config: ModelConfig, rank: int, size: int) -> torch.Tensor:
-    d = config.head_dim
-    hq = config.num_attention_heads // size
+def expert_block(config: ModelConfig, rank: int, size: int) -> range:
+    """The experts rank `rank` of `size` holds: the contiguous block [r E/P, (r+1) E/P)."""
+    per = config.num_experts // size
+    return range(rank * per, (rank + 1) * per)
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """The part of a full parameter one rank holds: the `ranges` [start, stop) along `dim` of the full tensor,
+    concatenated in order, then `pad` zero slices along `dim` (the last vocab shard). dim None: all of it."""
+
+    dim: int | None
+    ranges: tuple[tuple[int, int], ...] = ()
+    pad: int = 0
+
+    def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if self.dim is None:
+            return tuple(shape)
+        n = sum(b - a for a, b in self.ranges) + self.pad
+        return tuple(shape[:self.dim]) + (n,) + tuple(shape[self.dim + 1:])
+
+
+REPLICATED = ShardSpec(None)
+
+
+def shard_spec(name: str, shape: tuple[int, ...], config: ModelConfig, rank: int, size: int) -> ShardSpec:
+    """Which slice of the full parameter `name` (a `Transformer` state-dict name, full `shape`) rank `rank` of
+    `size` holds: the one rule both the in-memory split (`shard_state`) and the sharded loaders
+    (models/loader.py `load_state`, models/random_weights.py) follow, so their shards are the same bits."""
+    if size == 1:
+        return REPLICATED
+    d, hq = config.head_dim, config.num_attention_heads // size
     if name in ("embed_tokens", "lm_head"):
-        per = vocab_shard_size(config.vocab_size, size)
-        rows = t[rank * per:(rank + 1) * per]
-        if rows.shape[0] < per:  # the last shard: zero rows past the vocab (never looked up, logits cut)
-            rows = torch.cat((rows, rows.new_zeros((per - rows.shape[0],) + tuple(rows.shape[1:]))))
-        return rows
+        per, vocab = vocab_shard_size(config.vocab_size, size), config.vocab_size
+        start, stop = min(rank * per, vocab), min((rank + 1) * per, vocab)
+        return ShardSpec(0, ((start, stop),), per - (stop - start))  # zero rows past the vocab: never looked up
+    if len(shape) == 3:  # stacked experts [E, ...] (expert parallel): a contiguous block of E / P experts
+        block = expert_block(config, rank, size)
+        return ShardSpec(0, ((block.start, block.stop),))
     if ".qkv_proj." in name:
         kv = _kv_heads_of(config, rank, size)
         q0, k0 = config.q_size, config.q_size + config.kv_size
-        return torch.cat((t[rank * hq * d:(rank + 1) * hq * d], t[q0 + kv.start * d:q0 + kv.stop * d],
-                          t[k0 + kv.start * d:k0 + kv.stop * d]))
+        return ShardSpec(0, ((rank * hq * d, (rank + 1) * hq * d), (q0 + kv.start * d, q0 + kv.stop * d),
+                             (k0 + kv.start * d, k0 + kv.stop * d)))
     if ".gate_up_proj." in name:
         inter, per = config.intermediate_size, config.intermediate_size // size
-        return torch.cat((t[rank * per:(rank + 1) * per], t[inter + rank * per:inter + (rank + 1) * per]))
+        return ShardSpec(0, ((rank * per, (rank + 1) * per), (inter + rank * per, inter + (rank + 1) * per)))
     if name.endswith("o_proj.weight"):
-        return t[:, rank * hq * d:(rank + 1) * hq * d]
+        return ShardSpec(1, ((rank * hq * d, (rank + 1) * hq * d),))
     if name.endswith("down_proj.weight"):
         per = config.intermediate_size // size
-        return t[:, rank * per:(rank + 1) * per]
-    return t  # norms, row-parallel biases: replicated
+        return ShardSpec(1, ((rank * per, (rank + 1) * per),))
+    return REPLICATED  # norms, routers, row-parallel biases
+
+
+def take_shard(t: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """`spec`'s slice of the full tensor `t` (views where possible)."""
+    if spec.dim is None:
+        return t
+    parts = [t.narrow(spec.dim, a, b - a) for a, b in spec.ranges]
+    if spec.pad:
+        shape = list(t.shape)
+        shape[spec.dim] = spec.pad
+        parts.append(t.new_zeros(shape))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=spec.dim)
 
 
 def shard_state(model: Transformer, config: ModelConfig, rank: int, size: int,
@@ -129,9 +188,14 @@ def shard_state(model: Transformer, config: ModelConfig, rank: int, size: int,
     `device` (default: the model's; copied there slice by slice, never as a whole shard on the model's)."""
     out = {}
     for name, p in model.named_parameters():
-        t = _shard(name, p.detach(), config, rank, size)
+        t = take_shard(p.detach(), shard_spec(name, tuple(p.shape), config, rank, size))
         out[name] = (t.clone() if device is None else t.to(device, copy=True)).contiguous()
     return out
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes a model's parameters occupy (what a rank holds resident of the weights)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 # -- the layers -------------------------------------------------------------------------------------------
@@ -153,10 +217,43 @@ class RowParallelLinear(nn.Module):
             return y if self.bias is None else y + self.bias
         y = ops.linear_tree(x, self.weight, self.chunks or 1)  # fp32 [T, N]: this rank's subtree
         if g is not None:
-            y = ops.tree_sum(g.all_gather(y))  # the tree's top levels, in rank order, on every rank
+            y = g.exact_sum(y)  # the tree's top levels, in rank order, on every rank (all-reduce at P=2)
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype)
+
+
+class ExpertParallelMoE(nn.Module):
+    """A MoE layer holding experts [first_expert, first_expert + E / P) and the full router (module doc).
+    Parameters are named as `SparseMoE`'s, so a rank's `shard_state` loads into it."""
+
+    def __init__(self, config: ModelConfig, group: TPGroup, size: int):
+        super().__init__()
+        E, H, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        block = expert_block(config, group.rank, size)
+        self.group, self.first_expert, self.experts_per_rank = group, block.start, len(block)
+        self.num_experts, self.top_k, self.renormalize = E, config.num_experts_per_tok, config.norm_topk_prob
+        self.router = nn.Parameter(torch.empty(E, H), requires_grad=False)
+        self.gate_up_proj = nn.Parameter(torch.empty(len(block), 2 * inter, H), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(len(block), H, inter), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        if x.shape[0] == 0:  # every rank has the same tokens, so all skip the collective together
+            return x.new_zeros(x.shape)
+        weights, ids = ops.moe_route(x, self.router, self.top_k, self.renormalize)
+        y = ops.moe_expert_outputs(x, ids, self.gate_up_proj, self.down_proj, self.first_expert,
+                                   self.num_experts)  # [T, k, H]: this rank's slots, zeros elsewhere
+        if not ops.deterministic:
+            return self.group.all_reduce_sum(ops.moe_combine(weights, y, x.dtype))
+        y = pick_slot_owners(self.group.all_gather(y), ids, self.experts_per_rank)
+        return ops.moe_combine(weights, y, x.dtype)
+
+
+def pick_slot_owners(gathered: torch.Tensor, ids: torch.Tensor, experts_per_rank: int) -> torch.Tensor:
+    """gathered [P, T, k, H] (rank p's slot outputs at [p]) -> [T, k, H], slot (t, r) copied from the rank
+    owning expert ids[t, r]: a data move, so every slot has its computing rank's exact bits."""
+    owner = (ids // experts_per_rank)[None, :, :, None].expand(1, -1, -1, gathered.shape[-1])
+    return gathered.gather(0, owner)[0]
 
 
 class TPTransformer(Transformer):
@@ -185,6 +282,12 @@ class TPTransformer(Transformer):
         return full[:, :self.full_vocab]
 
 
+def _moe_layers(model: Transformer):
+    for layer in model.layers:
+        if not isinstance(layer.mlp, MLP):
+            yield layer
+
+
 def _row_parallel_layers(model: Transformer):
     for layer in model.layers:
         yield layer.self_attn, "o_proj"
@@ -203,6 +306,8 @@ def build_local_model(config: ModelConfig, size: int, ops: Ops, group: TPGroup, 
             old = getattr(owner, name)
             setattr(owner, name, RowParallelLinear(old.weight.shape[1], old.weight.shape[0], old.bias is not None,
                                                    group, chunks))
+        for layer in _moe_layers(model):
+            layer.mlp = ExpertParallelMoE(config, group, size)
         per = vocab_shard_size(config.vocab_size, size)
         model.embed_tokens = nn.Parameter(torch.empty(per, config.hidden_size), requires_grad=False)
         if model.lm_head is not None:

@@ -5,11 +5,19 @@
 its local `ModelRunner` on its shard; the collectives inside the forward keep the ranks in step, and the
 vocab-parallel logits come back full width on rank 0.
 
-Start-up: rank 0 shards the full model it was given (loaded as for TP=1), keeps shard 0 and sends each
-worker its shard as CPU tensors (shared memory), so checkpoints, random presets and in-memory models all
-work the same way. Rank 0 therefore holds the full weights once while loading (a limit for models larger
-than one device). Steps run eagerly (collectives are not captured in CUDA graphs yet). All ranks agree on
-the KV pool size (the smallest any rank could allocate).
+Start-up: given a weight source (models/weight_sources.py: a checkpoint directory or a random preset), rank 0
+sends every worker only that small description in its `WorkerSpec`, and every rank, rank 0 included, reads
+or draws only its own slices on its own device (`shard_spec`), all at the same time: no process holds the
+full weights. Given an in-memory model (`LLMEngine.from_model`), rank 0 has it whole already: it keeps
+shard 0 and sends each worker its shard as CPU tensors (shared memory). Every rank reports its resident
+weight bytes (`weight_bytes`, in rank order). All ranks agree on the KV pool size (the smallest any rank
+could allocate) before allocating it.
+
+CUDA graphs: every rank's `ModelRunner` captures the same shapes in the same order, collectives included.
+The shape a step replays is a pure function of its layout and the (shared) engine config; rank 0 sends its
+choice with the layout and each worker checks that it picked the same, so all ranks replay matching graphs.
+Overlapped scheduling: token ids sampled by the previous step stay on rank 0's device; they reach the
+workers by a device broadcast inside the step (an exact data move), so rank 0 never waits for them.
 
 Failures: any error in a step, or a worker's exit, is fatal for the group (collectives half done cannot be
 resumed): the workers are stopped, and this and every later `execute` raises a RuntimeError naming the
@@ -20,7 +28,6 @@ group when a worker exits, and every collective has a timeout (group.DEFAULT_TIM
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing.connection as mpc
 import threading
 import time
@@ -30,26 +37,40 @@ import torch
 import torch.multiprocessing as mp
 
 from detinfer.distributed.group import DEFAULT_TIMEOUT_S, connect, master_store
-from detinfer.distributed.layers import build_local_model, check_tp_config, local_config, shard_state, use_chunk_tree
-from detinfer.distributed.worker import WorkerSpec, shrink_kv_cache, worker_main
+from detinfer.distributed.layers import (
+    build_local_model,
+    check_tp_config,
+    local_config,
+    shard_state,
+    use_chunk_tree,
+    weight_bytes,
+)
+from detinfer.distributed.worker import WorkerSpec, step_message, worker_main
 from detinfer.engine.config import EngineConfig
 from detinfer.engine.model_runner import ModelRunner
 from detinfer.models.config import ModelConfig
 from detinfer.models.transformer import Transformer
+from detinfer.models.weight_sources import build_full_model
+from detinfer.ops import Ops
 
 STARTUP_TIMEOUT_S = 600.0  # spawning, importing torch and building a big shard can take minutes
 
 
-def make_runner(model: Transformer, model_config: ModelConfig, config: EngineConfig,
-                num_kv_blocks: int | None = None):
-    """The engine's runner for `config.tensor_parallel_size` (and `tp_invariant_reduction` at TP=1)."""
+def make_runner(model: Transformer | None, model_config: ModelConfig, config: EngineConfig,
+                num_kv_blocks: int | None = None, *, weights=None, ops: Ops | None = None):
+    """The engine's runner for `config.tensor_parallel_size` (and `tp_invariant_reduction` at TP=1). `model`:
+    the full in-memory model, or None with `weights` (a models.weight_sources value) and rank 0's `ops`: then
+    each rank loads only its own shard (TP=1: the whole model, from the same source)."""
     size = config.tensor_parallel_size
     check_tp_config(model_config, size, config.tp_invariant_reduction)
+    if model is None and (weights is None or ops is None):
+        raise ValueError("make_runner needs a model, or weights and ops")
     if size == 1:
+        model = build_full_model(weights, model_config, ops) if model is None else model
         if config.tp_invariant_reduction:
             use_chunk_tree(model, model_config)
         return ModelRunner(model, model_config, config, num_kv_blocks)
-    return TensorParallelRunner(model, model_config, config, num_kv_blocks)
+    return TensorParallelRunner(model, model_config, config, num_kv_blocks, weights=weights, ops=ops)
 
 
 # Imported once by the fork server; each worker is forked from it (no re-import of torch per worker and per
@@ -79,14 +100,17 @@ def rank_devices(device: torch.device, size: int) -> list[torch.device]:
 class TensorParallelRunner:
     """See the module docstring."""
 
-    def __init__(self, model: Transformer, model_config: ModelConfig, config: EngineConfig,
-                 num_kv_blocks: int | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, model: Transformer | None, model_config: ModelConfig, config: EngineConfig,
+                 num_kv_blocks: int | None = None, *, weights=None, ops: Ops | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
         size = config.tensor_parallel_size
-        ops, device = model.ops, model.embed_tokens.device
+        if model is not None:  # in memory: rank 0 shards it (weights and ops are the model's)
+            weights, ops, device = None, model.ops, model.embed_tokens.device
+        else:
+            device = torch.device(ops.device)
         devices = rank_devices(device, size)
         self.config, self.size, self.model_config = config, size, model_config
         self._procs, self._conns, self._failure, self._closing = [], [], None, False
-        eager = config.replace(enforce_eager=True)
         store = master_store(size, timeout_s=timeout_s)
         port = store.port
         ctx = _process_context()
@@ -94,8 +118,8 @@ class TensorParallelRunner:
         try:
             for r in range(1, size):
                 parent, child = ctx.Pipe()
-                spec = WorkerSpec(r, size, port, str(devices[r]), model_config, eager, ops.mode, ops.dtype,
-                                  ops.attention, ops.cpu_triton, num_kv_blocks, timeout_s, threads)
+                spec = WorkerSpec(r, size, port, str(devices[r]), model_config, config, ops.mode, ops.dtype,
+                                  ops.attention, ops.cpu_triton, num_kv_blocks, timeout_s, threads, weights)
                 proc = ctx.Process(target=worker_main, args=(spec, child), name=f"detinfer-tp-rank{r}")
                 proc.start()
                 child.close()
@@ -104,23 +128,44 @@ class TensorParallelRunner:
             self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns)
             self._expect("hello")
             self.group = connect(0, size, port, device, timeout_s=timeout_s, store=store)
-            for r, conn in enumerate(self._conns, 1):
-                conn.send(("state", shard_state(model, model_config, r, size, device="cpu")))
-            local = build_local_model(model_config, size, ops, self.group, shard_state(model, model_config, 0, size),
-                                      device, config.tp_invariant_reduction)
-            self.local = ModelRunner(local, local_config(model_config, size), eager, num_kv_blocks)
+            # From here a worker's exit aborts the group (NCCL would wait for it until the timeout). A weak
+            # reference: a dropped engine must still be collected (and its workers stopped).
+            self._watcher = threading.Thread(target=_watch, args=([p.sentinel for p in self._procs],
+                                                                  weakref.ref(self)),
+                                             name="detinfer-tp-watcher", daemon=True)
+            self._watcher.start()
+            if weights is None:
+                for r, conn in enumerate(self._conns, 1):
+                    conn.send(("state", shard_state(model, model_config, r, size, device="cpu")))
+                state = shard_state(model, model_config, 0, size)
+            else:  # the workers are loading theirs meanwhile
+                state = weights.state(model_config, 0, size, device)
+            local = build_local_model(model_config, size, ops, self.group, state, device,
+                                      config.tp_invariant_reduction)
+            del state
+            # Every shard is built before the runners' start-up collectives (KV pool agreement, profiling,
+            # graph capture): a worker that fails to load is reported as such, not as a broken collective.
+            loaded = self._expect("loaded")
+            self.weight_bytes = (weight_bytes(local),) + tuple(msg[1] for msg in loaded)
+            self.local = self._start_local_runner(local, model_config, config, num_kv_blocks)
             blocks = [self.local.num_kv_blocks] + [msg[1] for msg in self._expect("ready")]
-            if len(set(blocks)) > 1:
-                for conn in self._conns:
-                    conn.send(("shrink", min(blocks)))
-                shrink_kv_cache(self.local, min(blocks))
+            if len(set(blocks)) > 1:  # agreed inside ModelRunner (group.agree_min): a bug if not
+                raise RuntimeError(f"tensor-parallel ranks built KV pools of different sizes: {blocks} blocks")
         except BaseException:
             self.close()
             raise
-        # The thread holds a weak reference: a dropped engine must still be collected (and its workers stopped).
-        self._watcher = threading.Thread(target=_watch, args=([p.sentinel for p in self._procs], weakref.ref(self)),
-                                         name="detinfer-tp-watcher", daemon=True)
-        self._watcher.start()
+
+    def _start_local_runner(self, local, model_config: ModelConfig, config: EngineConfig, num_kv_blocks):
+        """Rank 0's ModelRunner; a worker's failure during the collectives it runs is reported as that."""
+        try:
+            return ModelRunner(local, local_config(model_config, self.size), config, num_kv_blocks,
+                               tp_group=self.group)
+        except Exception as e:
+            failure = self._worker_failure(wait_s=2.0)
+            if failure is None:
+                raise
+            raise RuntimeError(failure) from e
+
 
     # -- what the engine reads ------------------------------------------------------------------------
     @property
@@ -138,20 +183,26 @@ class TensorParallelRunner:
 
     # -- steps -----------------------------------------------------------------------------------------
     def execute(self, batch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self._step(batch.layout, input_ids, False, lambda ids: self.local.execute(batch, input_ids=ids))
+
+    def run_padded_eager(self, layout, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Test hook: `ModelRunner.run_padded_eager` on every rank (the step padded as its graph pads it)."""
+        return self._step(layout, input_ids, True, lambda ids: self.local.run_padded_eager(layout, ids))
+
+    def _step(self, layout, input_ids: torch.Tensor | None, padded: bool, run_local) -> torch.Tensor:
         if self._failure is None:
             self._failure = self._worker_failure()
         if self._failure is not None:
             raise RuntimeError(self._failure)
         try:
-            layout = batch.layout
-            if input_ids is not None:
-                # Overlapped scheduling left some ids (the previous step's samples) on rank 0's device only:
-                # the workers get them as host data. This waits for the previous step, so under tensor
-                # parallelism overlap saves nothing yet; the bits are the same either way.
-                layout = dataclasses.replace(layout, token_ids=input_ids.tolist())
+            msg = step_message(self.local, layout, input_ids is not None, padded)
             for conn in self._conns:
-                conn.send(("step", layout))
-            return self.local.execute(batch, input_ids=input_ids)
+                conn.send(msg)
+            if input_ids is not None:
+                # Overlapped scheduling: some ids (the previous step's samples) are on rank 0's device only.
+                # The workers receive them by this broadcast (ordered on the stream: no host sync).
+                input_ids = self.group.broadcast(input_ids.contiguous())
+            return run_local(input_ids)
         except Exception as e:
             self._fail(self._worker_failure(wait_s=2.0) or
                        f"tensor-parallel step failed on rank 0 ({type(e).__name__}: {e})")

@@ -7,8 +7,21 @@ the logits (rank 0 samples). Workers never reply per step: a failure is reported
 message followed by the worker's exit, which also closes its sockets, so rank 0's pending collective fails
 instead of waiting (and rank 0's watcher aborts NCCL groups on a worker's exit).
 
-Messages to a worker: ("state", {name: cpu tensor}), ("step", layout), ("shrink", num_blocks), ("stop",).
-Messages from a worker: ("hello",), ("ready", num_kv_blocks), ("error", text).
+CUDA graphs: the worker's runner captures the same shapes as rank 0's, in the same order (collectives
+captured). A step message carries the graph shape rank 0 picked (None: eager), a pure function of the layout
+and the shared config; the worker checks that it picks the same before running, so every rank replays the
+matching graph (a mismatch is a bug, reported as an error, never a silent hang of mismatched collectives).
+Pending token ids (overlapped scheduling) are in the layout as PENDING_TOKEN; when the message says so, the
+step's ids come from rank 0 by a device broadcast before the forward.
+
+Weights: with `WorkerSpec.weights` (a models.weight_sources value: a checkpoint path or a random preset's
+seed, plus the dtype) the worker reads / draws only its own slices on its device; without it, rank 0 sends
+them (an in-memory model it sharded).
+
+Messages to a worker: ("state", {name: cpu tensor}) (only without `weights`), ("step", layout, shape key,
+ids_follow, padded), ("stop",).
+Messages from a worker: ("hello",), ("loaded", resident weight bytes) (its shard is built: the runner's
+start-up collectives follow), ("ready", num_kv_blocks), ("error", text).
 """
 
 from __future__ import annotations
@@ -16,6 +29,7 @@ from __future__ import annotations
 import sys
 import traceback
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,7 +45,7 @@ class WorkerSpec:
     port: int
     device: str
     model_config: ModelConfig
-    engine_config: EngineConfig  # enforce_eager set: collectives are not captured in CUDA graphs
+    engine_config: EngineConfig  # rank 0's: the same graphs, shapes and KV pool on every rank
     mode: str
     dtype: torch.dtype
     attention: str
@@ -39,6 +53,7 @@ class WorkerSpec:
     num_kv_blocks: int | None
     timeout_s: float
     num_threads: int | None
+    weights: Any = None  # a models.weight_sources value; None: rank 0 sends the shard ("state")
 
 
 @dataclass(frozen=True)
@@ -49,10 +64,31 @@ class LayoutBatch:
     is_empty: bool = False
 
 
-def shrink_kv_cache(runner, num_blocks: int) -> None:
-    """Use only the first `num_blocks` blocks of every pool (all ranks must agree on the block count)."""
-    runner.kv_cache = [(k[:num_blocks], v[:num_blocks]) for k, v in runner.kv_cache]
-    runner.num_kv_blocks = num_blocks
+def step_message(runner, layout: StepLayout, ids_follow: bool, padded: bool = False) -> tuple:
+    """Rank 0's per-step message: the layout, the graph shape it replays (its key; None: eager), whether
+    the step's token ids follow by broadcast (`ids_follow`: some are pending on rank 0's device), and
+    `padded` (test hook: run it as `ModelRunner.run_padded_eager`)."""
+    return ("step", layout, _shape_key(runner, layout), ids_follow, padded)
+
+
+def _shape_key(runner, layout: StepLayout):
+    shape = runner.graph_shape(layout) if runner.use_graphs else None
+    return None if shape is None else shape.key
+
+
+def run_step(runner, group, layout: StepLayout, shape_key, ids_follow: bool, padded: bool = False) -> None:
+    """A worker's share of one step (its logits are discarded: rank 0 samples)."""
+    mine = _shape_key(runner, layout)
+    if mine != shape_key:
+        raise RuntimeError(f"rank {group.rank} picked graph shape {mine} for a step rank 0 runs as {shape_key}: "
+                           "the ranks' configs differ")
+    ids = None
+    if ids_follow:
+        ids = group.broadcast(torch.empty(layout.num_tokens, dtype=torch.int64, device=runner.device))
+    if padded:
+        runner.run_padded_eager(layout, input_ids=ids)
+    else:
+        runner.execute(LayoutBatch(layout), input_ids=ids)
 
 
 def worker_main(spec: WorkerSpec, conn) -> None:
@@ -61,25 +97,30 @@ def worker_main(spec: WorkerSpec, conn) -> None:
         if spec.num_threads:
             torch.set_num_threads(spec.num_threads)
         from detinfer.distributed.group import connect
-        from detinfer.distributed.layers import build_local_model, local_config
+        from detinfer.distributed.layers import build_local_model, local_config, weight_bytes
         from detinfer.engine.model_runner import ModelRunner
         from detinfer.ops import Ops
 
         conn.send(("hello",))
         device = torch.device(spec.device)
         group = connect(spec.rank, spec.size, spec.port, device, timeout_s=spec.timeout_s)
-        kind, state = conn.recv()
-        if kind != "state":
-            raise RuntimeError(f"expected the weights first, got {kind!r}")
         cfg = spec.model_config
+        if spec.weights is not None:
+            state = spec.weights.state(cfg, spec.rank, spec.size, device)
+        else:
+            kind, state = conn.recv()
+            if kind != "state":
+                raise RuntimeError(f"expected the weights first, got {kind!r}")
         ops = Ops(spec.mode, device, spec.dtype, head_dim=cfg.head_dim, attention=spec.attention,
                   cpu_triton=spec.cpu_triton)
         model = build_local_model(cfg, spec.size, ops, group, state, device,
                                   spec.engine_config.tp_invariant_reduction)
         del state
-        runner = ModelRunner(model, local_config(cfg, spec.size), spec.engine_config, spec.num_kv_blocks)
+        conn.send(("loaded", weight_bytes(model)))  # rank 0 waits for this before the runner's collectives
+        runner = ModelRunner(model, local_config(cfg, spec.size), spec.engine_config, spec.num_kv_blocks,
+                             tp_group=group)
         conn.send(("ready", runner.num_kv_blocks))
-        _serve(conn, runner)
+        _serve(conn, runner, group)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         sys.exit(0)  # rank 0 went away: nothing to report to
     except BaseException:
@@ -90,13 +131,11 @@ def worker_main(spec: WorkerSpec, conn) -> None:
         sys.exit(1)
 
 
-def _serve(conn, runner) -> None:
+def _serve(conn, runner, group) -> None:
     while True:
         msg = conn.recv()
         if msg[0] == "step":
-            runner.execute(LayoutBatch(msg[1]))
-        elif msg[0] == "shrink":
-            shrink_kv_cache(runner, msg[1])
+            run_step(runner, group, *msg[1:])
         elif msg[0] == "stop":
             return
         else:

@@ -29,6 +29,45 @@ def _help(text: str, **extra: Any) -> dict:
     return {"help": text, **extra}
 
 
+# Limits of what the engine can hold (token ids, counts and seeds travel as int64; temperatures and penalties
+# divide float32 logits). They bound values only so that nothing overflows; error messages name them as
+# limits (`_bound`), not as the range a user should aim for.
+INT64_MAX = (1 << 63) - 1
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
+_MACHINE_LIMITS = {INT64_MAX: "2**63 - 1, the int64 limit", FLOAT32_MAX: "the largest float32, ~3.4e38",
+                   FLOAT32_MIN_NORMAL: "the smallest normal float32, ~1.2e-38"}
+
+
+def _number(value: float) -> str:
+    """1.0 -> '1', 0.5 -> '0.5': bounds read as a person writes them."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return str(value)
+
+
+def _bound(value: float) -> str:
+    limit = _MACHINE_LIMITS.get(value)
+    return f"{value} ({limit})" if limit else _number(value)
+
+
+def range_error(name: str, value: Any, minimum: float | None, maximum: float | None,
+                min_exclusive: bool = False) -> ValueError:
+    """The ValueError for `value` outside [minimum, maximum], in the words a user needs: the one bound it
+    crossed ("n must be >= 1"), or both when both are meaningful ("top_p must be in (0.0, 1.0]"); a bound
+    that is only a machine limit (int64, float32) is named as such, never shown as the allowed range."""
+    low = "(" if min_exclusive else "["
+    human = minimum is not None and maximum is not None and not {minimum, maximum} & _MACHINE_LIMITS.keys()
+    if human:
+        return ValueError(f"{name} must be in {low}{_number(minimum)}, {_number(maximum)}], got {value}")
+    below = minimum is not None and (value <= minimum if min_exclusive else value < minimum)
+    if below and minimum == FLOAT32_MIN_NORMAL:  # "positive", as far as float32 division can go
+        return ValueError(f"{name} must be > 0 (at least {_MACHINE_LIMITS[minimum]}), got {value}")
+    if below:
+        return ValueError(f"{name} must be {'>' if min_exclusive else '>='} {_bound(minimum)}, got {value}")
+    return ValueError(f"{name} must be <= {_bound(maximum)}, got {value}")
+
+
 def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None,
               optional: bool = False) -> None:
     """Raise a ValueError/TypeError naming `name` unless `value` is an int in [minimum, maximum]."""
@@ -38,9 +77,7 @@ def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int
         kind = "an int or None" if optional else "an int"
         raise TypeError(f"{name} must be {kind}, got {value!r} ({type(value).__name__})")
     if minimum is not None and value < minimum or maximum is not None and value > maximum:
-        lo = "-inf" if minimum is None else minimum
-        hi = "inf" if maximum is None else maximum
-        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+        raise range_error(name, value, minimum, maximum)
 
 
 def check_float(name: str, value: Any, *, minimum: float | None = None, maximum: float | None = None,
@@ -52,9 +89,7 @@ def check_float(name: str, value: Any, *, minimum: float | None = None, maximum:
         raise ValueError(f"{name} must be finite, got {value!r}")
     lo_bad = minimum is not None and (value <= minimum if min_exclusive else value < minimum)
     if lo_bad or (maximum is not None and value > maximum):
-        lo = "-inf" if minimum is None else minimum
-        hi = "inf" if maximum is None else maximum
-        raise ValueError(f"{name} must be in {'(' if min_exclusive else '['}{lo}, {hi}], got {value}")
+        raise range_error(name, value, minimum, maximum, min_exclusive)
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

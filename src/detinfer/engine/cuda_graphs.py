@@ -240,11 +240,15 @@ class StepGraphs:
             torch.cuda.empty_cache()
             before = torch.cuda.memory_reserved(dev)
             pool = None
+            # Tensor parallelism: the forward's collectives are captured too (every rank captures the same
+            # shapes in this same order). "thread_local": the process group's watchdog thread queries the
+            # events of earlier collectives, which a process-wide capture would treat as an error.
+            mode = "global" if getattr(runner, "tp_group", None) is None else "thread_local"
             for shape, forward in forwards.items():
                 self.prepare(EMPTY_STEP, shape)
                 torch.cuda.synchronize(dev)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
                     forward()
                 pool = graph.pool() if pool is None else pool
                 self._graphs[shape.key] = graph

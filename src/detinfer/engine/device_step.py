@@ -147,10 +147,13 @@ def _input_ids(batch: ScheduledBatch, pending: SampledIds | None) -> torch.Tenso
 
 
 def launch_step(runner, log_softmax, batch: ScheduledBatch, pending: SampledIds | None,
-                logits_mask=None) -> LaunchedStep:
+                eos_token_ids: frozenset[int] = frozenset(), logits_mask=None) -> LaunchedStep:
     """Enqueue one step (forward, sampling, logprobs, the copy back) and return without waiting for it.
+    eos_token_ids: the model's EOS ids (min_tokens masks them).
     `logits_mask(logits, rows, seqs) -> logits`, when given, masks the sampled rows (structured output's
-    grammars, `GrammarMasks.mask_logits`) before both sampling and logprobs."""
+    grammars, `GrammarMasks.mask_logits`) before both sampling and logprobs, so a grammar request's logprobs
+    are those of its masked distribution (as vLLM's); the sampler's own processors (logit_bias, bad words,
+    min_tokens, `token_mask`, ...) work on a copy, and logprobs stay raw for them."""
     logits = runner.execute(batch, input_ids=_input_ids(batch, pending))
     dev = logits.device
     items = batch.scheduled
@@ -163,11 +166,11 @@ def launch_step(runner, log_softmax, batch: ScheduledBatch, pending: SampledIds 
         if logits_mask is not None:
             logits = logits_mask(logits, rows, seqs)
         picked = logits if rows == list(range(logits.shape[0])) else logits[to_device([rows], dev)[0]]
-        penalties = any(s.params.has_penalties for s in seqs)  # the engine resolved their histories first
+        history = any(s.params.needs_history for s in seqs)  # the engine resolved their histories first
         drawn = sample(picked, [s.params for s in seqs], [s.seed for s in seqs],
                        [items[i].output_position for i in sample_items], [s.sample_index for s in seqs],
-                       [s.prompt_token_ids for s in seqs] if penalties else None,
-                       [s.known_output_token_ids for s in seqs] if penalties else None)
+                       [s.prompt_token_ids for s in seqs] if history else None,
+                       [s.known_output_token_ids for s in seqs] if history else None, eos_token_ids)
     sampled = SampledIds(drawn, {items[i].seq.seq_id: j for j, i in enumerate(sample_items)})
     lp_rows, dests = _plan_logprobs(batch, sample_items)
     parts, top_k = [drawn], 0

@@ -28,7 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default: 0)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1, off)")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default: 0, off)")
-    parser.add_argument("--chat", action="store_true", help="wrap the prompt with the model's chat template")
+    # Raw text by default, as vLLM's generate and /v1/completions take it; `detinfer repro` has the same default.
+    parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=False,
+                        help="send the prompt as one user message through the model's chat template; "
+                             "--no-chat (the default) sends it as raw text")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     parser.add_argument("--show-ids", action="store_true", help="also print the generated token ids")
     parser.add_argument("--quiet", action="store_true", help="no loading/progress lines on stderr")

@@ -33,6 +33,30 @@ def _is_token_list(x: Any) -> bool:
                                                             for t in x)
 
 
+PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _unpack_prompt(index: int, prompt: Any) -> Any:
+    """A vLLM prompt dict -> its text or token ids; anything else passes through (checked later)."""
+    if not isinstance(prompt, Mapping):
+        return prompt
+    unknown = sorted(str(k) for k in prompt if k not in PROMPT_DICT_KEYS)
+    if unknown:
+        raise ValueError(f"prompt {index}: unsupported key(s) {', '.join(map(repr, unknown))} in a prompt dict; "
+                         f"give exactly one of {PROMPT_DICT_KEYS}")
+    if len(prompt) != 1:
+        raise ValueError(f"prompt {index}: a prompt dict needs exactly one of {PROMPT_DICT_KEYS}, got "
+                         f"{sorted(prompt) or 'none'}")
+    if "prompt" in prompt:
+        if not isinstance(prompt["prompt"], str):
+            raise TypeError(f"prompt {index}: \"prompt\" must be a str, got {type(prompt['prompt']).__name__}")
+        return prompt["prompt"]
+    ids = prompt["prompt_token_ids"]
+    if not _is_token_list(ids):
+        raise TypeError(f"prompt {index}: \"prompt_token_ids\" must be a non-empty list of ints, got {ids!r:.80}")
+    return list(ids)
+
+
 class LLM:
     """`LLM(model, **engine_config_fields)`: loads the model and builds an `LLMEngine`. `model` is a HF-format
     directory or a Hugging Face hub id (see detinfer.models.hub.resolve_model_path).
@@ -73,20 +97,34 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]] | Sequence[int],
+    def get_tokenizer(self):
+        """The tokenizer the engine encodes prompts and decodes outputs with (vLLM's `LLM.get_tokenizer`), or
+        None for an engine built without one.
+
+        It is a `detinfer.models.tokenizer.Tokenizer`: `encode(text, add_special_tokens=True) -> list[int]`,
+        `decode(ids, skip_special_tokens=True) -> str`, `apply_chat_template(messages, ...)`, `eos_token_id`,
+        `vocab_size`, ... Its `.backend` is the Hugging Face `tokenizers.Tokenizer` built from the model's
+        tokenizer.json (the fast tokenizer inside transformers' PreTrainedTokenizerFast); transformers'
+        Python tokenizer class itself is not loaded.
+        """
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]] | Sequence[int] | Mapping
+                 | Sequence[Mapping],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Complete each prompt (a string, or a list of token ids); one RequestOutput per prompt, in order.
+        """Complete each prompt; one RequestOutput per prompt, in order.
 
-        sampling_params: one SamplingParams for every prompt, a list with one per prompt, or None for the
-        defaults (SamplingParams()).
+        A prompt is a string, a list of token ids, or (vLLM's prompt dicts) {"prompt": str} or
+        {"prompt_token_ids": [int, ...]}; a list may mix them. sampling_params: one SamplingParams for every
+        prompt, a list with one per prompt, or None for the defaults (SamplingParams()).
         """
-        if isinstance(prompts, str) or _is_token_list(prompts):
+        if isinstance(prompts, (str, Mapping)) or _is_token_list(prompts):
             prompts = [prompts]
-        if isinstance(prompts, (bytes, Mapping)) or not isinstance(prompts, Sequence):
-            raise TypeError(f"prompts must be a str, a list of str, a list of token ids or a list of such "
-                            f"lists, got {type(prompts).__name__}")
-        prompts = list(prompts)
+        if isinstance(prompts, bytes) or not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts must be a str, a prompt dict, a list of token ids or a list of these, "
+                            f"got {type(prompts).__name__}")
+        prompts = [_unpack_prompt(i, p) for i, p in enumerate(prompts)]
         if not prompts:
             return []
         if sampling_params is None or isinstance(sampling_params, SamplingParams):

@@ -36,6 +36,7 @@ import torch
 from detinfer.dtypes import resolve_dtype
 from detinfer.engine.config import EngineConfig
 from detinfer.engine.device_step import LaunchedStep, SampledIds, launch_step
+from detinfer.engine.logits_processors import prepare_processors
 from detinfer.engine.model_runner import ModelRunner
 from detinfer.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from detinfer.engine.sampling_params import SamplingParams
@@ -45,6 +46,8 @@ from detinfer.models.config import ModelConfig
 from detinfer.models.hub import resolve_model_path
 from detinfer.models.loader import load_model, load_tokenizer
 from detinfer.models.transformer import Transformer
+from detinfer.models.weight_sources import CheckpointWeights, build_full_model
+from detinfer.ops import Ops
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:
@@ -91,8 +94,13 @@ class LLMEngine:
         model_dir = resolve_model_path(model_dir)  # a directory, or a hub id -> its cached snapshot
         dtype = resolve_dtype(config.dtype, ModelConfig.from_dir(model_dir).dtype, device)
         try:
-            model, model_config = load_model(model_dir, dtype, device, config.mode, attention=attention_backend)
-            self._setup(model, model_config, config, load_tokenizer(model_dir))
+            if config.tensor_parallel_size > 1:  # every rank reads only its own slices (no full copy anywhere)
+                model_config = ModelConfig.from_dir(model_dir)
+                self._setup_sharded(CheckpointWeights(str(model_dir), dtype), model_config, config, device,
+                                    load_tokenizer(model_dir), attention_backend)
+            else:
+                model, model_config = load_model(model_dir, dtype, device, config.mode, attention=attention_backend)
+                self._setup(model, model_config, config, load_tokenizer(model_dir))
         except (torch.OutOfMemoryError, MemoryError) as e:
             raise RuntimeError(out_of_memory_message(config, device, e)) from e
         except RuntimeError as e:
@@ -113,7 +121,28 @@ class LLMEngine:
         engine._setup(model, model_config, EngineConfig() if config is None else config, tokenizer)
         return engine
 
-    def _setup(self, model, model_config, config, tokenizer) -> None:
+    @classmethod
+    def from_weights(cls, weights, model_config: ModelConfig, config: EngineConfig | None = None,
+                     device: torch.device | str | None = None, tokenizer=None, *,
+                     attention_backend: str = "auto") -> LLMEngine:
+        """An engine over `weights` (a models.weight_sources value, e.g. `RandomWeights(seed, dtype)` for a
+        random preset): at TP=1 the whole model is built from it; under tensor parallelism every rank builds
+        only its own shard from it. Tokenizer: as for `from_model`."""
+        engine = cls.__new__(cls)
+        engine._setup_sharded(weights, model_config, EngineConfig() if config is None else config,
+                              resolve_device(device), tokenizer, attention_backend)
+        return engine
+
+    def _setup_sharded(self, weights, model_config, config, device, tokenizer, attention_backend) -> None:
+        if device.type == "cuda" and device.index is None:  # rank 0's GPU, as a loaded model's tensors say it
+            device = torch.device("cuda", torch.cuda.current_device())
+        ops = Ops(config.mode, device, weights.dtype, head_dim=model_config.head_dim, attention=attention_backend)
+        if config.tensor_parallel_size > 1:
+            self._setup(None, model_config, config, tokenizer, weights=weights, ops=ops)
+        else:
+            self._setup(build_full_model(weights, model_config, ops), model_config, config, tokenizer)
+
+    def _setup(self, model, model_config, config, tokenizer, *, weights=None, ops=None) -> None:
         limit = model_config.max_position_embeddings
         max_len = limit if config.max_model_len is None else config.max_model_len
         if max_len > limit:
@@ -127,7 +156,7 @@ class LLMEngine:
         if config.tensor_parallel_size > 1 or config.tp_invariant_reduction:
             from detinfer.distributed import make_runner  # rank 0 of a TP group (docs/tensor-parallel.md)
 
-            self.runner = make_runner(model, model_config, config, config.num_kv_blocks)
+            self.runner = make_runner(model, model_config, config, config.num_kv_blocks, weights=weights, ops=ops)
         else:
             self.runner = ModelRunner(model, model_config, config, config.num_kv_blocks)
         self.ops = self.runner.ops  # the model's numerics backend (logprobs use its log_softmax)
@@ -179,6 +208,10 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need a tokenizer; this engine has none "
                              "(use stop_token_ids)")
+        try:
+            params = prepare_processors(params, self.tokenizer, self.model_config.vocab_size)
+        except ValueError as e:
+            raise ValueError(f"request {request_id!r}: {e}") from None
         if params.structured_outputs is not None:
             self._grammar_masks().check(params.structured_outputs)  # compiled (and cached) before queueing
         seqs = self.scheduler.add_request(request_id, ids, params)  # the prompt's checks, seeds
@@ -186,7 +219,10 @@ class LLMEngine:
             self._grammars.add([s.seq_id for s in seqs], params.structured_outputs)
         ids = seqs[0].prompt_token_ids
         detoks = [None if self.tokenizer is None else
-                  self.tokenizer.incremental_detokenizer(ids, stop=params.stop) for _ in seqs]
+                  self.tokenizer.incremental_detokenizer(ids, stop=params.stop,
+                                                         skip_special_tokens=params.skip_special_tokens,
+                                                         include_stop_str=params.include_stop_str_in_output,
+                                                         min_tokens=params.min_tokens) for _ in seqs]
         self._requests[request_id] = _Request(request_id, prompt_text, tuple(ids), params, seqs, detoks,
                                               [0.0] * len(seqs))
         for seq, detok in zip(seqs, detoks):
@@ -252,7 +288,8 @@ class LLMEngine:
         previous, self._inflight = self._inflight, []
         touched: list[str] = []
         if previous and any(_needs_history(d.seq) and not d.seq.is_finished for d in _sampled(previous)):
-            # Penalties and grammars need every earlier token's id on the host: no overlap.
+            # Penalties, bad words, token masks and grammars need every earlier token's id on the host:
+            # no overlap.
             touched += self._resolve_or_abort(previous)
             previous = []
         batch = self.scheduler.schedule()
@@ -272,7 +309,8 @@ class LLMEngine:
         pending = SampledIds.join([p.sampled for p in previous])
         try:
             try:
-                launched = [launch_step(self.runner, self.ops.log_softmax, batch, pending, self._logits_mask)]
+                launched = [launch_step(self.runner, self.ops.log_softmax, batch, pending,
+                                        self.scheduler.eos_token_ids, self._logits_mask)]
             except Exception as exc:
                 launched = self._isolate_failure(batch, exc, pending)
         except BaseException:
@@ -311,7 +349,8 @@ class LLMEngine:
             for rid, part in groups.items():
                 sub = ScheduledBatch(tuple(part), sum(item.query_len for item in part))
                 try:
-                    launched = launch_step(self.runner, self.ops.log_softmax, sub, pending, self._logits_mask)
+                    launched = launch_step(self.runner, self.ops.log_softmax, sub, pending,
+                                           self.scheduler.eos_token_ids, self._logits_mask)
                     launched.read()  # a failure on the device shows here, in this request's share
                     kept.append(launched)
                 except Exception as e:
@@ -426,8 +465,9 @@ class LLMEngine:
 
 
 def _needs_history(seq: Sequence) -> bool:
-    """Whether sampling the sequence's next token needs its earlier tokens' ids on the host."""
-    return seq.params.has_penalties or seq.params.structured_outputs is not None
+    """Whether sampling the sequence's next token needs its earlier tokens' ids on the host: the sampler's
+    (penalties, bad words, a token_mask: `SamplingParams.needs_history`) or its grammar's matcher."""
+    return seq.params.needs_history or seq.params.structured_outputs is not None
 
 
 def _sampled(launched: list[LaunchedStep]):

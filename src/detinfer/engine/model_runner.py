@@ -18,8 +18,10 @@ Padding tokens write no KV (slot -1) and belong to no sequence; padding sequence
 Every op outside attention is row-wise and batch-invariant in deterministic mode, and attention's
 reduction order is fixed by its split size anchored at key 0, not by the grid or the bounds a graph is
 captured with (max_q_len = the token count, max_kv_len = the table's capacity or the short bound): so a
-real row gets the same bits in a graph of any size as in an eager step of its own batch. In fast mode the same padding
-is used, but its kernels pick work splits from the padded shape, so bits may move with the graph size.
+real row gets the same bits in a graph of any size as in an eager step of its own batch. In fast mode the
+same padding is used, but its kernels pick work splits from the padded shape, so bits may move with the graph
+size. Under tensor parallelism every rank's runner captures the same graphs, collectives inside (`tp_group`,
+distributed/runner.py).
 
 Mixed steps use whole-step graphs over padded token buckets, not piecewise graphs (every op but attention
 captured, attention eager in between): both keep the bits (the argument above), but piecewise graphs
@@ -118,7 +120,12 @@ class ModelRunner:
     """Owns the KV pools (and CUDA graphs) of one model; `execute(batch)` runs one step."""
 
     def __init__(self, model: Transformer, model_config: ModelConfig, config: EngineConfig,
-                 num_kv_blocks: int | None = None):
+                 num_kv_blocks: int | None = None, tp_group=None):
+        """`tp_group` (a `distributed.group.TPGroup`): this runner is one rank of tensor parallelism. Every
+        rank then builds its runner at the same time, in lockstep: the profiling steps and the graphs'
+        warm-up steps run the model's collectives, the KV block count is agreed (the smallest any rank can
+        allocate) BEFORE the pools are allocated and the graphs capture their addresses, and every rank
+        captures the same shapes in the same order."""
         if config.max_model_len is None:
             raise ValueError("ModelRunner needs config.max_model_len resolved, got None")
         ops = model.ops
@@ -147,7 +154,10 @@ class ModelRunner:
                               short_kv=config.cuda_graph_short_kv)
         self._shapes = {s.key: s for s in shapes}
         self.graph_reserve_bytes = self.graph_step_peak_bytes = 0  # set by _pick_num_blocks (KV pool sizing)
+        self.tp_group = tp_group
         self.num_kv_blocks = self._pick_num_blocks() if num_kv_blocks is None else num_kv_blocks
+        if tp_group is not None:  # one block table must be valid on every rank
+            self.num_kv_blocks = tp_group.agree_min(self.num_kv_blocks)
         if self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         spec = KVCacheSpec(self.num_kv_blocks, self.block_size, model_config.num_key_value_heads,

@@ -2,9 +2,12 @@
 
 Outputs are cumulative: each `RequestOutput` a step returns holds everything generated so far for that
 request (not a delta), so a caller may keep only the latest one. Logprobs are the model's raw
-distribution (log_softmax of the logits, before penalties, temperature or top-k/p filtering), as vLLM
-reports them by default; they are plain Python floats carrying the fp32 bits the kernels produced, so two
-runs can be compared with `==`.
+distribution (log_softmax of the logits, before the logits processors (logit_bias, allowed_token_ids, bad
+words, min_tokens, token_mask), penalties, temperature or top-k/p filtering), as vLLM reports them by
+default (`logprobs_mode="raw_logprobs"`). The exception is structured output: its grammar masks the logits
+before both sampling and logprobs (as vLLM does), so its logprobs are those of the masked distribution
+(docs/structured-output.md). They are plain Python floats carrying the fp32 bits the kernels
+produced, so two runs can be compared with `==`.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ class TokenLogprob:
 class CompletionOutput:
     """One sample of a request.
 
-    index: the sample index (0..n-1). text: detokenized output (stop string excluded). token_ids: every
+    index: the sample index (0..n-1). text: detokenized output (the stop string excluded unless
+    include_stop_str_in_output; special tokens left out unless skip_special_tokens=False). token_ids: every
     generated token (the one that completed a stop string included, as in vLLM). cumulative_logprob: sum
     of the chosen tokens' logprobs, or None when logprobs were not requested. logprobs: one
     `TokenLogprob` per generated token, or None when not requested. finish_reason: "stop" (EOS, a stop

@@ -5,8 +5,9 @@ gather, integer counts) or a fixed-order float reduction built from elementwise 
 `_inclusive_scan` for cumulative sums; both from the numerics backend `Ops`). torch.sum / cumsum /
 softmax are not used on probabilities: their reduction order depends on the tensor's shape, so a row's
 result could change with the batch around it.
-Processing order: repetition/presence/frequency penalties -> temperature -> top_k -> top_p (over the
-top-k survivors, renormalised) -> min_p -> draw.
+Processing order: the per-row logits processors (logit_bias, allowed_token_ids, bad words, min_tokens,
+token_mask: `engine.logits_processors`) -> repetition/presence/frequency penalties -> temperature -> top_k ->
+top_p (over the top-k survivors, renormalised) -> min_p -> draw.
 
 Random draws use the Gumbel-max trick with noise from a counter-based hash, not a torch RNG:
     k = splitmix64(splitmix64(splitmix64(seed) ^ t) ^ sample_index)
@@ -21,11 +22,12 @@ Greedy rows (temperature 0) take argmax of the penalised logits; ties go to the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import NamedTuple
 
 import torch
 
+from detinfer.engine.logits_processors import process_logits
 from detinfer.engine.sampling_params import SamplingParams
 from detinfer.ops.backend import Ops
 
@@ -144,8 +146,10 @@ def sampling_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 def _checked_penalised(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int | None],
                        positions: Sequence[int], sample_indices: Sequence[int] | None,
                        prompt_token_ids: Sequence[Sequence[int]] | None,
-                       output_token_ids: Sequence[Sequence[int]] | None) -> tuple[torch.Tensor, list[int]]:
-    """Validates the per-row arguments; returns (the penalised fp32 logits, the sample indices as a list)."""
+                       output_token_ids: Sequence[Sequence[int]] | None,
+                       eos_token_ids: Collection[int] = ()) -> tuple[torch.Tensor, list[int]]:
+    """Validates the per-row arguments; returns (the processed and penalised fp32 logits, the sample indices
+    as a list)."""
     if logits.dim() != 2 or logits.dtype != torch.float32:
         raise ValueError(f"logits must be a 2-D float32 tensor [S, V], got {logits.dim()}-D "
                          f"{str(logits.dtype).replace('torch.', '')}")
@@ -163,20 +167,22 @@ def _checked_penalised(logits: torch.Tensor, params: Sequence[SamplingParams], s
                              "one when the request is added)")
         if t < 0 or i < 0:
             raise ValueError(f"row {r}: position ({t}) and sample index ({i}) must be >= 0")
-    return apply_penalties(logits, params, prompt_token_ids, output_token_ids), sample_indices
+    processed = process_logits(logits, params, positions, output_token_ids, eos_token_ids)
+    return apply_penalties(processed, params, prompt_token_ids, output_token_ids), sample_indices
 
 
 def sampling_scores(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int | None],
                     positions: Sequence[int], sample_indices: Sequence[int] | None = None,
                     prompt_token_ids: Sequence[Sequence[int]] | None = None,
-                    output_token_ids: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+                    output_token_ids: Sequence[Sequence[int]] | None = None,
+                    eos_token_ids: Collection[int] = ()) -> torch.Tensor:
     """[S, V] fp64 scores whose row-wise argmax is the drawn token (see `sample` for the arguments).
 
     Sampled rows: penalised logits / T + Gumbel noise, -inf where masked. Greedy rows: the penalised
     logits (no noise). Exposed so tests can check invariance on every bit, not only on the argmax.
     """
     penalised, sample_indices = _checked_penalised(logits, params, seeds, positions, sample_indices,
-                                                   prompt_token_ids, output_token_ids)
+                                                   prompt_token_ids, output_token_ids, eos_token_ids)
     dev, V = logits.device, logits.shape[1]
     # fp32 -> fp64 is exact and order-preserving: greedy argmax (and its ties) are unchanged.
     x = penalised.to(torch.float64)
@@ -202,23 +208,25 @@ def sampling_scores(logits: torch.Tensor, params: Sequence[SamplingParams], seed
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int | None],
            positions: Sequence[int], sample_indices: Sequence[int] | None = None,
            prompt_token_ids: Sequence[Sequence[int]] | None = None,
-           output_token_ids: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+           output_token_ids: Sequence[Sequence[int]] | None = None,
+           eos_token_ids: Collection[int] = ()) -> torch.Tensor:
     """Draw one token per row of `logits` [S, V] fp32; returns [S] int64 token ids.
 
     Per row r: params[r]; seeds[r] (may be None for greedy rows); positions[r] = output position t of
     the token being drawn; sample_indices[r] = which of the request's n samples (default 0); the prompt
-    and output token ids so far (needed only when some row has penalties). Each row's token depends only
-    on that row's inputs. argmax returns the first maximum, so greedy ties go to the lowest token id.
+    and output token ids so far (needed only when some row has penalties, bad words or a token_mask);
+    eos_token_ids: the model's EOS ids (what min_tokens masks). Each row's token depends only on that row's
+    inputs. argmax returns the first maximum, so greedy ties go to the lowest token id.
     """
     if all(isinstance(p, SamplingParams) and p.is_greedy for p in params):
         # The argmax of the fp32 rows is that of their exact fp64 copy (same values, same first maximum):
         # skipping the copy saves writing and reading an [S, V] fp64 tensor (~0.1 ms per step at 64 rows x
         # 152k vocab on an H100).
         penalised, _ = _checked_penalised(logits, params, seeds, positions, sample_indices, prompt_token_ids,
-                                          output_token_ids)
+                                          output_token_ids, eos_token_ids)
         return torch.argmax(penalised, dim=-1)
     return torch.argmax(sampling_scores(logits, params, seeds, positions, sample_indices,
-                                        prompt_token_ids, output_token_ids), dim=-1)
+                                        prompt_token_ids, output_token_ids, eos_token_ids), dim=-1)
 
 
 class Logprobs(NamedTuple):

@@ -12,7 +12,8 @@ this tree, then the P rank sums go through the same tree" adds exactly what TP=1
 `linear_tree(x, w, c)` returns the fp32 tree sum of this weight's c chunks (no bias: the caller adds it
 once after the cross-rank tree). Two implementations, as for every op:
 - `linear_tree`: the Triton matmul kernel (kernels/matmul.py) over the c K-slices as one batched launch
-  writing fp32 partials (batch entries are independent, so a chunk's bits do not depend on c), then the tree.
+  writing fp32 partials (batch entries are independent, so a chunk's bits do not depend on c), then the tree
+  (c = 1: the launch writes the result itself).
 - `linear_tree_ref`: each chunk through `linear_ref` on fp32 operands (exact chunk dot products, see
   _exact_dot), then the tree. Batch-invariant by construction.
 Rows are independent in both, so a row's result does not depend on M (f(x)[m:n] == f(x[m:n])).
@@ -138,10 +139,15 @@ def linear_tree(x: torch.Tensor, weight: torch.Tensor, num_chunks: int) -> torch
     step = max(1, TREE_MAX_PARTIAL_ELEMS // max(1, num_chunks * n))
     for r0 in range(0, rows, step):
         m = min(rows, r0 + step) - r0
-        parts = torch.empty((num_chunks, m, n), dtype=torch.float32, device=x.device)
+        # One chunk (a TP rank's partial without tp_invariant_reduction): the tree of one part is that part,
+        # so the kernel writes straight into `out` (no partial buffer, no copy kernel: decode is launch-bound).
+        one = num_chunks == 1
+        parts = out[r0:r0 + m].unsqueeze(0) if one else \
+            torch.empty((num_chunks, m, n), dtype=torch.float32, device=x.device)
         # Batch entry c = chunk c: A[c] = x2[r0:r0+m, c kc:(c+1) kc], B[c] = weight[:, c kc:(c+1) kc]^T. The
         # kernel's config comes from (m, N, kc) only; batch entries never interact (matmul contract A).
         _mm._run(x2[r0:r0 + m], (kc * sxk, sxm, sxk), weight, (kc * swk, swk, swn), parts, parts.stride(),
                  None, num_chunks, m, n, kc, None)
-        out[r0:r0 + m] = pairwise_tree_sum(parts)
+        if not one:
+            out[r0:r0 + m] = pairwise_tree_sum(parts)
     return out.reshape(tuple(x.shape[:-1]) + (n,))

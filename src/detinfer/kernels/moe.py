@@ -18,6 +18,9 @@ things a stock MoE does not do:
   the same bits whether its expert got 1 row or 2000.
 - The combine in routing-rank order: out[t] accumulates w[t, 0] * y[t, 0], then w[t, 1] * y[t, 1], ...
   in fp32 (elementwise ops, no atomics, no index_add in arrival order), then rounds once to x's dtype.
+- Expert parallelism splits the layer in two: `expert_outputs` / `expert_outputs_ref` (each slot's expert
+  output, rounded to x's dtype as the fused layer rounds it, computed by whichever rank holds the expert),
+  then `combine_slots` on the gathered slots: the same numbers in the same order as the fused layer.
 - No host syncs on the kernel path (grouping is sort / scatter / cumsum / searchsorted on the device), so
   a decode step that runs it can be captured in a CUDA graph.
 
@@ -38,8 +41,9 @@ import triton.language as tl
 
 from detinfer.kernels._launch import KERNEL_DTYPES, check_kernel_inputs
 
-__all__ = ["ExpertConfig", "expert_config", "expert_outputs", "fused_moe", "fused_moe_ref", "moe_experts",
-           "moe_experts_ref", "moe_fast", "moe_stock", "route", "route_ref"]
+__all__ = ["ExpertConfig", "combine_slots", "combine_slots_fast", "expert_config", "expert_outputs",
+           "expert_outputs_ref", "fast_config_for", "fused_moe", "fused_moe_ref", "moe_experts", "moe_experts_ref",
+           "moe_fast", "moe_stock", "route", "route_ref", "route_stock"]
 
 
 # --------------------------------------------------------------------------------------------- routing
@@ -98,13 +102,29 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize:
     return _topk_stable(softmax(logits, dim=-1), top_k, renormalize)
 
 
-def _combine(weights: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """sum_r weights[t, r] * y[t, r] in routing-rank order (y [T, k, H]), accumulated in fp32."""
+def combine_slots(weights: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """sum_r weights[t, r] * y[t, r] in routing-rank order (y [T, k, H], each slot's expert output already
+    rounded to the model dtype), accumulated in fp32 (fp64 for fp64), rounded once to `dtype`."""
     acc_dt = _acc_dtype(dtype)
     acc = weights[:, 0, None].to(acc_dt) * y[:, 0].to(acc_dt)
     for r in range(1, y.shape[1]):
         acc = acc + weights[:, r, None].to(acc_dt) * y[:, r].to(acc_dt)
     return acc.to(dtype)
+
+
+def route_stock(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool):
+    """Fast mode's routing: the router GEMM in x's dtype, torch's softmax (fp32 out) and torch.topk (ties and
+    rounding may follow the batch)."""
+    probs = torch.softmax(F.linear(x, router_weight), dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def combine_slots_fast(weights: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Fast mode's combine: a stock weighted sum over the k slots (torch.sum's order)."""
+    return (y.float() * weights[:, :, None]).sum(dim=1).to(dtype)
 
 
 # ------------------------------------------------------------------------------------- reference path
@@ -113,21 +133,31 @@ def _silu(x: torch.Tensor) -> torch.Tensor:
     return x / (1 + torch.exp(-x))
 
 
-def moe_experts_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
-                    w_down: torch.Tensor) -> torch.Tensor:
-    """The experts and combine for given routing, through `linear_ref` per expert (batch-invariant: a
-    gathered row's result does not depend on how many rows are gathered with it)."""
+def expert_outputs_ref(x: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                       first_expert: int | None = None) -> torch.Tensor:
+    """y [T, k, H] in x's dtype: y[t, r] = expert ids[t, r] applied to x[t], through `linear_ref` per expert
+    (batch-invariant: a gathered row's result does not depend on how many rows are gathered with it).
+    w_gate_up / w_down hold experts [first_expert, first_expert + E_local) (an expert-parallel rank's block):
+    slots routed elsewhere stay zero."""
     from detinfer.kernels.matmul import linear_ref
 
     T, k = ids.shape
     inter = w_down.shape[2]
     y = x.new_zeros(T * k, x.shape[1])
-    flat = ids.reshape(-1)
+    flat = ids.reshape(-1) - (first_expert or 0)
     for e in torch.unique(flat).tolist():  # the CPU path: a host loop over the hit experts is fine
+        if not 0 <= e < w_down.shape[0]:
+            continue  # another rank's expert
         pairs = (flat == e).nonzero().squeeze(1)
         gate, up = linear_ref(x[pairs // k], w_gate_up[e]).split(inter, dim=-1)
         y[pairs] = linear_ref(_silu(gate) * up, w_down[e])
-    return _combine(weights, y.view(T, k, -1), x.dtype)
+    return y.view(T, k, -1)
+
+
+def moe_experts_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+                    w_down: torch.Tensor) -> torch.Tensor:
+    """The experts and combine for given routing (`expert_outputs_ref`, then `combine_slots`)."""
+    return combine_slots(weights, expert_outputs_ref(x, ids, w_gate_up, w_down), x.dtype)
 
 
 def fused_moe_ref(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
@@ -145,10 +175,7 @@ def moe_stock(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Ten
               top_k: int, renormalize: bool) -> torch.Tensor:
     """Fast mode: the HF-style loop (router in x's dtype, torch.topk, F.linear per hit expert with that
     expert's row count as M, index_add_ in expert order). Batch-variant; syncs with the host."""
-    probs = torch.softmax(F.linear(x, router_weight), dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights, ids = route_stock(x, router_weight, top_k, renormalize)
     out = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():
         token, rank = torch.where(ids == e)
@@ -167,21 +194,21 @@ def moe_fast(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tens
     _check_moe_inputs("moe_fast", x, router_weight, w_gate_up, w_down, top_k)
     if x.shape[0] == 0:
         return x.new_zeros(x.shape)
-    probs = torch.softmax(F.linear(x, router_weight), dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    rows_per_expert = x.shape[0] * top_k / router_weight.shape[0]
+    weights, ids = route_stock(x, router_weight, top_k, renormalize)
+    y = expert_outputs(x, ids, w_gate_up, w_down, fast_config_for(x.shape[0] * top_k / router_weight.shape[0]))
+    return combine_slots_fast(weights, y, x.dtype)
 
-    def config_for(n, k, dtype, device):  # chosen from M: exactly what the deterministic path must not do
+
+def fast_config_for(rows_per_expert: float):
+    """Fast mode's launch config of the expert GEMMs, chosen from the average rows per expert (M): exactly
+    what the deterministic path must not do."""
+    def config_for(n, k, dtype, device):
         if device.type != "cuda":
             return expert_config(n, k, dtype, device)
         if rows_per_expert <= 16:
             return ExpertConfig((16, 64, 128, 4, 4))
         return ExpertConfig((32, 64, 64, 4, 4)) if rows_per_expert <= 48 else expert_config(n, k, dtype, device)
-
-    y = expert_outputs(x, ids, w_gate_up, w_down, config_for)  # [T, k, H]
-    return (y.float() * weights[:, :, None]).sum(dim=1).to(x.dtype)
+    return config_for
 
 
 # --------------------------------------------------------------------------------------------- kernel
@@ -255,21 +282,24 @@ def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, pair_ptr, tile_expert_ptr, N, K, 
              mask=valid[:, None] & (offs_n[None, :] < N))
 
 
-def _group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int):
+def _group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, foreign: bool = False):
     """(pair ids [tiles * block_m] int32, -1 = padding; expert of each tile [tiles] int32, -1 = spare) for
     ids [T, k]: pairs (t * k + r) grouped by expert in ascending pair order, each expert's group padded to
-    whole tiles. All on the device (no host sync); the grid size depends on T * k only."""
+    whole tiles. All on the device (no host sync); the grid size depends on T * k only. `foreign`: ids may
+    also be `num_experts`, a slot whose expert lives on another rank; those pairs form a last group whose
+    tiles are spare (never computed)."""
     dev = ids.device
     flat = ids.reshape(-1)
     P = flat.numel()
+    buckets = num_experts + int(foreign)
     order = torch.sort(flat, stable=True).indices
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(buckets, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     group_start = torch.cumsum(counts, 0) - counts
     sorted_e = flat[order]
     dest = (padded_end - padded)[sorted_e] + torch.arange(P, device=dev) - group_start[sorted_e]
-    max_tiles = -(-P // block_m) + min(num_experts, P)  # each expert adds at most one partial tile
+    max_tiles = -(-P // block_m) + min(buckets, P)  # each group adds at most one partial tile
     pair_ids = torch.full((max_tiles * block_m,), -1, dtype=torch.int32, device=dev)
     pair_ids[dest] = order.to(torch.int32)
     tile_start = torch.arange(max_tiles, device=dev, dtype=torch.int64) * block_m
@@ -281,16 +311,22 @@ def _group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int):
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
                 w_down: torch.Tensor) -> torch.Tensor:
     """The experts and combine for given routing on the Triton grouped GEMMs (see the module doc)."""
-    return _combine(weights, expert_outputs(x, ids, w_gate_up, w_down), x.dtype)
+    return combine_slots(weights, expert_outputs(x, ids, w_gate_up, w_down), x.dtype)
 
 
 def expert_outputs(x: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                   config_for=None) -> torch.Tensor:
+                   config_for=None, first_expert: int | None = None) -> torch.Tensor:
     """y [T, k, H]: y[t, r] = expert ids[t, r] applied to x[t], on the Triton grouped GEMMs.
     `config_for(n, k, dtype, device)`: the launch config (default `expert_config`; fast mode passes one
-    that looks at M)."""
+    that looks at M). `first_expert` (expert parallelism): the weights hold experts [first_expert,
+    first_expert + E_local); slots routed elsewhere are zero. A computed slot's bits are those of the full
+    layer's: its tile walks the same K with the same config, only the weights' base pointer moves."""
     T, k = ids.shape
     E, two_i, H = w_gate_up.shape
+    foreign = first_expert is not None
+    if foreign:
+        local = ids - first_expert
+        ids = torch.where((local >= 0) & (local < E), local, E)
     inter = two_i // 2
     x = x.contiguous()
     w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
@@ -299,12 +335,12 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor, 
     cfg_up = config_for(inter, H, x.dtype, x.device)
     cfg_down = config_for(H, inter, x.dtype, x.device)
     act = torch.empty(T * k, inter, dtype=x.dtype, device=x.device)
-    y = torch.empty(T * k, H, dtype=x.dtype, device=x.device)
+    y = (torch.zeros if foreign else torch.empty)(T * k, H, dtype=x.dtype, device=x.device)
     groups = {}  # block_m -> grouping (both GEMMs share one when their tile heights agree)
     for cfg, a, w, out, n, kdim, gather in ((cfg_up, x, w_gate_up, act, inter, H, True),
                                             (cfg_down, act, w_down, y, H, inter, False)):
         if cfg.block_m not in groups:
-            groups[cfg.block_m] = _group_by_expert(ids, E, cfg.block_m)
+            groups[cfg.block_m] = _group_by_expert(ids, E, cfg.block_m, foreign)
         pair_ids, tile_expert, tiles = groups[cfg.block_m]
         grid = (tiles, triton.cdiv(n, cfg.block_n))
         _expert_gemm_kernel[grid](a, w, out, pair_ids, tile_expert, n, kdim, k, a.stride(0), w.stride(0),

@@ -10,6 +10,7 @@ tensor.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -37,16 +38,19 @@ def _open(path: Path):
                          "(download it again)") from None
 
 
-def _read_tensor(f, path: Path, name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def _read_tensor(f, path: Path, name: str, device: torch.device, dtype: torch.dtype,
+                 index: tuple[slice, ...] | None = None, who: str = "") -> torch.Tensor:
+    """Tensor `name` (or its `index` slice, read alone) as `dtype` on `device`; `who` prefixes errors."""
     try:
-        t = f.get_tensor(name).to(device=device, dtype=dtype)
+        t = (f.get_tensor(name) if index is None else f.get_slice(name)[index]).to(device=device, dtype=dtype)
     except (torch.OutOfMemoryError, MemoryError):
         raise
     except Exception as e:
-        raise ValueError(f"{path}: cannot read tensor {name} ({e}); the file may be truncated or corrupt") from None
+        raise ValueError(f"{who}{path}: cannot read tensor {name} ({e}); the file may be truncated or "
+                         "corrupt") from None
     if t.is_floating_point() and not bool(torch.isfinite(t).all()):
         bad = "NaN" if bool(torch.isnan(t).any()) else "Inf"
-        raise ValueError(f"{path}: tensor {name} holds {bad} values (as {str(dtype).removeprefix('torch.')}); "
+        raise ValueError(f"{who}{path}: tensor {name} holds {bad} values (as {str(dtype).removeprefix('torch.')}); "
                          "the checkpoint is corrupt or does not fit this dtype")
     return t
 
@@ -127,18 +131,94 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str | None = None,
     dtype = resolve_dtype(dtype, config.dtype)
     device = torch.device(device)
     ops = Ops(mode, device, dtype, head_dim=config.head_dim, attention=attention)
-    to_load = check_checkpoint(model_dir, config)
-    hf: dict[str, torch.Tensor] = {}
-    for path in dict.fromkeys(to_load.values()):
-        with _open(path) as f:
-            for name in (n for n, p in to_load.items() if p == path):
-                hf[name] = _read_tensor(f, path, name, device, dtype)
+    return model_from_state(config, ops, load_state(model_dir, config, dtype, device)), config
+
+
+def model_from_state(config: ModelConfig, ops: Ops, state: dict[str, torch.Tensor]) -> Transformer:
+    """The full `Transformer` over `state` (its tensors are used as they are: no copy)."""
     with torch.device("meta"):
         model = Transformer(config, ops)
-    model.load_state_dict(config.family.state_dict_from_hf(config, hf), strict=True, assign=True)
-    model.rotary.reset_parameters(device)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.rotary.reset_parameters(ops.device)
     model.eval()
-    return model, config
+    return model
+
+
+def full_parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The full (TP=1) Transformer's parameter names and shapes (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        model = Transformer(config, Ops("deterministic", torch.device("cpu"), torch.float32,
+                                        head_dim=config.head_dim))
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def load_state(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+               rank: int = 0, size: int = 1) -> dict[str, torch.Tensor]:
+    """Rank `rank` of `size`'s Transformer state dict (size 1: the whole model), reading from the checkpoint
+    only the rows / columns / experts that rank holds (`distributed.layers.shard_spec`) of each HF tensor,
+    cast to `dtype` on `device`. Under tensor parallelism every rank calls this for itself: no rank reads
+    or holds the full weights. Errors name the tensor and, when size > 1, the rank."""
+    from detinfer.distributed.layers import shard_spec
+
+    who = f"rank {rank} of {size}: " if size > 1 else ""
+    try:
+        to_load = check_checkpoint(model_dir, config)
+    except ValueError as e:
+        raise ValueError(f"{who}{e}") from None
+    if config.family.hf_sources is None and size > 1:
+        raise ValueError(f"{who}the {config.family.model_type} family has no hf_sources layout, so its checkpoints "
+                         "cannot be loaded sharded; load the whole model and use LLMEngine.from_model")
+    expected = config.family.hf_weight_shapes(config)
+    device = torch.device(device)
+    state = {}
+    with contextlib.ExitStack() as stack:
+        handles: dict[Path, object] = {}
+
+        def read(name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+            path = to_load[name]
+            if path not in handles:
+                handles[path] = stack.enter_context(_open(path))
+            return _read_tensor(handles[path], path, name, device, dtype, index, who)
+
+        if config.family.hf_sources is None:  # whole tensors, fused by the family's own state_dict_from_hf
+            return config.family.state_dict_from_hf(config, {name: read(name) for name in to_load})
+        sources = config.family.hf_sources(config)
+        for name, shape in full_parameter_shapes(config).items():
+            spec = shard_spec(name, shape, config, rank, size)
+            state[name] = _read_source(sources[name], spec, expected, read, shape, dtype, device)
+    return state
+
+
+def _read_source(source, spec, expected: dict[str, tuple[int, ...]], read, shape: tuple[int, ...],
+                 dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`spec`'s slice of the parameter `source` makes (dense_decoder.HFSource), reading only that slice."""
+    from detinfer.distributed.layers import ShardSpec
+
+    if source.per_expert:  # stacked experts: spec (if any) selects whole experts along dim 0
+        k = source.per_expert
+        experts = range(shape[0]) if spec.dim is None else [e for a, b in spec.ranges for e in range(a, b)]
+        return torch.stack([torch.cat([read(n) for n in source.names[e * k:(e + 1) * k]])
+                            for e in experts])
+    if spec.dim is None:
+        parts = [read(n) for n in source.names]
+    elif spec.dim == 1:  # columns (row-parallel weights: one HF tensor each)
+        (name,) = source.names
+        parts = [read(name, (slice(None), slice(a, b))) for a, b in spec.ranges]
+    else:  # rows of the concatenation: each range's overlap with each part
+        parts = []
+        for a, b in spec.ranges:
+            offset = 0
+            for n in source.names:
+                rows = expected[n][0]
+                lo, hi = max(a, offset), min(b, offset + rows)
+                if lo < hi:
+                    parts.append(read(n, (slice(lo - offset, hi - offset),)))
+                offset += rows
+    if spec.dim is not None and spec.pad:
+        pad_shape = list(ShardSpec(spec.dim, spec.ranges).local_shape(shape))
+        pad_shape[spec.dim] = spec.pad
+        parts.append(torch.zeros(pad_shape, dtype=dtype, device=device))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=spec.dim or 0)
 
 
 def load_tokenizer(model_dir: str | Path):

@@ -119,17 +119,27 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="detinfer pull", description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("name", nargs="?", help=f"model name ({', '.join(sorted(REGISTRY))})")
     parser.add_argument("--cache", help="cache root (default: $DETINFER_CACHE or ~/.cache/detinfer)")
     parser.add_argument("--force", action="store_true", help="download and convert again")
     parser.add_argument("--list", action="store_true", help="list known models and exit")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if args.list or not args.name:
+    if args.list:
         for key, src in sorted(REGISTRY.items()):
             print(f"{key}\t{src.package}=={src.version}\t{src.description}")
-        return 0 if args.list else 2
+        return 0
+    if not args.name:
+        known = "\n".join(f"  {key:<24} {src.description}" for key, src in sorted(REGISTRY.items()))
+        print(f"{parser.format_usage().rstrip()}\ndetinfer pull: error: give the name of the model to fetch; "
+              f"known models:\n{known}", file=sys.stderr)
+        return 2
     try:
         path = pull(args.name, cache=args.cache, force=args.force)
     except (KeyError, RuntimeError, ValueError, ImportError) as e:

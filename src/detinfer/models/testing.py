@@ -118,6 +118,23 @@ def random_hf_weights(config: ModelConfig, seed: int = 0, dtype: torch.dtype = t
     return out
 
 
+def expected_shard_numel(cfg: ModelConfig, size: int) -> int:
+    """For tests: the parameters one tensor-parallel rank of `size` holds, counted from the config alone
+    (independently of distributed.layers.shard_spec, which it checks)."""
+    H, D, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size // size
+    hq, hkv = cfg.num_attention_heads // size, max(1, cfg.num_key_value_heads // size)
+    vocab_rows = -(-cfg.vocab_size // size)
+    n = vocab_rows * H * (1 if cfg.tie_word_embeddings else 2) + H
+    for layer in range(cfg.num_hidden_layers):
+        n += 2 * H + (hq + 2 * hkv) * D * H + H * hq * D
+        n += (hq + 2 * hkv) * D * cfg.qkv_bias + H * cfg.o_bias + 2 * D * cfg.qk_norm
+        if layer in cfg.moe_layers:
+            n += cfg.num_experts * H + cfg.num_experts // size * 3 * cfg.moe_intermediate_size * H
+        else:
+            n += 3 * inter * H + (2 * inter + H) * cfg.mlp_bias
+    return n
+
+
 def write_tiny_checkpoint(out_dir: str | Path, architecture: str = "LlamaForCausalLM", *, seed: int = 0,
                           num_shards: int = 1, add_bos: bool = False,
                           chat_template: str | None = CHATML_TEMPLATE, weights_device: str | torch.device = "cpu",

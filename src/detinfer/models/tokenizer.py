@@ -126,11 +126,11 @@ class Tokenizer:
         return clean_up_spaces(text) if self.clean_up_tokenization_spaces else text
 
     def incremental_detokenizer(self, prompt_ids: Sequence[int] = (), stop: Sequence[str] = (),
-                                skip_special_tokens: bool = True,
-                                include_stop_str: bool = False) -> IncrementalDetokenizer:
+                                skip_special_tokens: bool = True, include_stop_str: bool = False,
+                                min_tokens: int = 0) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_ids=prompt_ids, stop=stop,
                                       skip_special_tokens=skip_special_tokens,
-                                      include_stop_str=include_stop_str)
+                                      include_stop_str=include_stop_str, min_tokens=min_tokens)
 
     # --- chat --------------------------------------------------------------------------------------
 
@@ -247,14 +247,15 @@ class IncrementalDetokenizer:
 
     Stop strings: text is released only up to the point where no stop string can begin, so a stop string
     never reaches the client in pieces; once one appears, the output ends before it (or after it, with
-    include_stop_str) and `stopped` is set. `finish()` releases what was held back.
+    include_stop_str) and `stopped` is set. `finish()` releases what was held back. Stop strings are looked
+    for only once more than `min_tokens` tokens were added (SamplingParams.min_tokens, as vLLM counts it).
     """
 
     # Left context kept from the prompt; enough for any tokenizer's merge/space effects in practice.
     PROMPT_CONTEXT = 6
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), stop: Sequence[str] = (),
-                 skip_special_tokens: bool = True, include_stop_str: bool = False):
+                 skip_special_tokens: bool = True, include_stop_str: bool = False, min_tokens: int = 0):
         if isinstance(stop, str):
             stop = [stop]
         if any(not isinstance(s, str) or not s for s in stop):
@@ -267,6 +268,7 @@ class IncrementalDetokenizer:
         self.released = 0  # characters of raw_text handed out
         self.stopped: str | None = None  # the stop string that ended the output, if any
         self._end: int | None = None  # where the output ends in raw_text once stopped
+        self.min_tokens, self.num_added = min_tokens, 0
 
     @property
     def text(self) -> str:
@@ -281,6 +283,7 @@ class IncrementalDetokenizer:
         if self.stopped is not None:
             return ""
         self.ids.append(int(token_id))
+        self.num_added += 1
         self._advance(final=False)
         return self._release()
 
@@ -303,6 +306,8 @@ class IncrementalDetokenizer:
             self._check_stop(start)
 
     def _check_stop(self, new_from: int) -> None:
+        if self.num_added <= self.min_tokens:
+            return
         hits = []
         for s in self.stop:
             at = self.raw_text.find(s, max(0, new_from - len(s) + 1))

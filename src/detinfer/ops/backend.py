@@ -346,6 +346,38 @@ class Ops:
             fn = moe.fused_moe if kernel else moe.fused_moe_ref
         return fn(x, router_weight, w_gate_up, w_down, top_k, renormalize)
 
+    # The MoE layer in parts, for expert parallelism (distributed/layers.py): deterministic mode runs the
+    # functions `moe` fuses, chosen by the same rule, so route -> slot outputs -> combine gives `moe`'s bits.
+    def moe_route(self, x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool):
+        """(weights [T, k] fp32, expert ids [T, k] int64): `kernels.moe.route` / `route_ref` (fp32 logits,
+        stable top-k); fast mode: `route_stock`."""
+        from detinfer.kernels import moe
+
+        if not self.deterministic:
+            return moe.route_stock(x, router_weight, top_k, renormalize)
+        return (moe.route if self._kernel(x, router_weight) else moe.route_ref)(x, router_weight, top_k, renormalize)
+
+    def moe_expert_outputs(self, x: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                           first_expert: int | None = None, num_experts: int | None = None) -> torch.Tensor:
+        """y [T, k, H] (x's dtype): each slot's expert output for the experts [first_expert, +E_local) the
+        weights hold, other slots zero. The fused layer's grouped GEMMs (fast mode: with a config chosen
+        from the rows per expert, of `num_experts` in all) where the kernels run, else the ref."""
+        from detinfer.kernels import moe
+
+        if not self._kernel(x, w_gate_up, w_down):
+            return moe.expert_outputs_ref(x, ids, w_gate_up, w_down, first_expert)
+        config_for = None
+        if not self.deterministic:
+            config_for = moe.fast_config_for(ids.numel() / (num_experts or w_gate_up.shape[0]))
+        return moe.expert_outputs(x, ids, w_gate_up, w_down, config_for, first_expert)
+
+    def moe_combine(self, weights: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """sum_r weights[t, r] * y[t, r] -> [T, H] `dtype`: in routing-rank order in fp32 (`combine_slots`);
+        fast mode: a stock weighted sum."""
+        from detinfer.kernels import moe
+
+        return (moe.combine_slots if self.deterministic else moe.combine_slots_fast)(weights, y, dtype)
+
     @property
     def moe_graph_safe(self) -> bool:
         """Whether `moe` on this backend's dtype runs without host syncs (CUDA-graph capturable): the Triton

@@ -83,6 +83,27 @@ def first_logprob_divergence(a: Completion, b: Completion) -> int | None:
     return d
 
 
+def max_logprob_difference(reference: Completion,
+                           completions: Sequence[Completion]) -> tuple[float, tuple[int, int] | None]:
+    """The largest |logprob(run) - logprob(reference)| over every run and every position where the run
+    has so far produced exactly the reference's tokens (that token included): there both scored the same
+    token after the same context, so the difference is the numerics' alone. Once the tokens part, the
+    contexts differ and the logprobs are no longer comparable, so later positions are left out. Positions
+    where either logprob is not finite are left out too. Returns (difference, (run, position)), the
+    earliest run and position on ties; (0.0, None) when every compared logprob is bit-identical."""
+    if reference.logprobs is None or any(c.logprobs is None for c in completions):
+        raise ValueError("max_logprob_difference needs logprobs on every completion")
+    best, at = 0.0, None
+    for c in sorted(completions, key=lambda c: c.run):
+        d = first_divergence(reference.units, c.units)
+        shared = min(len(reference.units), len(c.units)) if d is None else d
+        for i in range(shared):
+            a, b = reference.logprobs[i], c.logprobs[i]
+            if math.isfinite(a) and math.isfinite(b) and abs(a - b) > best:
+                best, at = abs(a - b), (c.run, i)
+    return best, at
+
+
 def join_decode(units: Sequence[Any]) -> str:
     """Decoder for token strings or characters: concatenation."""
     return "".join(str(u) for u in units)
@@ -145,7 +166,8 @@ class Summary:
     first run of its most common logprob variant); logprob_divergence: for each run whose tokens or
     logprob bits differ from the reference run, the first position where either differs (empty without
     logprobs); pairs: the pairwise divergences of the most common groups, pairs_left_out of them not
-    listed (max_pairs)."""
+    listed (max_pairs). max_logprob_diff: see `max_logprob_difference` (None without logprobs), with
+    max_logprob_diff_at its (run, position) (None when every compared logprob is bit-identical)."""
 
     n: int
     unit: str
@@ -159,6 +181,8 @@ class Summary:
     logprob_divergence: tuple[int, ...]
     pairs: tuple[PairDivergence, ...]
     pairs_left_out: int
+    max_logprob_diff: float | None = None
+    max_logprob_diff_at: tuple[int, int] | None = None
 
     @property
     def divergence_positions(self) -> list[int]:
@@ -262,7 +286,7 @@ def summarize(completions: Sequence[Completion], decode: Decode = join_decode,
     mode_units = groups[0].completion.units
     from_mode = tuple(None if g.rank == 0 else first_divergence(mode_units, g.completion.units) for g in groups)
     agreed = min((d for d in from_mode if d is not None), default=None)
-    num_lp, lp_div = None, []
+    num_lp, lp_div, max_diff, max_diff_at = None, [], None, None
     if all(c.logprobs is not None for c in completions):
         num_lp = len({(c.units, _bits(c.logprobs)) for c in completions})
         ref = groups[0].completion
@@ -270,6 +294,7 @@ def summarize(completions: Sequence[Completion], decode: Decode = join_decode,
             d = first_logprob_divergence(ref, c)
             if d is not None:
                 lp_div.append(d)
+        max_diff, max_diff_at = max_logprob_difference(ref, completions)
     pairs, total = [], len(groups) * (len(groups) - 1) // 2
     for i in range(len(groups)):
         for j in range(i + 1, len(groups)):
@@ -280,4 +305,5 @@ def summarize(completions: Sequence[Completion], decode: Decode = join_decode,
                    num_unique=len(groups), most_common_count=groups[0].count, groups=tuple(groups),
                    agreed_prefix=agreed, divergence_from_mode=from_mode, num_unique_logprobs=num_lp,
                    reference_run=groups[0].completion.run, logprob_divergence=tuple(lp_div),
-                   pairs=tuple(pairs), pairs_left_out=total - len(pairs))
+                   pairs=tuple(pairs), pairs_left_out=total - len(pairs), max_logprob_diff=max_diff,
+                   max_logprob_diff_at=max_diff_at)

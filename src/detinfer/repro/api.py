@@ -33,6 +33,7 @@ def _engine_for(mode: str, model_dir, random_model, engine_config: EngineConfig,
     """(engine, prompt ids function, decode function, text_of, what) for one mode."""
     from detinfer.dtypes import dtype_name, resolve_dtype
     from detinfer.engine.llm_engine import LLMEngine, resolve_device
+    from detinfer.models.weight_sources import RandomWeights
     from detinfer.repro import random_model as rm
 
     config = engine_config.replace(mode=mode)
@@ -43,8 +44,8 @@ def _engine_for(mode: str, model_dir, random_model, engine_config: EngineConfig,
     dev = resolve_device(device)
     # "auto" as for checkpoints: bf16 on a GPU, fp32 on a CPU (the CPU kernels' dtype).
     dtype = resolve_dtype(config.dtype, None, dev)
-    model, model_config = rm.build_random_model(random_model, mode=mode, device=dev, dtype=dtype, seed=random_seed)
-    engine = LLMEngine.from_model(model, model_config, config, tokenizer=None)
+    # Under tensor parallelism every rank draws only its own slices of the random weights.
+    engine = LLMEngine.from_weights(RandomWeights(random_seed, dtype), rm.preset_config(random_model), config, dev)
     what = f"random {random_model} (seed {random_seed}, {dtype_name(dtype)} on {dev})"
     return engine, None, rm.decode_ids, (lambda c: rm.decode_ids(c.token_ids)), what
 

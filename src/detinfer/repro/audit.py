@@ -254,14 +254,15 @@ def build_runner(model_dir, random_model, mode: str, engine_config: EngineConfig
     """(ModelRunner, vocab size) for a checkpoint or a random-weight preset, in `mode`, steps eager."""
     from detinfer.dtypes import resolve_dtype
     from detinfer.engine.llm_engine import LLMEngine, resolve_device
-    from detinfer.repro.random_model import build_random_model, preset_config
+    from detinfer.models.weight_sources import RandomWeights
+    from detinfer.repro.random_model import preset_config
 
     dev = resolve_device(device)
     config = engine_config.replace(mode=mode, enforce_eager=True)
     if random_model:
-        model, mc = build_random_model(random_model, mode=mode, device=dev, seed=random_seed,
-                                       dtype=resolve_dtype(config.dtype, preset_config(random_model).dtype, dev))
-        engine = LLMEngine.from_model(model, mc, config)
+        mc = preset_config(random_model)
+        dtype = resolve_dtype(config.dtype, mc.dtype, dev)
+        engine = LLMEngine.from_weights(RandomWeights(random_seed, dtype), mc, config, dev)
     else:
         engine = LLMEngine(model_dir, config, dev)  # a directory or a hub id
     return engine.runner, engine.model_config.vocab_size

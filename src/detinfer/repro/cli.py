@@ -93,9 +93,10 @@ def _size_defaults(ns: argparse.Namespace) -> None:
     left_out = [k for k in ("n", "max_tokens") if getattr(ns, k) is None]
     for k in left_out:
         setattr(ns, k, sizes[k])
-    if cpu and left_out:
-        print(f"detinfer repro: no GPU: CPU-sized defaults --n {ns.n} --max-tokens {ns.max_tokens} (a GPU run "
-              f"defaults to --n {GPU_DEFAULTS['n']} --max-tokens {GPU_DEFAULTS['max_tokens']})", file=sys.stderr)
+    if cpu and left_out:  # name only the values filled in: the others are the user's own
+        flags = " ".join(f"--{k.replace('_', '-')} {getattr(ns, k)}" for k in left_out)
+        gpu = " ".join(f"--{k.replace('_', '-')} {GPU_DEFAULTS[k]}" for k in left_out)
+        print(f"detinfer repro: no GPU: CPU-sized defaults: {flags} (a GPU run defaults to {gpu})", file=sys.stderr)
 
 
 def _engine_config(ns: argparse.Namespace) -> EngineConfig:

@@ -46,9 +46,10 @@ class ReproConfig:
     sampling_seed: int = field(default=0, metadata=_help("Seed of every run when --temperature > 0."))
     logprobs: int | None = field(default=2, metadata=_help(
         "Request logprobs with this many alternatives per token (none: no logprobs)."))
-    chat: bool = field(default=True, metadata=_help(
-        "Send the prompt as one user message through the chat template (server: /v1/chat/completions); "
-        "--no-chat sends it as raw text (/v1/completions)."))
+    chat: bool = field(default=False, metadata=_help(
+        "--chat: send the prompt as one user message through the chat template (server: "
+        "/v1/chat/completions); --no-chat (the default, as `detinfer generate` and vLLM's completions): "
+        "raw text (/v1/completions)."))
     load_seed: int = field(default=0, metadata=_help("Seed of the background-load plan."))
     max_background: int = field(default=4, metadata=_help(
         "Most background requests submitted around each run (0: no load)."))

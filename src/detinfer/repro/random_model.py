@@ -2,11 +2,14 @@
 without its checkpoint (`detinfer repro --random-model qwen3-8b`, `detinfer audit --random-model ...`). The
 shapes are the model families' presets (detinfer.models.families).
 
-The weights are drawn on the target device from a seeded generator in the target dtype, so an 8B model
-appears in seconds on a GPU, and building it twice with the same seed (once per mode in `--mode both`)
-gives the same bits. Linear weights ~ N(0, 1/in_features) keep activations O(1) through the layers, so the
-logits are peaked enough for greedy decoding to be meaningful, and near-ties still happen, as with real
-models.
+The weights are drawn on the target device by a counter-based generator (models/random_weights.py: each
+element a hash of the seed, the parameter's name and its position), so an 8B model appears in seconds on a
+GPU, building it twice with the same seed (once per mode in `--mode both`) gives the same bits, CPU and GPU
+draw the same bits, and under tensor parallelism each rank draws only its own slices (`RandomWeights`), the
+same bits TP=1 has there. Linear weights have std 1/sqrt(in_features) (a light-tailed triangular
+distribution) to keep activations O(1) through the layers, so the logits are peaked enough for greedy
+decoding to be meaningful, and near-ties still happen, as with real models. (Before this generator the
+weights came from torch's normal generator: the same seed now gives other weights than it did then.)
 
 There is no tokenizer: prompts are the UTF-8 bytes of the text as token ids (every shape has >= 256
 tokens) and outputs are shown as their ids, e.g. "⟨1234⟩⟨77⟩".
@@ -14,7 +17,6 @@ tokens) and outputs are shown as their ids, e.g. "⟨1234⟩⟨77⟩".
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -22,6 +24,7 @@ import torch
 from detinfer.models.config import ModelConfig
 from detinfer.models.families import preset_hf_config, preset_names
 from detinfer.models.transformer import Transformer
+from detinfer.models.weight_sources import RandomWeights, build_full_model
 from detinfer.ops import Ops
 
 # name -> HF config.json dict of every registered family's presets (each family module defines its own).
@@ -39,31 +42,8 @@ def build_random_model(name: str, *, mode: str = "deterministic", device: torch.
     """The preset's Transformer with seeded random weights, `dtype` on `device`, ops in `mode`."""
     config = preset_config(name)
     device = torch.device(device)
-    with torch.device("meta"):
-        model = Transformer(config, Ops(mode, device, dtype, head_dim=config.head_dim))
-    gen = torch.Generator(device=device).manual_seed(seed)
-    for pname, p in sorted(model.named_parameters()):
-        shape = tuple(p.shape)
-        t = torch.empty(shape, device=device, dtype=torch.float32)
-        if pname.endswith("norm.weight"):
-            t.normal_(1.0, 0.1, generator=gen)
-        elif pname.endswith(".bias"):
-            t.normal_(0.0, 0.1, generator=gen)
-        else:  # [out, in]: in = the reduced dim (embeddings: hidden)
-            t.normal_(0.0, 1.0 / math.sqrt(shape[-1]), generator=gen)
-        _set_param(model, pname, t.to(dtype))
-        del t
-    model.rotary.reset_parameters(device)
-    model.eval()
-    return model, config
-
-
-def _set_param(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
-    *path, leaf = name.split(".")
-    owner = model
-    for part in path:
-        owner = getattr(owner, part)
-    setattr(owner, leaf, torch.nn.Parameter(value, requires_grad=False))
+    ops = Ops(mode, device, dtype, head_dim=config.head_dim)
+    return build_full_model(RandomWeights(seed, dtype), config, ops), config
 
 
 def encode_bytes(text: str) -> list[int]:

@@ -48,16 +48,41 @@ def _count(n: int, what: str) -> str:
     return f"{n} {what}" + ("" if n == 1 else "s")
 
 
-def verdict(summary: Summary) -> str:
-    """One section in words, e.g. "1 text but 6 different logprob sequences in 20 runs: not reproducible"."""
+def counts(summary: Summary) -> str:
+    """Both counts a verdict rests on, e.g. "1 distinct text but 6 distinct logprob sequences"."""
     sm = summary
     texts = _count(sm.num_unique, "distinct text" if sm.unit == "token" else "distinct completion")
     if sm.num_unique_logprobs is None:
-        what = texts
-    else:
-        joint = "and" if (sm.num_unique_logprobs == 1) == (sm.num_unique == 1) else "but"
-        what = f"{texts} {joint} {_count(sm.num_unique_logprobs, 'distinct logprob sequence')}"
-    return f"{what} in {sm.n} runs: " + ("reproducible" if reproduces(sm) else "not reproducible")
+        return texts
+    joint = "and" if (sm.num_unique_logprobs == 1) == (sm.num_unique == 1) else "but"
+    return f"{texts} {joint} {_count(sm.num_unique_logprobs, 'distinct logprob sequence')}"
+
+
+def verdict_word(summary: Summary) -> str:
+    return "reproducible" if reproduces(summary) else "not reproducible"
+
+
+def verdict(summary: Summary) -> str:
+    """One section in words, e.g. "1 distinct text but 6 distinct logprob sequences in 20 runs: not
+    reproducible"."""
+    return f"{counts(summary)} in {summary.n} runs: {verdict_word(summary)}"
+
+
+def panel_title(label: str, summary: Summary) -> str:
+    """A plot's title: the verdict and both counts it rests on (a title that gave only the text count
+    read "1 unique of 20 (not reproducible)" when the logprobs differed)."""
+    return f"{label}: {verdict_word(summary)} ({summary.n} runs)\n{counts(summary)}"
+
+
+def max_diff_text(summary: Summary) -> str | None:
+    """The largest logprob difference from the reference run in words (None without logprobs)."""
+    sm = summary
+    if sm.max_logprob_diff is None:
+        return None
+    if sm.max_logprob_diff_at is None:
+        return f"0 (every run's logprobs equal run {sm.reference_run}'s while their {sm.unit}s agree)"
+    run, pos = sm.max_logprob_diff_at
+    return f"{sm.max_logprob_diff:.3g} (run {run} vs run {sm.reference_run}, {at_unit(sm.unit, pos)})"
 
 
 def headline(sections: Sequence[Section]) -> str:
@@ -93,6 +118,9 @@ def summary_dict(s: Summary) -> dict[str, Any]:
     return {"n": s.n, "unit": s.unit, "num_unique": s.num_unique, "most_common_count": s.most_common_count,
             "num_unique_with_logprobs": s.num_unique_logprobs, "agreed_prefix": s.agreed_prefix,
             "reference_run": s.reference_run, "logprob_divergence": s.logprob_divergence,
+            "max_abs_logprob_diff": s.max_logprob_diff,
+            "max_abs_logprob_diff_at": (None if s.max_logprob_diff_at is None else
+                                        dict(zip(("run", "position"), s.max_logprob_diff_at))),
             "groups": [{"rank": g.rank, "count": g.count, "runs": g.runs, "text": g.completion.text,
                         "divergence_from_most_common": d, "logprob_variant_counts": g.variant_counts}
                        for g, d in zip(s.groups, s.divergence_from_mode)],
@@ -131,21 +159,19 @@ def _draw_histogram(ax, s: Section) -> None:
     if len(groups) <= 12:
         for x, g in enumerate(groups):
             ax.annotate(str(g.count), (x, g.count), ha="center", va="bottom", fontsize=8)
+        ax.set_ylim(0, max(g.count for g in groups) * 1.12)  # room for the counts under the title
         ax.set_xticks(range(len(groups)), [f"#{i}" for i in range(len(groups))], fontsize=8)
     else:
         ax.set_xticks([])
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    counts = [g.count for g in s.summary.groups]
-    rest = len(counts) - len(groups)
-    ax.set_xlabel("distinct completion (most common first)"
-                  + (f"\n({rest} more, {max(counts[MAX_BARS:])} run(s) or fewer each, not shown)" if rest else ""),
-                  fontsize=9)
+    sizes = [g.count for g in s.summary.groups]
+    rest = len(sizes) - len(groups)
+    segmented = any(len(g.variant_counts) > 1 for g in groups)
+    ax.set_xlabel("distinct text (most common first)" + ("; segments: logprob sequences" if segmented else "")
+                  + (f"\n({rest} more, {max(sizes[MAX_BARS:])} run(s) or fewer each, not shown)" if rest else ""),
+                  fontsize=8)
     ax.set_ylabel("runs")
-    title = f"{s.label}: {s.summary.num_unique} unique of {s.summary.n}" + ("" if reproduces(s.summary) else
-                                                                          " (not reproducible)")
-    if s.summary.num_unique_logprobs not in (None, s.summary.num_unique):
-        title += f"\n({s.summary.num_unique_logprobs} distinct when logprob bits count: segments)"
-    ax.set_title(title, fontsize=10)
+    ax.set_title(panel_title(s.label, s.summary), fontsize=9)
 
 
 def _draw_divergence(ax, s: Section) -> None:
@@ -175,7 +201,10 @@ def _draw_divergence(ax, s: Section) -> None:
 
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel(f"{sm.unit} position vs the most common completion")
-    ax.set_title(f"{s.label}: where runs diverge", fontsize=10)
+    title = f"{s.label}: where runs diverge"
+    if sm.max_logprob_diff is not None:
+        title += f"\nlargest |logprob difference| from run {sm.reference_run}: {sm.max_logprob_diff:.3g}"
+    ax.set_title(title, fontsize=9)
 
 
 
@@ -225,11 +254,15 @@ def _variants(g) -> str:
 def _section_html(s: Section, pngs: tuple[bytes, bytes]) -> str:
     sm = s.summary
     verdict_html = f'<span class="{"ok" if reproduces(sm) else "bad"}">{_e(verdict(sm))}</span>'
-    rows = [("runs", sm.n), ("unique completions", sm.num_unique), ("most common completion", sm.most_common_count),
-            ("unique incl. logprob bits", sm.num_unique_logprobs),
+    rows = [("runs", sm.n), ("distinct texts (token sequences)", sm.num_unique),
+            ("most common text", f"{sm.most_common_count} runs"),
+            ("distinct logprob sequences (tokens and logprob bits)", sm.num_unique_logprobs),
             (f"{sm.unit}s shared by all runs", "all" if sm.agreed_prefix is None else sm.agreed_prefix),
+            ("reference run (most common text and logprobs)", sm.reference_run),
             ("first logprob difference from the reference run",
              at_unit(sm.unit, min(sm.logprob_divergence, default=None)) if sm.num_unique_logprobs else None),
+            ("largest |logprob difference| from the reference run, where the tokens so far agree",
+             max_diff_text(sm)),
             ("wall time", f"{s.elapsed_s:.1f} s")] + [(k, v) for k, v in s.extra.items()]
     parts = [f"<div class=col><h2>{_e(s.label)}</h2><p class=muted>{_e(s.target)}</p><p>{verdict_html}</p>",
              "<table>" + "".join(f"<tr><th>{_e(k)}</th><td>{_e(_fmt(v))}</td></tr>" for k, v in rows) + "</table>",

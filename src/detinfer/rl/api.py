@@ -27,7 +27,17 @@ def format_step(arm: str, rec: dict) -> str:
              f"mismatch {rec['mismatch_bits_differ']:.3g} of {rec['mismatch_tokens']} tokens",
              f"max|d| {rec['mismatch_max_abs_diff']:.3g}", f"kl {rec['mismatch_kl_k3']:.3g}",
              f"{rec['step_s']:.2f}s", f"weights {rec['weights_hash']}"]
-    return "  ".join(parts)
+    return "  ".join(parts + _extra_parts(rec))
+
+
+def _extra_parts(rec: dict) -> list[str]:
+    """Reward-function failures and eval results, on the steps that have them."""
+    parts = []
+    if rec.get("reward_failures"):
+        parts.append(f"reward failures {rec['reward_failures']} ({rec.get('reward_error')})")
+    if "eval_reward_mean" in rec:
+        parts.append(f"eval reward {rec['eval_reward_mean']:.3f} acc {rec['eval_accuracy']:.3f}")
+    return parts
 
 
 def run_arm(model, config: RLConfig, arm: str, out: str | Path | None = None, *, task: Task | None = None,
@@ -119,6 +129,6 @@ def run(model, config: RLConfig, arms: Sequence[str] = ARMS, out: str | Path = "
     from detinfer.rl.report import write_report
 
     info = {**config.to_dict(), "model": str(model) if isinstance(model, (str, Path)) else type(model).__name__,
-            "task": task.name if task else config.task, **(experiment or {})}
+            "task": task.name if task else (config.dataset or config.task), **(experiment or {})}
     paths = write_report(out, histories, info)
     return {"histories": histories, "paths": paths}

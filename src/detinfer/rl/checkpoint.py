@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
-from detinfer.rl.config import RESUMABLE_CHANGES, RLConfig
+from detinfer.rl.config import RLConfig, resumable_changes
 
-CHECKPOINT_FORMAT = "detinfer-rl-checkpoint/1"
+# /2: AdamW in two param groups (decayed weight matrices; norms, biases and embeddings without decay)
+CHECKPOINT_FORMAT = "detinfer-rl-checkpoint/2"
 
 
 def jsonable(x):
@@ -84,16 +85,18 @@ def read_state(directory: str | Path) -> dict:
 
 
 def check_compatible(state: dict, config: RLConfig, arm: str, task_name: str) -> None:
-    """Refuse to resume under settings that would change the trajectory (steps/checkpoint_every may change)."""
+    """Refuse to resume under settings that would change the trajectory: any field of RLConfig except
+    steps and checkpoint_every (and steps too under a decaying learning-rate schedule)."""
     if state["arm"] != arm:
         raise ValueError(f"the checkpoint is of arm {state['arm']!r}, not {arm!r}")
     if state["task"] != task_name:
         raise ValueError(f"the checkpoint trained task {state['task']!r}, not {task_name!r}")
     saved, now = state["config"], config.to_dict()
-    changed = sorted(k for k in now if k not in RESUMABLE_CHANGES and saved.get(k) != now[k])
+    allowed = resumable_changes(config)
+    changed = sorted(k for k in now if k not in allowed and (k not in saved or saved[k] != now[k]))
     if changed:
-        diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in changed)
-        raise ValueError(f"cannot resume with different settings ({diffs}); only {RESUMABLE_CHANGES} may change")
+        diffs = ", ".join(f"{k}: {saved.get(k, '(absent)')!r} -> {now[k]!r}" for k in changed)
+        raise ValueError(f"cannot resume with different settings ({diffs}); only {allowed} may change")
 
 
 @torch.no_grad()
@@ -117,19 +120,25 @@ def load_checkpoint(trainer, directory: str | Path) -> dict:
                              f"the model's is {tuple(p.shape)} {p.dtype}")
         p.copy_(weights[name])
     opt = load_file(str(directory / "optimizer.safetensors"))
+    # torch numbers an optimizer's parameters group after group; map each name to that index
+    index = {id(p): i for i, p in enumerate(p for g in trainer.optimizer.param_groups for p in g["params"])}
     per_param = {}
-    for i, name in enumerate(names):
+    for name, p in named:
         entries = {k.split("::", 1)[1]: v for k, v in opt.items() if k.split("::", 1)[0] == name}
         if entries:
-            per_param[i] = entries
-    groups = state["optimizer_param_groups"]
-    if len(groups) != 1:
-        raise ValueError(f"{directory}: expected one optimizer param group, found {len(groups)}")
-    group = dict(groups[0])
-    if "betas" in group:
-        group["betas"] = tuple(group["betas"])
-    group["params"] = list(range(len(names)))
-    trainer.optimizer.load_state_dict({"state": per_param, "param_groups": [group]})
+            per_param[index[id(p)]] = entries
+    saved_groups = state["optimizer_param_groups"]
+    current = trainer.optimizer.state_dict()["param_groups"]
+    if len(saved_groups) != len(current):
+        raise ValueError(f"{directory}: the checkpoint has {len(saved_groups)} optimizer param groups, this "
+                         f"optimizer {len(current)}")
+    groups = []
+    for saved, now in zip(saved_groups, current):
+        group = {**saved, "params": now["params"]}
+        if "betas" in group:
+            group["betas"] = tuple(group["betas"])
+        groups.append(group)
+    trainer.optimizer.load_state_dict({"state": per_param, "param_groups": groups})
     trainer.trainer.push_weights()  # engine tensors <- restored weights; stale prefix cache dropped
     trainer.step_index = int(state["step"])
     trainer.history = list(state["history"])

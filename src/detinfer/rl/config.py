@@ -17,6 +17,9 @@ from typing import Any
 from detinfer.engine.config import DTYPES, MAX_SEED, check_choice, check_float, check_int
 
 ARMS = ("deterministic", "fast", "fast-tis")
+LOSS_NORMS = ("token", "sequence", "constant")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+MAX_TEMPERATURE = 100.0
 # CLI --mode: one arm, or "both" = both engine modes, i.e. all three arms.
 MODE_ARMS = {"deterministic": ("deterministic",), "fast": ("fast",), "fast-tis": ("fast-tis",),
              "both": ARMS}
@@ -28,25 +31,40 @@ def arm_engine_mode(arm: str) -> str:
     return "deterministic" if arm == "deterministic" else "fast"
 
 
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def _check_optional_str(name: str, value: Any, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be a non-empty string{' or None' if optional else ''}, got {value!r}")
+
+
 def _help(text: str, **extra: Any) -> dict:
     return {"help": text, **extra}
 
 
 @dataclass(frozen=True)
 class RLConfig:
-    """A GRPO run. Sampling is at temperature 1 with no top-k/top-p, so the sampler's distribution is
-    the model's and the trainer can score it."""
+    """A GRPO run: prompts (a built-in generator or a dataset), rewards, rollout sampling, the loss and
+    the optimizer. Every field shapes the trajectory except `steps` and `checkpoint_every`, so a
+    checkpoint refuses to resume under any other change (see `RESUMABLE_CHANGES`)."""
 
     task: str = field(default="addition", metadata=_help(
-        "Built-in task: addition, addition-partial, reverse, sort, emit-token (tiny test models); from "
-        "Python, any name with your own Task."))
-    steps: int = field(default=100, metadata=_help("Optimizer steps (one rollout batch each)."))
+        "Built-in task: addition, addition-partial, reverse, sort, math (generated word problems), "
+        "emit-token (tiny test models); from Python, any name with your own Task."))
+    steps: int = field(default=100, metadata=_help(
+        "Steps: one rollout batch each, then updates_per_step optimizer updates on it."))
     prompts_per_step: int = field(default=16, metadata=_help("Prompts per step (GRPO groups)."))
     n_samples: int = field(default=8, metadata=_help(
         "Completions sampled per prompt (group size); advantages are relative to the group."))
     max_tokens: int = field(default=32, metadata=_help("Most tokens per completion."))
-    lr: float = field(default=1e-5, metadata=_help("AdamW learning rate (constant)."))
-    weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay."))
+    lr: float = field(default=1e-5, metadata=_help("AdamW peak learning rate (see lr_schedule)."))
+    weight_decay: float = field(default=0.0, metadata=_help(
+        "AdamW weight decay, on weight matrices only (never on norms, biases or embeddings)."))
     max_grad_norm: float | None = field(default=1.0, metadata=_help(
         "Clip the gradient's global norm to this (none: no clipping)."))
     scale_rewards: bool = field(default=True, metadata=_help(
@@ -64,6 +82,65 @@ class RLConfig:
         "Run seed: prompts and every sampling seed are pure functions of (seed, step, prompt, sample)."))
     checkpoint_every: int = field(default=0, metadata=_help(
         "Save a checkpoint every this many steps (0: only at the end)."))
+    # -- data ----------------------------------------------------------------------------------------
+    dataset: str | None = field(default=None, metadata=_help(
+        "Prompts from a file (*.jsonl, *.parquet: needs pyarrow) or a Hugging Face dataset name (needs the "
+        "datasets package) instead of the task's generator (none: the built-in task)."))
+    dataset_config: str | None = field(default=None, metadata=_help("Hugging Face dataset: subset name."))
+    dataset_split: str = field(default="train", metadata=_help("Hugging Face dataset: training split."))
+    prompt_column: str = field(default="prompt", metadata=_help(
+        "Dataset column holding the prompt: a string, or a list of chat messages {role, content}."))
+    answer_column: str = field(default="answer", metadata=_help(
+        "Dataset column holding the reference answer (passed to reward functions)."))
+    system_prompt: str | None = field(default=None, metadata=_help(
+        "System message put before each text prompt (through the model's chat template; needs one)."))
+    shuffle: bool = field(default=True, metadata=_help(
+        "Dataset prompts in a fresh seeded order every epoch (--no-shuffle: file order)."))
+    eval_dataset: str | None = field(default=None, metadata=_help(
+        "Held-out prompts (file or Hugging Face dataset name, same columns); none: hold out eval_size "
+        "examples of the training data (or draw them from the task's generator)."))
+    eval_split: str = field(default="test", metadata=_help("Hugging Face eval dataset: split."))
+    eval_size: int = field(default=0, metadata=_help(
+        "Eval examples: held out from the training data / generated (or, with eval_dataset, the first "
+        "this many; 0: all of eval_dataset)."))
+    eval_every: int = field(default=0, metadata=_help(
+        "Score the eval set greedily every this many steps (0: never)."))
+    # -- rewards -------------------------------------------------------------------------------------
+    reward_funcs: str | None = field(default=None, metadata=_help(
+        "Comma-separated reward functions: built-ins (task, math, exact, format) or module:function "
+        "(called with prompts, completions, answers, completion_ids and the dataset's columns; returns one "
+        "float per completion). none: the task's own reward."))
+    reward_weights: str | None = field(default=None, metadata=_help(
+        "Comma-separated weights, one per reward function (none: all 1)."))
+    # -- rollout sampling ----------------------------------------------------------------------------
+    temperature: float = field(default=1.0, metadata=_help(
+        "Rollout temperature; the loss scores softmax(logits / temperature)."))
+    top_p: float = field(default=1.0, metadata=_help("Rollout nucleus sampling (1: off)."))
+    top_k: int = field(default=0, metadata=_help("Rollout top-k sampling (0: off)."))
+    # -- loss ----------------------------------------------------------------------------------------
+    ppo_epochs: int = field(default=1, metadata=_help(
+        "Passes over each rollout (PPO-style reuse; each mini-batch of each pass is one optimizer update)."))
+    mini_batch_seqs: int | None = field(default=None, metadata=_help(
+        "Sequences per optimizer update (none: the whole rollout, one update per epoch)."))
+    clip_eps: float = field(default=0.2, metadata=_help(
+        "PPO clip: the ratio pi / pi_old is clipped to [1 - clip_eps, 1 + clip_eps_high]."))
+    clip_eps_high: float | None = field(default=None, metadata=_help(
+        "Upper clip (DAPO's clip-higher, e.g. 0.28; none: = clip_eps)."))
+    loss_norm: str = field(default="token", metadata=_help(
+        "token: sum over tokens / tokens in the mini-batch (DAPO); sequence: mean per sequence, then over "
+        "sequences (GRPO); constant: sum / (sequences * max_tokens) (Dr. GRPO).", choices=LOSS_NORMS))
+    mask_truncated: bool = field(default=False, metadata=_help(
+        "No loss on completions cut at max_tokens (DAPO's overlong filtering)."))
+    overlong_buffer: int = field(default=0, metadata=_help(
+        "DAPO soft overlong punishment: completions longer than max_tokens - this lose up to "
+        "overlong_penalty, linearly (0: off)."))
+    overlong_penalty: float = field(default=1.0, metadata=_help("Largest overlong punishment."))
+    # -- optimizer -----------------------------------------------------------------------------------
+    lr_schedule: str = field(default="constant", metadata=_help(
+        "Learning rate after warmup: constant, or linear / cosine decay to 0 at the last update.",
+        choices=LR_SCHEDULES))
+    warmup_steps: int = field(default=0, metadata=_help(
+        "Optimizer updates of linear warmup from 0 to lr."))
     dtype: str = field(default="auto", metadata=_help(
         "Engine weight dtype (auto: the checkpoint's on GPU, float32 on CPU). 16-bit engines train fp32 "
         "master weights.", choices=DTYPES))
@@ -82,18 +159,55 @@ class RLConfig:
         check_float("weight_decay", self.weight_decay, minimum=0.0)
         if self.max_grad_norm is not None:
             check_float("max_grad_norm", self.max_grad_norm, minimum=0.0, min_exclusive=True)
-        if not isinstance(self.scale_rewards, bool):
-            raise TypeError(f"scale_rewards must be a bool, got {self.scale_rewards!r}")
+        _check_bool("scale_rewards", self.scale_rewards)
         check_float("tis_cap", self.tis_cap, minimum=0.0, min_exclusive=True)
         check_float("kl_coef", self.kl_coef, minimum=0.0)
         check_int("train_batch_seqs", self.train_batch_seqs, minimum=1)
         check_int("seed", self.seed, minimum=0, maximum=MAX_SEED)
         check_int("checkpoint_every", self.checkpoint_every, minimum=0)
+        self._check_data()
+        self._check_rollout_and_loss()
         check_choice("dtype", self.dtype, DTYPES)
         check_int("max_num_seqs", self.max_num_seqs, minimum=1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
-        if not isinstance(self.enforce_eager, bool):
-            raise TypeError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        _check_bool("enforce_eager", self.enforce_eager)
+
+    def _check_data(self) -> None:
+        for name in ("dataset", "dataset_config", "system_prompt", "eval_dataset"):
+            _check_optional_str(name, getattr(self, name))
+        for name in ("dataset_split", "prompt_column", "answer_column", "eval_split"):
+            _check_optional_str(name, getattr(self, name), optional=False)
+        _check_bool("shuffle", self.shuffle)
+        check_int("eval_size", self.eval_size, minimum=0)
+        check_int("eval_every", self.eval_every, minimum=0)
+        if self.eval_every and not (self.eval_size or self.eval_dataset):
+            raise ValueError("eval_every > 0 needs an eval set: eval_size > 0 or an eval_dataset")
+        from detinfer.rl.rewards import parse_reward_config
+
+        parse_reward_config(self.reward_funcs, self.reward_weights)  # raises naming the bad entry
+
+    def _check_rollout_and_loss(self) -> None:
+        check_float("temperature", self.temperature, minimum=0.0, maximum=MAX_TEMPERATURE, min_exclusive=True)
+        check_float("top_p", self.top_p, minimum=0.0, maximum=1.0, min_exclusive=True)
+        check_int("top_k", self.top_k, minimum=0)
+        check_int("ppo_epochs", self.ppo_epochs, minimum=1)
+        check_int("mini_batch_seqs", self.mini_batch_seqs, minimum=1, optional=True)
+        check_float("clip_eps", self.clip_eps, minimum=0.0, maximum=1.0, min_exclusive=True)
+        if self.clip_eps_high is not None:
+            check_float("clip_eps_high", self.clip_eps_high, minimum=0.0, min_exclusive=True)
+        check_choice("loss_norm", self.loss_norm, LOSS_NORMS)
+        _check_bool("mask_truncated", self.mask_truncated)
+        check_int("overlong_buffer", self.overlong_buffer, minimum=0, maximum=self.max_tokens - 1)
+        check_float("overlong_penalty", self.overlong_penalty, minimum=0.0)
+        check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        check_int("warmup_steps", self.warmup_steps, minimum=0)
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer updates per rollout: ppo_epochs passes of ceil(sequences / mini_batch_seqs)."""
+        seqs = self.prompts_per_step * self.n_samples
+        per_epoch = 1 if self.mini_batch_seqs is None else -(-seqs // self.mini_batch_seqs)
+        return self.ppo_epochs * per_epoch
 
     def replace(self, **changes: Any) -> RLConfig:
         return dataclasses.replace(self, **changes)
@@ -105,3 +219,10 @@ class RLConfig:
 # Fields a resumed run may change: how long it runs and how often it saves. Everything else shapes the
 # trajectory, so a checkpoint refuses to continue under different values.
 RESUMABLE_CHANGES = ("steps", "checkpoint_every")
+
+
+def resumable_changes(config: RLConfig) -> tuple[str, ...]:
+    """RESUMABLE_CHANGES, less `steps` under a decaying learning rate (its horizon is the last update)."""
+    if config.lr_schedule == "constant":
+        return RESUMABLE_CHANGES
+    return tuple(k for k in RESUMABLE_CHANGES if k != "steps")

@@ -5,14 +5,27 @@
     for _ in range(trainer.config.steps):
         print(trainer.step())          # reward, response length, mismatch, weights hash, timings
 
-One step: draw the step's prompts (a pure function of (seed, step)) -> the engine samples `n_samples`
-completions per prompt at temperature 1, each request seeded from (seed, step, prompt) and each sample
-drawn from (that seed, position, sample index), with the sampler's logprob of every token -> the task
-scores them -> group-relative advantages -> the trainer re-scores the same tokens with autograd (these are
-the logprobs the mismatch statistics compare with the sampler's) -> policy-gradient loss, backward in
-fixed micro-batches -> clip, AdamW step -> `push_weights()`: 16-bit engines get the fp32 master weights
-copied into their tensors in place (CUDA graphs keep pointing at the same storage) and the engine's
-prefix cache is dropped (its K/V belong to the old weights). fp32 engines train their own tensors.
+One step: draw the step's prompts (a pure function of (seed, step); a dataset in seeded epochs) -> the
+engine samples `n_samples` completions per prompt (temperature / top-p / top-k), each request seeded from
+(seed, step, prompt) and each sample drawn from (that seed, position, sample index), with the sampler's
+logprob of every token -> the reward functions score them (a failing one scores its samples 0) ->
+group-relative advantages -> `ppo_epochs` passes over the rollout in mini-batches, each one optimizer
+update: the trainer re-scores the mini-batch's tokens with autograd, the clipped objective (rl/loss.py)
+takes the sampler's logprobs as the old policy's, backward in fixed micro-batches, clip, AdamW step ->
+`push_weights()`: 16-bit engines get the fp32 master weights copied into their tensors in place (CUDA
+graphs keep pointing at the same storage) and the engine's prefix cache is dropped (its K/V belong to the
+old weights). fp32 engines train their own tensors. Every `eval_every` steps the eval set is scored greedily.
+
+Old logprobs without a recompute pass. In deterministic mode the sampler's logprob of a token has the bits
+the trainer computes for it under the same weights, so the sampler's logprobs *are* pi_old: the no-grad
+forward over every rollout token that other stacks run before the update is skipped (a forward is about a
+third of a forward + backward, so with one update per rollout this saves about a quarter of the training
+compute). It is run only where the sampler's logprobs cannot serve, when there is more than one update: at
+temperature != 1 (the engine reports untempered logprobs), and in the fast arms, whose sampler logprobs
+differ from the trainer's: there pi_old is the trainer's, as in other stacks (fast ignores the mismatch,
+fast-tis corrects it with its truncated weight). The mismatch statistics compare the sampler's
+logprobs with the trainer's before the first update: every token when there is one update or a recompute
+pass, else the first mini-batch's tokens.
 
 The sampler and the trainer share the model's weight tensors: nothing is reloaded between steps.
 """
@@ -21,16 +34,21 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import math
+import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from detinfer.engine.config import MAX_SEED
 from detinfer.rl.config import ARMS, RLConfig, arm_engine_mode
+from detinfer.rl.data import build_task_and_eval, encode_prompt
+from detinfer.rl.loss import build_optimizer, clipped_objective, k3_kl, lr_at, token_norms
 from detinfer.rl.metrics import group_advantages, mismatch_stats, weights_fingerprint
-from detinfer.rl.tasks import Example, Task, check_reward, examples_for_step, get_task
+from detinfer.rl.rewards import RewardModel, RewardScores, overlong_punishment, parse_reward_config
+from detinfer.rl.tasks import Example, Task, epoch_of_step, examples_for_step
 
 KV_BLOCK_SIZE = 16
 
@@ -52,6 +70,8 @@ class Rollout:
     texts: list[str]
     sampler_logprobs: list[list[float]]
     rewards: list[float]
+    truncated: list[bool] = field(default_factory=list)   # stopped by max_tokens
+    scores: RewardScores | None = None
 
 
 def _sync(device: torch.device) -> None:
@@ -59,9 +79,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _mean(xs) -> float:
+    xs = list(xs)
+    return math.fsum(xs) / len(xs) if xs else 0.0
+
+
+def reward_batch(examples: Sequence[Example], texts: Sequence[str], ids: Sequence[Sequence[int]]) -> dict:
+    """The keyword arguments a reward function gets (see rl/rewards.py), one entry per sample."""
+    columns = sorted({k for ex in examples for k in ex.meta})
+    base = {"prompts": [ex.prompt for ex in examples], "completions": list(texts),
+            "answers": [ex.answer for ex in examples], "completion_ids": [list(x) for x in ids],
+            "examples": list(examples)}
+    return {**{c: [ex.meta.get(c) for ex in examples] for c in columns if c not in base}, **base}
+
+
 class GRPOTrainer:
     """See the module doc. `model`: a model directory / hub id, or an already built `detinfer.engine.LLM`
-    whose mode matches the arm. `task`: a `Task` (bring your own) or None for `config.task`."""
+    whose mode matches the arm. `task`: a `Task` (bring your own) or None for config.dataset / config.task."""
 
     def __init__(self, model, config: RLConfig | None = None, arm: str = "deterministic", *,
                  task: Task | str | None = None, device=None, max_model_len: int = 512):
@@ -73,16 +107,20 @@ class GRPOTrainer:
             raise TypeError(f"config must be an RLConfig, got {type(self.config).__name__}")
         if arm not in ARMS:
             raise ValueError(f"arm must be one of {ARMS}, got {arm!r}")
-        self.arm, self.mode = arm, arm_engine_mode(arm)
-        self.task = get_task(self.config.task if task is None else task)
         c = self.config
+        if arm == "fast-tis" and c.temperature != 1.0:
+            raise ValueError("the fast-tis arm needs temperature 1: its weight pi_trainer / pi_sampler uses the "
+                             "engine's logprobs, which are of the untempered distribution")
+        self.arm, self.mode = arm, arm_engine_mode(arm)
+        self.task, self.eval_examples = build_task_and_eval(c, task)
+        self.rewards = RewardModel(parse_reward_config(c.reward_funcs, c.reward_weights), self.task)
         if isinstance(model, LLM):
             if model.engine.config.mode != self.mode:
                 raise ValueError(f"arm {arm!r} samples in {self.mode} mode; the given LLM runs in "
                                  f"{model.engine.config.mode} mode")
             self.llm = model
         else:
-            seqs = c.prompts_per_step * c.n_samples
+            seqs = max(c.prompts_per_step * c.n_samples, len(self.eval_examples))
             # A KV pool that holds a whole step's sequences at max_model_len (prompts within a group share
             # their blocks besides), sized explicitly: the default would fill the GPU the trainer needs.
             blocks = seqs * -(-max_model_len // KV_BLOCK_SIZE) + 1
@@ -94,13 +132,14 @@ class GRPOTrainer:
         self.engine = self.llm.engine
         self.tokenizer = self.engine.tokenizer
         self.device = self.engine.device
-        # The reference policy for the KL penalty: a frozen copy of the initial weights (only when used).
+        # The reference policy for the KL penalty: a frozen copy of the initial weights, kept only when
+        # used (it costs one more copy of the weights in memory and a no-grad forward per micro-batch).
         self.reference = None
         if c.kl_coef > 0:
             ref_model = copy.deepcopy(self.engine.runner.model)
             self.reference = TrainableModel(ref_model, mode=self.mode, master_weights=False)
         self.trainer = TrainableModel(self.llm, mode=self.mode)
-        self.optimizer = torch.optim.AdamW(list(self.trainer.parameters()), lr=c.lr, weight_decay=c.weight_decay)
+        self.optimizer = build_optimizer(self.trainer.named_parameters(), c)
         self.step_index = 0  # steps done
         self.history: list[dict] = []
 
@@ -116,22 +155,30 @@ class GRPOTrainer:
         t2 = time.perf_counter()
         self.step_index += 1
         lengths = [len(c) for c in rollout.completion_ids]
-        record = {"step": self.step_index, "reward_mean": sum(rollout.rewards) / len(rollout.rewards),
-                  "response_len_mean": sum(lengths) / len(lengths), **stats,
+        scores = rollout.scores
+        record = {"step": self.step_index, "reward_mean": _mean(rollout.rewards),
+                  "response_len_mean": _mean(lengths), "truncated_frac": _mean(rollout.truncated),
+                  **{f"reward/{k}": _mean(x for x in v if not math.isnan(x)) for k, v in scores.per_func.items()},
+                  "reward_failures": scores.failed_samples,
+                  **{f"reward_failures/{k}": v for k, v in scores.failures.items()},
+                  "reward_error": scores.first_error, **stats,
                   "weights_hash": self.fingerprint(), "rollout_s": t1 - t0, "train_s": t2 - t1,
                   "step_s": t2 - t0, "sample_text": rollout.texts[0][:200]}
+        epoch = epoch_of_step(self.task, self.step_index, self.config.prompts_per_step)
+        if epoch is not None:
+            record["epoch"] = epoch
+        every = self.config.eval_every
+        if every and self.step_index % every == 0:
+            record.update(self.evaluate())
         self.history.append(record)
         return record
 
     def encode(self, example: Example) -> list[int]:
-        if not isinstance(example.prompt, str):
-            return [int(t) for t in example.prompt]
-        if self.tokenizer is None:
-            raise ValueError(f"task {self.task.name!r} gives text prompts; this engine has no tokenizer")
-        if self.task.chat and getattr(self.tokenizer, "chat_template", None):
-            return list(self.tokenizer.apply_chat_template([{"role": "user", "content": example.prompt}],
-                                                          add_generation_prompt=True, tokenize=True))
-        return list(self.tokenizer.encode(example.prompt))
+        return encode_prompt(self.tokenizer, example.prompt, chat=self.task.chat,
+                             system_prompt=self.config.system_prompt)
+
+    def score_rewards(self, examples: Sequence[Example], texts, ids) -> RewardScores:
+        return self.rewards.score(reward_batch(examples, texts, ids))
 
     def rollout(self, step: int) -> Rollout:
         from detinfer.engine import SamplingParams
@@ -139,77 +186,180 @@ class GRPOTrainer:
         c = self.config
         examples = examples_for_step(self.task, c.seed, step, c.prompts_per_step)
         prompts = [self.encode(ex) for ex in examples]
-        params = [SamplingParams(n=c.n_samples, temperature=1.0, max_tokens=c.max_tokens, logprobs=0,
-                                 seed=request_seed(c.seed, step, i)) for i in range(len(prompts))]
+        params = [SamplingParams(n=c.n_samples, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
+                                 max_tokens=c.max_tokens, logprobs=0, seed=request_seed(c.seed, step, i))
+                  for i in range(len(prompts))]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
-        r = Rollout(examples, [], [], [], [], [])
+        r = Rollout([], [], [], [], [], [])
         for ex, prompt, out in zip(examples, prompts, outs):
             for sample in out.outputs:
+                r.examples.append(ex)
                 r.prompt_ids.append(prompt)
                 r.completion_ids.append(list(sample.token_ids))
                 r.texts.append(sample.text)
                 r.sampler_logprobs.append([e.logprob for e in sample.logprobs])
-                r.rewards.append(check_reward(self.task.reward(ex, sample.text, tuple(sample.token_ids)),
-                                              self.task))
+                r.truncated.append(sample.finish_reason == "length")
+        r.scores = self.score_rewards(r.examples, r.texts, r.completion_ids)
+        r.rewards = [total + overlong_punishment(len(ids), c.max_tokens, c.overlong_buffer, c.overlong_penalty)
+                     for total, ids in zip(r.scores.total, r.completion_ids)]
         return r
 
+    # -- the update ----------------------------------------------------------------------------------
     def update(self, r: Rollout) -> dict:
-        """Policy-gradient step on one rollout; returns the loss and mismatch statistics."""
+        """`ppo_epochs` passes over the rollout in mini-batches (one optimizer update each); returns the
+        loss, clipping and mismatch statistics."""
         c = self.config
+        n = len(r.completion_ids)
         advantages = group_advantages(r.rewards, c.n_samples, c.scale_rewards)
-        total_tokens = sum(len(x) for x in r.completion_ids)
-        trainer_lps, sampler_lps, clipped, loss_sum = [], [], 0, 0.0
-        for start in range(0, len(r.completion_ids), c.train_batch_seqs):
-            batch = range(start, min(start + c.train_batch_seqs, len(r.completion_ids)))
-            lp, s_lp, n_clipped, loss = self._micro_batch(r, batch, advantages, total_tokens)
-            trainer_lps.append(lp)
-            sampler_lps.append(s_lp)
-            clipped += n_clipped
-            loss_sum += loss
-        params = list(self.trainer.parameters())
+        keep = [not (c.mask_truncated and t) for t in r.truncated]
+        size = n if c.mini_batch_seqs is None else c.mini_batch_seqs
+        updates = c.ppo_epochs * -(-n // size)
+        first = list(range(min(size, n)))
+        # pi_old per sequence: the sampler's logprobs, unless they cannot be (see the module doc)
+        old = None
+        if updates > 1 and (c.temperature != 1.0 or self.arm != "deterministic"):
+            old = self._score_no_grad(r, range(n), c.temperature)
+        # the trainer's pre-update logprobs for the mismatch statistics: the recompute pass if it ran, else
+        # the first mini-batch's pass fills them in; at temperature != 1 an untempered pass (the engine's kind)
+        before = old if c.temperature == 1.0 else self._score_no_grad(r, first, 1.0)
+        totals = {"loss": 0.0, "grad_norm": 0.0, "clip_tokens": 0, "tis_clipped": 0, "tokens": 0}
+        done = self.step_index * c.updates_per_step
+        lr = c.lr
+        for epoch in range(c.ppo_epochs):
+            order = list(range(n))
+            if epoch:
+                random.Random(f"detinfer-rl/minibatch/{c.seed}/{self.step_index}/{epoch}").shuffle(order)
+            for start in range(0, n, size):
+                seqs = order[start:start + size]
+                capture = before is None and epoch == 0 and start == 0
+                lr = lr_at(done, c.steps * c.updates_per_step, c)
+                first_lps = self._update_once(r, seqs, advantages, keep, old, lr, totals, capture)
+                if capture:
+                    before = first_lps
+                done += 1
+        scored = sorted(before)
+        trainer_lp = torch.cat([before[j] for j in scored]) if scored else torch.zeros(0)
+        sampler_lp = torch.tensor([x for j in scored for x in r.sampler_logprobs[j]], dtype=torch.float32)
+        mismatch = mismatch_stats(trainer_lp.cpu(), sampler_lp)
+        tokens = max(1, totals["tokens"])
+        return {"loss": totals["loss"] / updates,
+                "grad_norm": None if c.max_grad_norm is None else totals["grad_norm"] / updates,
+                "lr": lr, "updates": updates, "clip_frac": totals["clip_tokens"] / tokens,
+                **{f"mismatch_{k}": v for k, v in mismatch.items()},
+                "tis_clipped_frac": totals["tis_clipped"] / tokens if self.arm == "fast-tis" else None}
+
+    def _update_once(self, r: Rollout, seqs: list[int], advantages, keep, old, lr: float, totals: dict,
+                     capture: bool):
+        """One optimizer update on sequences `seqs`; with `capture`, returns their trainer logprobs (before
+        the update) per sequence."""
+        c = self.config
+        norms = token_norms([len(r.completion_ids[j]) for j in seqs], [keep[j] for j in seqs], c.loss_norm,
+                            c.max_tokens)
+        captured, offset = {}, 0
+        for mstart in range(0, len(seqs), c.train_batch_seqs):
+            micro = seqs[mstart:mstart + c.train_batch_seqs]
+            count = sum(len(r.completion_ids[j]) for j in micro)
+            lps = self._micro_batch(r, micro, advantages, old, norms[offset:offset + count], totals)
+            offset += count
+            if capture:
+                captured.update(lps)
         grad_norm = None
+        params = list(self.trainer.parameters())
         if c.max_grad_norm is not None:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, c.max_grad_norm))
+            totals["grad_norm"] += grad_norm
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.step()
         self.trainer.zero_grad()
         self.trainer.push_weights()  # in-place copy into the engine's tensors + prefix cache dropped
-        mismatch = mismatch_stats(torch.cat(trainer_lps), torch.cat(sampler_lps))
-        return {"loss": loss_sum, "grad_norm": grad_norm, **{f"mismatch_{k}": v for k, v in mismatch.items()},
-                "tis_clipped_frac": clipped / max(1, total_tokens) if self.arm == "fast-tis" else None}
+        return captured
 
-    def _micro_batch(self, r: Rollout, batch: Sequence[int], advantages: list[float], total_tokens: int):
-        ids, cu, positions, adv, s_lp = [], [0], [], [], []
+    def _pack(self, r: Rollout, batch: Sequence[int]):
+        ids, cu, positions = [], [0], []
         for j in batch:
-            seq = r.prompt_ids[j] + r.completion_ids[j]
             p, n = len(r.prompt_ids[j]), len(r.completion_ids[j])
             # score()'s entry i is log p(token i+1 | ..i): completion token k sits at entry p - 1 + k
             positions += range(cu[-1] + p - 1, cu[-1] + p - 1 + n)
-            ids += seq
-            cu.append(cu[-1] + len(seq))
-            adv += [advantages[j]] * n
-            s_lp += r.sampler_logprobs[j]
+            ids += r.prompt_ids[j] + r.completion_ids[j]
+            cu.append(cu[-1] + p + n)
         dev = self.device
-        token_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        index = torch.tensor(positions, dtype=torch.int64, device=dev)
-        sampler_lp = torch.tensor(s_lp, dtype=torch.float32, device=dev)
-        adv_t = torch.tensor(adv, dtype=torch.float32, device=dev)
-        lp = self.trainer.score(token_ids, cu)[index]
-        coef, n_clipped = adv_t, 0
+        return (torch.tensor(ids, dtype=torch.int64, device=dev), cu,
+                torch.tensor(positions, dtype=torch.int64, device=dev))
+
+    def _split(self, r: Rollout, batch: Sequence[int], flat: torch.Tensor) -> dict[int, torch.Tensor]:
+        out, at = {}, 0
+        for j in batch:
+            n = len(r.completion_ids[j])
+            out[j] = flat[at:at + n]
+            at += n
+        return out
+
+    @torch.no_grad()
+    def _score_no_grad(self, r: Rollout, seqs, temperature: float) -> dict[int, torch.Tensor]:
+        """Trainer logprobs of sequences `seqs`' completion tokens under the current weights, no autograd."""
+        out, seqs = {}, list(seqs)
+        for start in range(0, len(seqs), self.config.train_batch_seqs):
+            micro = seqs[start:start + self.config.train_batch_seqs]
+            token_ids, cu, index = self._pack(r, micro)
+            out.update(self._split(r, micro, self.trainer.score(token_ids, cu, temperature=temperature)[index]))
+        return out
+
+    def _micro_batch(self, r: Rollout, batch: Sequence[int], advantages, old, norms, totals: dict):
+        c = self.config
+        dev = self.device
+        token_ids, cu, index = self._pack(r, batch)
+        lp = self.trainer.score(token_ids, cu, temperature=c.temperature)[index]
+        sampler_lp = torch.tensor([x for j in batch for x in r.sampler_logprobs[j]], dtype=torch.float32, device=dev)
+        adv = torch.tensor([advantages[j] for j in batch for _ in r.completion_ids[j]], dtype=torch.float32,
+                           device=dev)
+        norm = torch.tensor(norms, dtype=torch.float32, device=dev)
+        if old is not None:
+            old_lp = torch.cat([old[j] for j in batch]).to(dev)
+        elif self.arm != "deterministic" or c.temperature != 1.0:
+            old_lp = lp.detach()  # one update per rollout: this pass is the pre-update policy
+        else:
+            old_lp = sampler_lp  # deterministic: the trainer's bits under the rollout's weights
+        eps_high = c.clip_eps if c.clip_eps_high is None else c.clip_eps_high
+        objective, clip_active = clipped_objective(lp, old_lp, adv, c.clip_eps, eps_high)
         if self.arm == "fast-tis":
-            # Truncated importance weight of the trainer's policy over the sampler's, per token, detached.
-            ratio = torch.exp(lp.detach() - sampler_lp)
-            n_clipped = int((ratio > self.config.tis_cap).sum())
-            coef = coef * ratio.clamp(max=self.config.tis_cap)
-        objective = coef * lp
+            # Truncated importance weight of the trainer's pre-update policy over the sampler's, detached.
+            ratio = torch.exp(old_lp - sampler_lp)
+            totals["tis_clipped"] += int((ratio > c.tis_cap).sum())
+            objective = objective * ratio.clamp(max=c.tis_cap)
         if self.reference is not None:
             with torch.no_grad():
-                ref_lp = self.reference.score(token_ids, cu)[index]
-            d = ref_lp - lp
-            objective = objective - self.config.kl_coef * (torch.exp(d) - d - 1)  # k3 estimate of KL(pi||ref)
-        # Token-level mean over the whole step (every micro-batch divides by the same count).
-        loss = -objective.sum() / total_tokens
+                ref_lp = self.reference.score(token_ids, cu, temperature=c.temperature)[index]
+            objective = objective - c.kl_coef * k3_kl(lp, ref_lp)
+        loss = -(objective * norm).sum()
         loss.backward()
-        return lp.detach(), sampler_lp, n_clipped, float(loss.detach())
+        totals["loss"] += float(loss.detach())
+        totals["clip_tokens"] += int(clip_active.sum())
+        totals["tokens"] += int(lp.numel())
+        return self._split(r, batch, lp.detach())
+
+    # -- evaluation ----------------------------------------------------------------------------------
+    def evaluate(self) -> dict:
+        """Greedy completions of the eval set, scored by the run's reward functions: eval_reward_mean,
+        eval_accuracy (share of examples with full marks: total reward >= the sum of the positive
+        weights), each function's mean and failures."""
+        from detinfer.engine import SamplingParams
+
+        if not self.eval_examples:
+            raise ValueError("no eval set: set eval_size > 0 or an eval_dataset")
+        c = self.config
+        prompts = [self.encode(ex) for ex in self.eval_examples]
+        outs = self.llm.generate(prompts, SamplingParams(n=1, temperature=0.0, max_tokens=c.max_tokens),
+                                 use_tqdm=False)
+        texts = [o.outputs[0].text for o in outs]
+        ids = [list(o.outputs[0].token_ids) for o in outs]
+        scores = self.score_rewards(self.eval_examples, texts, ids)
+        full = math.fsum(w for _, w, _ in self.rewards.specs if w > 0)
+        return {"eval_examples": len(texts), "eval_reward_mean": _mean(scores.total),
+                "eval_accuracy": _mean(float(t >= full - 1e-9) for t in scores.total),
+                "eval_response_len_mean": _mean(len(x) for x in ids),
+                **{f"eval_reward/{k}": _mean(x for x in v if not math.isnan(x)) for k, v in scores.per_func.items()},
+                "eval_reward_failures": scores.failed_samples}
 
     # -- state ---------------------------------------------------------------------------------------
     def named_parameters(self):

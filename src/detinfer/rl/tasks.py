@@ -9,8 +9,12 @@ and `reward(example, text, token_ids) -> float` scores one completion. Bring you
         return Example(prompt=f"Say the number {a}.", answer=str(a))
     task = Task("say-number", make, lambda ex, text, ids: float(ex.answer in text))
 
+A task may instead hold a fixed list of examples (`Task(..., make_example=None, examples=...)`, what
+`detinfer.rl.data.dataset_task` builds from a JSONL / Parquet / Hugging Face dataset).
+
 `Example.prompt` is a string (sent through the model's chat template when it has one and the task asks
-for it, else encoded as is) or a list of token ids (sent as is). Every built-in task needs no download.
+for it, else encoded as is), a tuple of chat messages (through the chat template), or a tuple of token
+ids (sent as is). Every built-in task needs no download.
 
 Built-in tasks (`TASKS`):
   addition          "What is 47 + 18?"; reward 1 when the last integer in the reply is the sum
@@ -19,6 +23,8 @@ Built-in tasks (`TASKS`):
                     (format credit: a denser signal for small models)
   reverse           reverse a list of 3-5 letters; reward = fraction of positions right
   sort              sort 3-5 numbers ascending; reward = fraction of positions right
+  math              generated GSM8K-style word problems (rl/math_task.py); reward 1 when the answer
+                    extracted from the completion (\\boxed{}, ####, else the last number) is right
   emit-token        for tiny test models: raw-text prompt, reward = fraction of completion tokens
                     equal to one target token (learnable in a few steps, e.g. by stories260k)
 """
@@ -31,6 +37,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from detinfer.rl.math_task import answers_match, make_word_problem
+
 RewardFn = Callable[["Example", str, Sequence[int]], float]
 
 
@@ -38,7 +46,7 @@ RewardFn = Callable[["Example", str, Sequence[int]], float]
 class Example:
     """One problem: the prompt (text or token ids), what a checker needs (answer, anything in meta)."""
 
-    prompt: str | tuple[int, ...]
+    prompt: str | tuple[int, ...] | tuple[dict, ...]
     answer: Any = None
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -49,10 +57,20 @@ class Task:
     float. chat: wrap text prompts in the model's chat template (as a user message) when it has one."""
 
     name: str
-    make_example: Callable[[random.Random], Example]
+    make_example: Callable[[random.Random], Example] | None
     reward: RewardFn
     chat: bool = True
     description: str = ""
+    # A fixed set of examples (a dataset) instead of a generator: each epoch visits all of them once, in
+    # a seeded order when `shuffle` (see examples_for_step).
+    examples: tuple[Example, ...] | None = None
+    shuffle: bool = True
+
+    def __post_init__(self):
+        if (self.make_example is None) == (self.examples is None):
+            raise ValueError(f"task {self.name!r} needs exactly one of make_example (a generator) or examples")
+        if self.examples is not None and not self.examples:
+            raise ValueError(f"task {self.name!r}: the dataset has no examples")
 
 
 _INT = re.compile(r"-?\d+")
@@ -121,6 +139,10 @@ def _emit_reward(ex: Example, text: str, ids: Sequence[int]) -> float:
     return min(1.0, hits / len(ids))
 
 
+def _math_task_reward(ex: Example, text: str, ids: Sequence[int]) -> float:
+    return float(answers_match(text, ex.answer))
+
+
 TASKS: dict[str, Task] = {
     "addition": Task("addition", _make_addition, _addition_reward,
                      description="a + b (two-digit + one/two-digit); reward 1 for the exact sum"),
@@ -130,6 +152,8 @@ TASKS: dict[str, Task] = {
                     description="reverse 3-5 letters; reward = fraction of positions right"),
     "sort": Task("sort", _make_sort, _positional_reward,
                  description="sort 3-5 numbers; reward = fraction of positions right"),
+    "math": Task("math", make_word_problem, _math_task_reward,
+                 description="generated GSM8K-style word problems; reward 1 when the extracted number is right"),
     "emit-token": Task("emit-token", _make_emit, _emit_reward, chat=False,
                        description="tiny models: reward = share of completion tokens that are the word 'the'"),
 }
@@ -144,14 +168,42 @@ def get_task(task: str | Task) -> Task:
 
 
 def examples_for_step(task: Task, seed: int, step: int, count: int) -> list[Example]:
-    """The prompts of one step: a pure function of (seed, step), so a resumed run draws the same ones."""
-    rng = random.Random(f"detinfer-rl/prompts/{seed}/{step}")
-    return [task.make_example(rng) for _ in range(count)]
+    """The prompts of one step: a pure function of (seed, step), so a resumed run draws the same ones.
+
+    A dataset task reads its examples in epochs: step t takes items t * count .. t * count + count - 1
+    of the endless sequence epoch 0, epoch 1, ..., each epoch a permutation of the dataset seeded by
+    (seed, epoch) (the file order without shuffle)."""
+    if task.examples is None:
+        rng = random.Random(f"detinfer-rl/prompts/{seed}/{step}")
+        return [task.make_example(rng) for _ in range(count)]
+    return [task.examples[i] for i in dataset_indices(len(task.examples), seed, step, count, task.shuffle)]
 
 
-def check_reward(value: Any, task: Task) -> float:
-    if isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, (int, float)) or value != value or value in (float("inf"), float("-inf")):
-        raise ValueError(f"task {task.name!r}: reward must be a finite number, got {value!r}")
-    return float(value)
+def epoch_order(size: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    order = list(range(size))
+    if shuffle:
+        random.Random(f"detinfer-rl/epoch/{seed}/{epoch}").shuffle(order)
+    return order
+
+
+def dataset_indices(size: int, seed: int, step: int, count: int, shuffle: bool = True) -> list[int]:
+    """Dataset indices of one step's prompts (see examples_for_step)."""
+    out, orders = [], {}
+    for k in range(step * count, step * count + count):
+        epoch = k // size
+        if epoch not in orders:
+            orders[epoch] = epoch_order(size, seed, epoch, shuffle)
+        out.append(orders[epoch][k % size])
+    return out
+
+
+def epoch_of_step(task: Task, step: int, count: int) -> float | None:
+    """Epochs of the dataset done after `step` steps (None for a generator task)."""
+    return None if task.examples is None else step * count / len(task.examples)
+
+
+def generated_eval_examples(task: Task, seed: int, size: int) -> list[Example]:
+    """`size` eval problems of a generator task, from their own seeded stream (they may repeat a training
+    problem by chance; a dataset holds its eval examples out instead)."""
+    rng = random.Random(f"detinfer-rl/eval/{seed}")
+    return [task.make_example(rng) for _ in range(size)]

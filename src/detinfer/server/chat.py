@@ -13,6 +13,7 @@ from detinfer.server.generation import ChoiceTracker, Generation
 from detinfer.server.handling import (
     check_model,
     count_finishes,
+    ignored_fields_headers,
     json_response,
     run_to_end,
     start_generation,
@@ -32,26 +33,30 @@ async def chat_completions(request: Request):
     check_model(state, req.model)
     logprobs = chat_logprobs_count(req, state.limits)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = sampling_params(req, state.limits, max_tokens=max_tokens, logprobs=logprobs)
+    params = sampling_params(req, state.limits, max_tokens=max_tokens, logprobs=logprobs,
+                             vocab_size=state.model.vocab_size)
+    headers = ignored_fields_headers(req)
     ids = await state.prompts.chat(req.template_messages(), req.add_generation_prompt)
     state.prompts.check_length(ids, max_tokens, "messages")
     gen = await start_generation(state, [ids], params, "chatcmpl")  # from here on, every exit must abort it
     created = int(time.time())
 
     if req.stream:
-        return _stream(state, req, gen, created, logprobs)
+        return _stream(state, req, gen, created, logprobs, headers)
     (out,) = await run_to_end(gen, request)
     fmt = state.formatter
     choices = [P.ChatChoice(index=o.index, message=P.AssistantMessage(content=o.text),
                             logprobs=fmt.chat_logprobs(o.logprobs) if logprobs is not None else None,
                             finish_reason=o.finish_reason) for o in out.outputs]
     count_finishes(state, [c.finish_reason for c in choices])
+    prompt_lp = fmt.prompt_logprobs(out.prompt_logprobs or ()) if req.prompt_logprobs is not None else None
     return json_response(P.ChatCompletionResponse(id=gen.request_id, created=created, model=state.model.name,
                                                   system_fingerprint=state.model.fingerprint, choices=choices,
-                                                  usage=usage(gen)))
+                                                  usage=usage(gen), prompt_logprobs=prompt_lp), headers)
 
 
-def _stream(state, req: P.ChatCompletionRequest, gen: Generation, created: int, logprobs: int | None):
+def _stream(state, req: P.ChatCompletionRequest, gen: Generation, created: int, logprobs: int | None,
+            headers: dict[str, str]):
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     started: set[int] = set()
 
@@ -62,8 +67,12 @@ def _stream(state, req: P.ChatCompletionRequest, gen: Generation, created: int, 
     def emit(tracker: ChoiceTracker, i: int, out: Any):
         for c, text, entries, finish in tracker.deltas(i, out):
             if c not in started:  # OpenAI opens each choice with the role
+                first = not started
                 started.add(c)
-                yield chunk([P.ChatChunkChoice(index=c, delta=P.DeltaMessage(role="assistant", content=""))])
+                opening = chunk([P.ChatChunkChoice(index=c, delta=P.DeltaMessage(role="assistant", content=""))])
+                if first and req.prompt_logprobs is not None:  # once per response, with the first chunk
+                    opening.prompt_logprobs = state.formatter.prompt_logprobs(out.prompt_logprobs or ())
+                yield opening
             lp = state.formatter.chat_logprobs(entries) if entries and logprobs is not None else None
             if text or lp:
                 yield chunk([P.ChatChunkChoice(index=c, delta=P.DeltaMessage(content=text), logprobs=lp)])
@@ -81,4 +90,4 @@ def _stream(state, req: P.ChatCompletionRequest, gen: Generation, created: int, 
         for c in open_:
             yield chunk([P.ChatChunkChoice(index=c, delta=P.DeltaMessage(), finish_reason="abort")])
 
-    return stream_response(gen, emit, final)
+    return stream_response(gen, emit, final, headers)

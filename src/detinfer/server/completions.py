@@ -15,6 +15,7 @@ from detinfer.server.generation import ChoiceTracker, Generation
 from detinfer.server.handling import (
     check_model,
     count_finishes,
+    ignored_fields_headers,
     json_response,
     run_to_end,
     start_generation,
@@ -61,7 +62,10 @@ class _Choices:
                 head = [e if e is not None else t for e, t in zip(out.prompt_logprobs or (), self.prompts[i])]
                 prompt_offsets = TextOffsets(self.state.model.tokenizer, skip_special_tokens=False)
                 lp = _concat(fmt.completion_logprobs(head, prompt_offsets), lp)
-        return P.CompletionChoice(index=c, text=text, logprobs=lp, finish_reason=finish)
+        prompt_lp = None
+        if first and self.req.prompt_logprobs is not None:
+            prompt_lp = self.state.formatter.prompt_logprobs(out.prompt_logprobs or ())
+        return P.CompletionChoice(index=c, text=text, logprobs=lp, finish_reason=finish, prompt_logprobs=prompt_lp)
 
 
 def _concat(a: P.CompletionLogprobs, b: P.CompletionLogprobs) -> P.CompletionLogprobs:
@@ -81,7 +85,9 @@ async def completions(request: Request):
     logprobs = completion_logprobs_count(req, state.limits)
     echo = bool(req.echo)
     params = sampling_params(req, state.limits, max_tokens=req.max_tokens, logprobs=logprobs,
-                             prompt_logprobs=logprobs if echo and logprobs is not None else None)
+                             prompt_logprobs=logprobs if echo and logprobs is not None else None,
+                             vocab_size=state.model.vocab_size)
+    headers = ignored_fields_headers(req)
     prompts = await prepare_prompts(state, req)
     prompt_text = [await state.prompts.decode(p) if echo else "" for p in prompts]
     gen = await start_generation(state, prompts, params, "cmpl")  # from here on, every exit must abort it
@@ -93,15 +99,15 @@ async def completions(request: Request):
                                     system_fingerprint=state.model.fingerprint, choices=items, usage=usage_)
 
     if req.stream:
-        return _stream(state, req, gen, choices, resp)
+        return _stream(state, req, gen, choices, resp, headers)
     latest = await run_to_end(gen, request)
     items = [choices.choice(out, i, o, prompt_text[i] + o.text, o.logprobs, o.finish_reason)
              for i, out in enumerate(latest) for o in out.outputs]
     count_finishes(state, [c.finish_reason for c in items])
-    return json_response(resp(items, usage(gen)))
+    return json_response(resp(items, usage(gen)), headers)
 
 
-def _stream(state, req: P.CompletionRequest, gen: Generation, choices: _Choices, resp):
+def _stream(state, req: P.CompletionRequest, gen: Generation, choices: _Choices, resp, headers):
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     n = choices.n
 
@@ -121,4 +127,4 @@ def _stream(state, req: P.CompletionRequest, gen: Generation, choices: _Choices,
         for c in open_:
             yield resp([P.CompletionChoice(index=c, text="", finish_reason="abort")])
 
-    return stream_response(gen, emit, final)
+    return stream_response(gen, emit, final, headers)

@@ -3,6 +3,7 @@ the engine front end's exceptions to HTTP answers."""
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,22 @@ from detinfer.server.async_engine import (
 from detinfer.server.context import ServerState
 from detinfer.server.generation import ChoiceTracker, Generation
 from detinfer.server.request_io import AbortingStream, sse
+
+log = logging.getLogger("detinfer.server")
+IGNORED_FIELDS_HEADER = "X-Detinfer-Ignored-Fields"
+_MAX_HEADER_CHARS = 1024
+
+
+def ignored_fields_headers(req: Any) -> dict[str, str]:
+    """Unknown top-level request fields are accepted (vLLM's behaviour) but reported: a warning in the log
+    and the `X-Detinfer-Ignored-Fields` response header listing them (ASCII-escaped, bounded)."""
+    fields = req.ignored_fields()
+    if not fields:
+        return {}
+    names = ", ".join(f.encode("ascii", "backslashreplace").decode() for f in fields)
+    names = "".join(c if c.isprintable() else "?" for c in names)[:_MAX_HEADER_CHARS]
+    log.warning("request fields not supported by this server were ignored: %s", names)
+    return {IGNORED_FIELDS_HEADER: names}
 
 
 def state_of(request: Request) -> ServerState:
@@ -82,7 +99,8 @@ def count_finishes(state: ServerState, reasons: list[str | None]) -> None:
         state.engine.metrics.finished.inc(finish_reason=reason or "abort")
 
 
-def stream_response(gen: Generation, emit: Callable, final: Callable) -> AbortingStream:
+def stream_response(gen: Generation, emit: Callable, final: Callable,
+                    headers: dict[str, str] | None = None) -> AbortingStream:
     """SSE: `emit(tracker, prompt index, output)` yields chunks as outputs come; `final(tracker)` closes
     every open choice with "abort" if the server shuts down; ends with [DONE] in every case."""
 
@@ -102,10 +120,10 @@ def stream_response(gen: Generation, emit: Callable, final: Callable) -> Abortin
         yield b"data: [DONE]\n\n"
 
     return AbortingStream(body(), on_close=gen.abort, media_type="text/event-stream",
-                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
 
 
-def json_response(model: Any):
+def json_response(model: Any, headers: dict[str, str] | None = None):
     from fastapi.responses import Response
 
-    return Response(model.model_dump_json(), media_type="application/json")
+    return Response(model.model_dump_json(), media_type="application/json", headers=headers)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from detinfer.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from detinfer.server.protocol import ChatLogprobs, CompletionLogprobs, PromptLogprob, TokenLogprob, TopLogprob
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; a -inf logprob is reported as this (as vLLM does)
 
@@ -112,3 +112,19 @@ class TokenFormatter:
             content.append(TokenLogprob(token=text, logprob=clamp_logprob(e.logprob), bytes=list(raw),
                                         top_logprobs=top))
         return ChatLogprobs(content=content)
+
+    def prompt_logprobs(self, entries: Any) -> list[dict[str, PromptLogprob] | None]:
+        """vLLM's `prompt_logprobs`: per prompt token None (the first: no context) or {token id: logprob,
+        rank, decoded_token} with the prompt's own token first, then the top-k alternatives by rank."""
+        out: list[dict[str, PromptLogprob] | None] = []
+        for e in entries:
+            if e is None:
+                out.append(None)
+                continue
+            row = {str(e.token_id): PromptLogprob(logprob=clamp_logprob(e.logprob), rank=e.rank,
+                                                  decoded_token=self.token(e.token_id)[0])}
+            for rank, (t, lp) in enumerate(e.top_logprobs.items(), start=1):
+                row.setdefault(str(t), PromptLogprob(logprob=clamp_logprob(lp), rank=rank,
+                                                     decoded_token=self.token(t)[0]))
+            out.append(row)
+        return out

@@ -1,10 +1,13 @@
 """OpenAI-shaped request/response models and errors.
 
-Requests are validated strictly: a string where a number belongs, an unknown field, a value out of range is
-a 400 whose body names the field (`param`), instead of being coerced or ignored. Silently ignoring a field
-that changes the output (`logit_bias`, `tools`, `suffix`) would hand a client numbers it did not ask for,
-which is exactly what a deterministic server must not do, so those are refused unless they are no-ops.
+Requests are validated strictly: a string where a number belongs, a value out of range is a 400 whose body
+names the field (`param`), instead of being coerced. OpenAI fields this server cannot honour and that would
+change the output (`suffix`, `tools`, `functions`, `audio`, `prediction`, ...) are refused with a 400 naming
+the field unless they are no-ops: silently ignoring them would hand a client numbers it did not ask for.
 Fields that never change the numbers (`user`, `metadata`, `store`, ...) are accepted and ignored.
+Unknown top-level fields (another server's extensions) are accepted and ignored as vLLM does, but never
+silently: the server logs a warning and names them in the `X-Detinfer-Ignored-Fields` response header
+(`ignored_fields`). Inside nested objects (messages, stream_options) unknown fields are still a 400.
 
 Sampling fields accept `null` as "use the default": several clients send explicit nulls.
 """
@@ -123,8 +126,18 @@ class StructuredOutputsField(_Strict):
     grammar: str | None = None
 
 
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's bound on a logit_bias value
+MAX_BAD_WORDS = 64
+MAX_TOKEN_ID_LIST = 1 << 16  # allowed_token_ids: a bound on the list a request may carry
+
+
 class _SamplingRequest(_Strict):
-    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, plus vLLM's extras)."""
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, plus vLLM's extras).
+
+    Top-level fields it does not know are kept (`model_extra`) and reported, not refused (see the module
+    docstring)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
 
     model: str
     n: int | None = Field(None, ge=1, le=INT64_MAX)
@@ -141,7 +154,14 @@ class _SamplingRequest(_Strict):
     ignore_eos: bool = False
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias in [-100, 100]
+    # vLLM's extras
+    min_tokens: int | None = Field(None, ge=0, le=INT64_MAX)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=MAX_TOKEN_ID_LIST)
+    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=INT64_MAX)
     # Structured output (at most one; see server/structured.py): OpenAI's, vLLM's older guided_* and newer
     # structured_outputs.
     response_format: ResponseFormat | None = None
@@ -155,6 +175,8 @@ class _SamplingRequest(_Strict):
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -175,10 +197,31 @@ class _SamplingRequest(_Strict):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported")
+    def _check_logit_bias(cls, v):
+        for key, bias in (v or {}).items():
+            if not (key.isascii() and key.isdigit()) or int(key) > INT64_MAX:
+                raise ValueError(f"keys must be token ids written as decimal strings (e.g. \"50256\"), got {key!r}")
+            if not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
         return v
+
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _check_allowed_ids(cls, v):
+        if v is not None and any(not 0 <= t <= INT64_MAX for t in v):
+            raise ValueError("allowed_token_ids must be token ids (non-negative)")
+        return v
+
+    @field_validator("bad_words")
+    @classmethod
+    def _check_bad_words(cls, v):
+        if v is not None and any(not w.strip() for w in v):
+            raise ValueError("bad_words must be non-blank strings")
+        return v
+
+    def ignored_fields(self) -> list[str]:
+        """The unknown top-level fields of this request (accepted, not used), sorted."""
+        return sorted(self.model_extra or {})
 
 
 class CompletionRequest(_SamplingRequest):
@@ -262,12 +305,19 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Literal["none"] | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+    # OpenAI fields this server cannot honour: refused when they would do something (see _unsupported).
+    functions: list[Any] | None = None
+    function_call: Literal["none"] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[Literal["text"]] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
 
-    @field_validator("tools")
+    @field_validator("tools", "functions", "audio", "prediction", "web_search_options")
     @classmethod
-    def _no_tools(cls, v):
+    def _unsupported(cls, v, info):
         if v:
-            raise ValueError("tools are not supported")
+            raise ValueError(f"{info.field_name} is not supported by this server")
         return v
 
     def template_messages(self) -> list[dict[str, str]]:
@@ -292,11 +342,25 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's shape for one token of `prompt_logprobs`."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# One entry per prompt token: None for the first (no context), else {token id: PromptLogprob} holding the
+# prompt's own token and the top-k alternatives (vLLM's `prompt_logprobs`).
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -343,6 +407,7 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -370,6 +435,7 @@ class ChatCompletionChunk(BaseModel):
     system_fingerprint: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ModelCard(BaseModel):

@@ -33,9 +33,31 @@ def _default(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
+def _check_vocab(req: Any, vocab_size: int | None) -> None:
+    """Token ids in logit_bias and allowed_token_ids must be the model's (a 400 naming the field)."""
+    if vocab_size is None:
+        return
+    for param, ids in (("logit_bias", [int(k) for k in req.logit_bias or {}]),
+                       ("allowed_token_ids", req.allowed_token_ids or [])):
+        bad = next((t for t in ids if t >= vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"{param}: token id {bad} is outside the vocabulary [0, {vocab_size})", param=param)
+
+
 def sampling_params(req: Any, limits: RequestLimits, *, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
-    """`req`: a parsed CompletionRequest or ChatCompletionRequest. Raises APIError(400) naming the field."""
+                    prompt_logprobs: int | None = None, vocab_size: int | None = None) -> SamplingParams:
+    """`req`: a parsed CompletionRequest or ChatCompletionRequest. Raises APIError(400) naming the field.
+    prompt_logprobs: what the route needs (completions' echo with logprobs); the request's own
+    `prompt_logprobs` (vLLM's extra) must agree with it when both are given. vocab_size: checks the token
+    ids the request names."""
+    if req.prompt_logprobs is not None:
+        check_limit(req.prompt_logprobs, limits.max_logprobs, "prompt_logprobs")
+        if prompt_logprobs is not None and prompt_logprobs != req.prompt_logprobs:
+            raise bad_request(f"prompt_logprobs ({req.prompt_logprobs}) must equal logprobs ({prompt_logprobs}) "
+                              "when echo is set with logprobs (both fill the echoed prompt's logprobs)",
+                              param="prompt_logprobs")
+        prompt_logprobs = req.prompt_logprobs
+    _check_vocab(req, vocab_size)
     n = req.n or 1
     check_limit(n, limits.max_n, "n")
     temperature = _default(req.temperature, 1.0)
@@ -47,6 +69,10 @@ def sampling_params(req: Any, limits: RequestLimits, *, max_tokens: int | None, 
                   repetition_penalty=_default(req.repetition_penalty, 1.0), seed=req.seed, stop=tuple(stop),
                   stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
                   max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                  min_tokens=req.min_tokens or 0, skip_special_tokens=req.skip_special_tokens,
+                  include_stop_str_in_output=req.include_stop_str_in_output,
+                  logit_bias={int(k): b for k, b in req.logit_bias.items()} if req.logit_bias else None,
+                  allowed_token_ids=req.allowed_token_ids, bad_words=tuple(req.bad_words or ()),
                   structured_outputs=structured_outputs(req))
     try:
         return SamplingParams(**fields)

@@ -186,14 +186,19 @@ class TrainableModel:
 
     # -- scoring -------------------------------------------------------------------------------------
     def score(self, token_ids: torch.Tensor, cu_seqlens=None, targets: torch.Tensor | None = None, *,
-              lengths=None) -> torch.Tensor:
+              lengths=None, temperature: float = 1.0) -> torch.Tensor:
         """Logprobs of the next tokens, with autograd.
 
         Packed: token_ids [N] with cu_seqlens [S+1] (list or tensor; default one sequence) -> [N] fp32,
         entry i = log p(targets[i] | the tokens of its sequence up to i). targets default to each
         sequence's next token; a sequence's last position has no next token and gets 0.0 (no gradient).
         Padded: token_ids [B, T] (right padding) with lengths [B] -> [B, T], padding positions 0.0.
+        temperature: score under softmax(logits / temperature) (the distribution a sampler at that
+        temperature draws from, before any top-k/top-p truncation).
         """
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0 \
+                or temperature == float("inf"):
+            raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
         if not isinstance(token_ids, torch.Tensor) or token_ids.dtype not in (torch.int32, torch.int64):
             raise TypeError("token_ids must be an int32/int64 tensor")
         if token_ids.dim() == 2:
@@ -202,7 +207,7 @@ class TrainableModel:
             b, t = token_ids.shape
             ids, cu = pack_padded(token_ids, lengths)
             tg = None if targets is None else pack_padded(targets, lengths)[0]
-            lp = self.score(ids, cu, tg)
+            lp = self.score(ids, cu, tg, temperature=temperature)
             out = lp.new_zeros((b, t))
             for i in range(b):
                 out[i, : cu[i + 1] - cu[i]] = lp[cu[i]:cu[i + 1]]
@@ -213,7 +218,7 @@ class TrainableModel:
             raise ValueError("lengths= is for a padded [B, T] batch; packed input takes cu_seqlens")
         n = token_ids.shape[0]
         cu = _cu_list([0, n] if cu_seqlens is None else cu_seqlens, n)
-        return self._score_packed(token_ids, cu, targets)
+        return self._score_packed(token_ids, cu, targets, float(temperature))
 
     @torch.no_grad()
     def distributions(self, token_ids: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
@@ -236,7 +241,7 @@ class TrainableModel:
             attn = SDPAAttention(cu, self.scale)
         return self.forward_runner.run(ids, positions, attn)
 
-    def _score_packed(self, token_ids: torch.Tensor, cu: list[int], targets) -> torch.Tensor:
+    def _score_packed(self, token_ids: torch.Tensor, cu: list[int], targets, temperature: float = 1.0) -> torch.Tensor:
         dev = self.model.embed_tokens.device
         vocab = self.model.config.vocab_size
         ids = token_ids.to(device=dev, dtype=torch.int64)
@@ -256,6 +261,8 @@ class TrainableModel:
             if tg.shape[0] != n or (n and (int(tg.min()) < 0 or int(tg.max()) >= vocab)):
                 raise ValueError(f"targets must hold {n} token ids in [0, {vocab})")
         _, logits = self._forward(ids, cu)
+        if temperature != 1.0:
+            logits = logits / temperature  # elementwise: batch-invariant
         if self.mode == "deterministic":
             lp = LogprobFn.apply(logits, tg, self.ops.log_softmax) if logits.requires_grad else \
                 self.ops.log_softmax(logits, dim=-1).gather(1, tg[:, None])[:, 0]

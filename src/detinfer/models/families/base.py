@@ -30,6 +30,9 @@ class ModelFamily:
     # HF checkpoint layout: ModelConfig -> {tensor name: shape}, and HF tensors -> Transformer state dict.
     hf_weight_shapes: Callable[[Any], dict[str, tuple[int, ...]]]
     state_dict_from_hf: Callable[[Any, dict], dict]
+    # ModelConfig -> {Transformer parameter name: dense_decoder.HFSource}: which HF tensors make each parameter
+    # (what the sharded loader reads slices of). None: only whole-model loading.
+    hf_sources: Callable[[Any], dict] | None = None
     gguf_arch: str | None = None  # GGUF `general.architecture`; None: no GGUF support
     # (common config.json fields read from GGUF metadata, GGUF tensor names) -> the family's own fields.
     gguf_config_fields: Callable[[Mapping[str, Any], set[str]], dict[str, Any]] | None = None

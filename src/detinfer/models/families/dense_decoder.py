@@ -7,6 +7,8 @@ llama.cpp's GGUF names for the same tensors. Which optional tensors exist (biase
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 # GGUF tensor name stems -> HF names (the ".weight" / ".bias" suffix is kept as is).
@@ -50,29 +52,50 @@ def hf_weight_shapes(config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def state_dict_from_hf(config, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Map HF-named tensors (exactly `hf_weight_shapes(config)`) to the Transformer's state dict, fusing
-    q/k/v -> qkv_proj and gate/up -> gate_up_proj along the output dim."""
-    sd = {"embed_tokens": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+@dataclass(frozen=True)
+class HFSource:
+    """How one Transformer parameter is made of HF tensors: `names` concatenated along dim 0 (q/k/v ->
+    qkv_proj, gate/up -> gate_up_proj; one name: as stored), or with `per_expert` = k > 0, experts stacked
+    along a new dim 0, expert e being the concatenation of names[e k:(e + 1) k]. Both the whole-model loader
+    and the sharded one (which reads only a rank's rows of each name) follow it."""
+
+    names: tuple[str, ...]
+    per_expert: int = 0
+
+    def build(self, hf: dict[str, torch.Tensor]) -> torch.Tensor:
+        if not self.per_expert:
+            return hf[self.names[0]] if len(self.names) == 1 else torch.cat([hf[n] for n in self.names], dim=0)
+        k = self.per_expert
+        return torch.stack([torch.cat([hf[n] for n in self.names[e:e + k]], dim=0)
+                            for e in range(0, len(self.names), k)])
+
+
+def hf_sources(config) -> dict[str, HFSource]:
+    """Transformer state-dict name -> its HF tensors (exactly `hf_weight_shapes(config)`'s names)."""
+    src = {"embed_tokens": HFSource(("model.embed_tokens.weight",)), "norm.weight": HFSource(("model.norm.weight",))}
     if not config.tie_word_embeddings:
-        sd["lm_head"] = hf["lm_head.weight"]
+        src["lm_head"] = HFSource(("lm_head.weight",))
     for i in range(config.num_hidden_layers):
         p, o = f"model.layers.{i}.", f"layers.{i}."
-        sd[o + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
-        sd[o + "post_attention_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            src[o + f"{norm}.weight"] = HFSource((p + f"{norm}.weight",))
         for kind in ("weight", "bias") if config.qkv_bias else ("weight",):
-            sd[o + f"self_attn.qkv_proj.{kind}"] = torch.cat(
-                [hf[p + f"self_attn.{n}_proj.{kind}"] for n in ("q", "k", "v")], dim=0)
+            src[o + f"self_attn.qkv_proj.{kind}"] = HFSource(tuple(p + f"self_attn.{n}_proj.{kind}" for n in "qkv"))
         for kind in ("weight", "bias") if config.o_bias else ("weight",):
-            sd[o + f"self_attn.o_proj.{kind}"] = hf[p + f"self_attn.o_proj.{kind}"]
+            src[o + f"self_attn.o_proj.{kind}"] = HFSource((p + f"self_attn.o_proj.{kind}",))
         if config.qk_norm:
-            sd[o + "self_attn.q_norm.weight"] = hf[p + "self_attn.q_norm.weight"]
-            sd[o + "self_attn.k_norm.weight"] = hf[p + "self_attn.k_norm.weight"]
+            for norm in ("q_norm", "k_norm"):
+                src[o + f"self_attn.{norm}.weight"] = HFSource((p + f"self_attn.{norm}.weight",))
         for kind in () if i in config.moe_layers else ("weight", "bias") if config.mlp_bias else ("weight",):
-            sd[o + f"mlp.gate_up_proj.{kind}"] = torch.cat(
-                [hf[p + f"mlp.gate_proj.{kind}"], hf[p + f"mlp.up_proj.{kind}"]], dim=0)
-            sd[o + f"mlp.down_proj.{kind}"] = hf[p + f"mlp.down_proj.{kind}"]
-    return sd
+            src[o + f"mlp.gate_up_proj.{kind}"] = HFSource((p + f"mlp.gate_proj.{kind}", p + f"mlp.up_proj.{kind}"))
+            src[o + f"mlp.down_proj.{kind}"] = HFSource((p + f"mlp.down_proj.{kind}",))
+    return src
+
+
+def state_dict_from_hf(config, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map HF-named tensors (exactly `hf_weight_shapes(config)`) to the Transformer's state dict, fusing
+    q/k/v -> qkv_proj and gate/up -> gate_up_proj along the output dim (`hf_sources`)."""
+    return {name: source.build(hf) for name, source in hf_sources(config).items()}
 
 
 def hf_name_from_gguf(gguf_name: str) -> str:

@@ -41,5 +41,6 @@ FAMILY = ModelFamily(
     model_type="llama", architectures=("LlamaForCausalLM",), flags_from_hf=flags_from_hf,
     hf_config_fields=hf_config_fields, hf_weight_shapes=dense_decoder.hf_weight_shapes,
     state_dict_from_hf=dense_decoder.state_dict_from_hf, gguf_arch="llama", gguf_config_fields=gguf_config_fields,
+    hf_sources=dense_decoder.hf_sources,
     hf_name_from_gguf=dense_decoder.hf_name_from_gguf, gguf_rotary_permuted=True, presets=PRESETS,
 )

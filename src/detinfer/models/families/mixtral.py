@@ -51,5 +51,6 @@ FAMILY = ModelFamily(
     model_type="mixtral", architectures=("MixtralForCausalLM",), flags_from_hf=flags_from_hf,
     hf_config_fields=hf_config_fields, hf_weight_shapes=partial(moe_decoder.hf_weight_shapes, NAMES),
     state_dict_from_hf=partial(moe_decoder.state_dict_from_hf, NAMES), moe_from_hf=moe_from_hf,
+    hf_sources=partial(moe_decoder.hf_sources, NAMES),
     presets=PRESETS,
 )

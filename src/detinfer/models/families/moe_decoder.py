@@ -58,16 +58,23 @@ def hf_weight_shapes(names: MoeNames, config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def state_dict_from_hf(names: MoeNames, config, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF tensors -> the Transformer's state dict (experts stacked; see the module doc)."""
-    sd = dense_decoder.state_dict_from_hf(config, hf)
+def hf_sources(names: MoeNames, config) -> dict[str, dense_decoder.HFSource]:
+    """Transformer state-dict name -> its HF tensors: the dense decoder's, plus each sparse layer's router
+    and its experts stacked (gate rows then up rows per expert; see the module doc)."""
+    src = dense_decoder.hf_sources(config)
     for i in config.moe_layers:
         o, experts = f"layers.{i}.mlp.", range(config.num_experts)
-        sd[o + "router"] = hf[names.router_name(i)]
-        sd[o + "gate_up_proj"] = torch.stack([torch.cat([hf[names.expert_name(i, e, "gate")],
-                                                         hf[names.expert_name(i, e, "up")]]) for e in experts])
-        sd[o + "down_proj"] = torch.stack([hf[names.expert_name(i, e, "down")] for e in experts])
-    return sd
+        src[o + "router"] = dense_decoder.HFSource((names.router_name(i),))
+        src[o + "gate_up_proj"] = dense_decoder.HFSource(tuple(
+            names.expert_name(i, e, proj) for e in experts for proj in ("gate", "up")), per_expert=2)
+        src[o + "down_proj"] = dense_decoder.HFSource(tuple(names.expert_name(i, e, "down") for e in experts),
+                                                      per_expert=1)
+    return src
+
+
+def state_dict_from_hf(names: MoeNames, config, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF tensors -> the Transformer's state dict (experts stacked; see the module doc)."""
+    return {name: source.build(hf) for name, source in hf_sources(names, config).items()}
 
 
 def hf_name_from_gguf(names: MoeNames, gguf_name: str) -> str:

@@ -38,5 +38,6 @@ FAMILY = ModelFamily(
     model_type="qwen2", architectures=("Qwen2ForCausalLM",), flags_from_hf=flags_from_hf,
     hf_config_fields=hf_config_fields, hf_weight_shapes=dense_decoder.hf_weight_shapes,
     state_dict_from_hf=dense_decoder.state_dict_from_hf, gguf_arch="qwen2", gguf_config_fields=gguf_config_fields,
+    hf_sources=dense_decoder.hf_sources,
     hf_name_from_gguf=dense_decoder.hf_name_from_gguf, gguf_rotary_permuted=False, presets=PRESETS,
 )

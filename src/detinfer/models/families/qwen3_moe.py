@@ -65,6 +65,7 @@ FAMILY = ModelFamily(
     model_type="qwen3_moe", architectures=("Qwen3MoeForCausalLM",), flags_from_hf=qwen3.flags_from_hf,
     hf_config_fields=hf_config_fields, hf_weight_shapes=partial(moe_decoder.hf_weight_shapes, NAMES),
     state_dict_from_hf=partial(moe_decoder.state_dict_from_hf, NAMES), moe_from_hf=moe_from_hf,
+    hf_sources=partial(moe_decoder.hf_sources, NAMES),
     gguf_arch="qwen3moe", gguf_config_fields=gguf_config_fields,
     hf_name_from_gguf=partial(moe_decoder.hf_name_from_gguf, NAMES), presets=PRESETS,
 )
