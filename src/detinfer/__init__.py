@@ -24,13 +24,22 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 _MODE_NAMES = ("NotBatchInvariantError", "batch_invariant", "disable", "enable", "is_enabled")
-_ENGINE_NAMES = ("LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams")
+_ENGINE_NAMES = ("LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams",
+                 "StructuredOutputs")
 
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "NotBatchInvariantError", "RequestOutput",
-           "SamplingParams", "__version__", "batch_invariant", "disable", "enable", "is_enabled"]
+           "SamplingParams", "StructuredOutputs", "__version__", "batch_invariant", "disable", "enable", "is_enabled"]
 
 if TYPE_CHECKING:
-    from detinfer.engine import LLM, CompletionOutput, EngineConfig, LLMEngine, RequestOutput, SamplingParams
+    from detinfer.engine import (
+        LLM,
+        CompletionOutput,
+        EngineConfig,
+        LLMEngine,
+        RequestOutput,
+        SamplingParams,
+        StructuredOutputs,
+    )
     from detinfer.ops.mode import NotBatchInvariantError, batch_invariant, disable, enable, is_enabled
 
 

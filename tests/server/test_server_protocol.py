@@ -89,7 +89,7 @@ def test_completion_request_errors_name_the_field(body, param):
     ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
      "response_format.type"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": -1}, "top_logprobs"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": 3}, "logprobs"),
@@ -219,7 +219,8 @@ def test_system_fingerprint_tracks_everything_that_changes_numbers(tiny_model_di
                        ("software", SoftwareInfo("c2", "2.13.0", "13.0", "3.9.0")),
                        ("software", SoftwareInfo("c", "2.12.0", "13.0", "3.9.0")),
                        ("software", SoftwareInfo("c", "2.13.0", "12.8", "3.9.0")),
-                       ("software", SoftwareInfo("c", "2.13.0", "13.0", "3.8.0"))]:
+                       ("software", SoftwareInfo("c", "2.13.0", "13.0", "3.8.0")),
+                       ("software", SoftwareInfo("c", "2.13.0", "13.0", "3.9.0", "1.9.1"))]:
         assert system_fingerprint(**{**base, key: other}) != fp, (key, other)
     assert len(numeric_code_digest()) == 64
 

@@ -15,13 +15,14 @@ _EXPORTS = {
     "LLMEngine": "detinfer.engine.llm_engine",
     "EngineConfig": "detinfer.engine.config",
     "SamplingParams": "detinfer.engine.sampling_params",
+    "StructuredOutputs": "detinfer.engine.structured",
     "RequestOutput": "detinfer.engine.outputs",
     "CompletionOutput": "detinfer.engine.outputs",
     "TokenLogprob": "detinfer.engine.outputs",
     "EngineStats": "detinfer.engine.outputs",
 }
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "EngineStats", "LLMEngine", "RequestOutput",
-           "SamplingParams", "TokenLogprob"]
+           "SamplingParams", "StructuredOutputs", "TokenLogprob"]
 
 if TYPE_CHECKING:
     from detinfer.engine.config import EngineConfig
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from detinfer.engine.llm_engine import LLMEngine
     from detinfer.engine.outputs import CompletionOutput, EngineStats, RequestOutput, TokenLogprob
     from detinfer.engine.sampling_params import SamplingParams
+    from detinfer.engine.structured import StructuredOutputs
 
 
 def __getattr__(name: str):

@@ -147,9 +147,13 @@ def _input_ids(batch: ScheduledBatch, pending: SampledIds | None) -> torch.Tenso
 
 
 def launch_step(runner, log_softmax, batch: ScheduledBatch, pending: SampledIds | None,
-                eos_token_ids: frozenset[int] = frozenset()) -> LaunchedStep:
+                eos_token_ids: frozenset[int] = frozenset(), logits_mask=None) -> LaunchedStep:
     """Enqueue one step (forward, sampling, logprobs, the copy back) and return without waiting for it.
-    eos_token_ids: the model's EOS ids (min_tokens masks them)."""
+    eos_token_ids: the model's EOS ids (min_tokens masks them).
+    `logits_mask(logits, rows, seqs) -> logits`, when given, masks the sampled rows (structured output's
+    grammars, `GrammarMasks.mask_logits`) before both sampling and logprobs, so a grammar request's logprobs
+    are those of its masked distribution (as vLLM's); the sampler's own processors (logit_bias, bad words,
+    min_tokens, `token_mask`, ...) work on a copy, and logprobs stay raw for them."""
     logits = runner.execute(batch, input_ids=_input_ids(batch, pending))
     dev = logits.device
     items = batch.scheduled
@@ -158,8 +162,10 @@ def launch_step(runner, log_softmax, batch: ScheduledBatch, pending: SampledIds 
     drawn = torch.empty(0, dtype=torch.int64, device=dev)
     if sample_items:
         rows = [offsets[i] + items[i].num_logits - 1 for i in sample_items]
-        picked = logits if rows == list(range(logits.shape[0])) else logits[to_device([rows], dev)[0]]
         seqs = [items[i].seq for i in sample_items]
+        if logits_mask is not None:
+            logits = logits_mask(logits, rows, seqs)
+        picked = logits if rows == list(range(logits.shape[0])) else logits[to_device([rows], dev)[0]]
         history = any(s.params.needs_history for s in seqs)  # the engine resolved their histories first
         drawn = sample(picked, [s.params for s in seqs], [s.seed for s in seqs],
                        [items[i].output_position for i in sample_items], [s.sample_index for s in seqs],

@@ -167,6 +167,7 @@ class LLMEngine:
                                    vocab_size=model_config.vocab_size)
         self._requests: dict[str, _Request] = {}
         self._seq_detok: dict[int, object] = {}  # seq_id -> its detokenizer (stop strings' lookup)
+        self._grammars = None  # GrammarMasks, made by the first structured request (llguidance is optional)
         self._aborted: list[str] = []  # aborted requests whose final output is still owed
         self._inflight: list[LaunchedStep] = []  # launched, not read back yet (async scheduling)
         self._counters = dict(num_steps=0, prompt_tokens=0, generation_tokens=0, num_preemptions=0,
@@ -211,7 +212,11 @@ class LLMEngine:
             params = prepare_processors(params, self.tokenizer, self.model_config.vocab_size)
         except ValueError as e:
             raise ValueError(f"request {request_id!r}: {e}") from None
+        if params.structured_outputs is not None:
+            self._grammar_masks().check(params.structured_outputs)  # compiled (and cached) before queueing
         seqs = self.scheduler.add_request(request_id, ids, params)  # the prompt's checks, seeds
+        if params.structured_outputs is not None:
+            self._grammars.add([s.seq_id for s in seqs], params.structured_outputs)
         ids = seqs[0].prompt_token_ids
         detoks = [None if self.tokenizer is None else
                   self.tokenizer.incremental_detokenizer(ids, stop=params.stop,
@@ -222,6 +227,14 @@ class LLMEngine:
                                               [0.0] * len(seqs))
         for seq, detok in zip(seqs, detoks):
             self._seq_detok[seq.seq_id] = detok
+
+    def _grammar_masks(self):
+        if self._grammars is None:
+            from detinfer.engine.grammar import GrammarMasks  # imports llguidance, an optional dependency
+
+            self._grammars = GrammarMasks(self.tokenizer, self.model_config.vocab_size,
+                                          self.scheduler.eos_token_ids)
+        return self._grammars
 
     def _prompt_ids(self, request_id: str, prompt) -> tuple[str | None, list[int] | object]:
         """(text, token ids) of a text prompt; token-id prompts pass through (the scheduler checks them)."""
@@ -274,8 +287,9 @@ class LLMEngine:
         self._aborted.clear()
         previous, self._inflight = self._inflight, []
         touched: list[str] = []
-        if previous and any(d.seq.params.needs_history and not d.seq.is_finished for d in _sampled(previous)):
-            # Penalties, bad words and token masks need every earlier token's id on the host: no overlap.
+        if previous and any(_needs_history(d.seq) and not d.seq.is_finished for d in _sampled(previous)):
+            # Penalties, bad words, token masks and grammars need every earlier token's id on the host:
+            # no overlap.
             touched += self._resolve_or_abort(previous)
             previous = []
         batch = self.scheduler.schedule()
@@ -296,7 +310,7 @@ class LLMEngine:
         try:
             try:
                 launched = [launch_step(self.runner, self.ops.log_softmax, batch, pending,
-                                         self.scheduler.eos_token_ids)]
+                                        self.scheduler.eos_token_ids, self._logits_mask)]
             except Exception as exc:
                 launched = self._isolate_failure(batch, exc, pending)
         except BaseException:
@@ -336,7 +350,7 @@ class LLMEngine:
                 sub = ScheduledBatch(tuple(part), sum(item.query_len for item in part))
                 try:
                     launched = launch_step(self.runner, self.ops.log_softmax, sub, pending,
-                                           self.scheduler.eos_token_ids)
+                                           self.scheduler.eos_token_ids, self._logits_mask)
                     launched.read()  # a failure on the device shows here, in this request's share
                     kept.append(launched)
                 except Exception as e:
@@ -364,6 +378,12 @@ class LLMEngine:
         touched: list[str] = []
         for part in launched:
             tokens, entries = part.read()
+            complete = None
+            if self._grammars:  # before anything is recorded: a refused token ends its request alone, unrecorded
+                complete, refused = self._grammars.consume_step(part.batch, tokens)
+                for rid, message in refused:
+                    self._requests[rid].error = message
+                    self.abort_request(rid)
             for dest, entry in entries:
                 seq = dest.seq
                 if seq.is_finished:
@@ -374,7 +394,10 @@ class LLMEngine:
                     seq.output_logprobs.append(entry)
                     self._requests[seq.request_id].cumulative_logprobs[seq.sample_index] += entry.logprob
             live = [item.sample and not item.seq.is_finished for item in part.batch.scheduled]
-            finished = self.scheduler.resolve(part.batch, tokens, self._stop_strings(part.batch, tokens))
+            stops: list = self._stop_strings(part.batch, tokens)
+            if complete is not None:  # a complete grammar stops its sequence (docs/structured-output.md)
+                stops = [s if s else (True if c else None) for s, c in zip(stops, complete)]
+            finished = self.scheduler.resolve(part.batch, tokens, stops)
             for seq in finished:
                 detok = self._seq_detok.get(seq.seq_id)
                 if detok is not None:
@@ -398,6 +421,10 @@ class LLMEngine:
             found[i] = detok.stopped
         return found
 
+    @property
+    def _logits_mask(self):
+        return self._grammars.mask_logits if self._grammars else None
+
     def _output(self, req: _Request) -> RequestOutput:
         params = req.params
         outs = []
@@ -417,6 +444,8 @@ class LLMEngine:
             del self._requests[req.request_id]
             for seq in req.seqs:
                 self._seq_detok.pop(seq.seq_id, None)
+                if self._grammars is not None:
+                    self._grammars.release(seq.seq_id)
             self._counters["num_finished_requests"] += 1
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, prompt_lp, tuple(outs), finished,
                              req.error if finished else None)
@@ -433,6 +462,12 @@ class LLMEngine:
             prefix_cache_hit_tokens=bm.prefix_hit_tokens, num_preemptions=c["num_preemptions"],
             num_finished_requests=c["num_finished_requests"], last_step_seconds=self._last_step_seconds,
             last_step_tokens=c["last_step_tokens"])
+
+
+def _needs_history(seq: Sequence) -> bool:
+    """Whether sampling the sequence's next token needs its earlier tokens' ids on the host: the sampler's
+    (penalties, bad words, a token_mask: `SamplingParams.needs_history`) or its grammar's matcher."""
+    return seq.params.needs_history or seq.params.structured_outputs is not None
 
 
 def _sampled(launched: list[LaunchedStep]):

@@ -14,9 +14,11 @@ Extension point (`SamplingParams.token_mask`): a callable `token_mask(output_tok
 request, where `allowed` is a sequence of the token ids allowed next, a [vocab] bool tensor, or None for no
 constraint. It is called once per sampled row per step, on the host, with the row's generated ids so far
 (a tuple); it must depend on nothing else, so the constrained request stays reproducible and batch-invariant.
-A grammar/structured-output constraint plugs in here as one more mask; nothing else in the engine changes.
+Structured output (`SamplingParams.structured_outputs`) does not use this hook: its grammar masks the logits in
+`device_step.launch_step`, before the sampler, so that its logprobs are the masked ones (as in vLLM).
 
-The reported logprobs are not affected: they are the raw model distribution (see engine.outputs).
+The reported logprobs are not affected by these processors: they are the raw model distribution (see
+engine.outputs).
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ Outputs are cumulative: each `RequestOutput` a step returns holds everything gen
 request (not a delta), so a caller may keep only the latest one. Logprobs are the model's raw
 distribution (log_softmax of the logits, before the logits processors (logit_bias, allowed_token_ids, bad
 words, min_tokens, token_mask), penalties, temperature or top-k/p filtering), as vLLM reports them by
-default (`logprobs_mode="raw_logprobs"`); they are plain Python floats carrying the fp32 bits the kernels
+default (`logprobs_mode="raw_logprobs"`). The exception is structured output: its grammar masks the logits
+before both sampling and logprobs (as vLLM does), so its logprobs are those of the masked distribution
+(docs/structured-output.md). They are plain Python floats carrying the fp32 bits the kernels
 produced, so two runs can be compared with `==`.
 """
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from detinfer.engine.config import FLOAT32_MAX, FLOAT32_MIN_NORMAL, INT64_MAX, MAX_SEED, check_float, check_int
+from detinfer.engine.structured import StructuredOutputs
 
 PENALTY_RANGE = 2.0  # presence/frequency penalties live in [-2, 2] (OpenAI's range)
 # Bounds of what the sampler can hold (INT64_MAX, FLOAT32_MAX, FLOAT32_MIN_NORMAL from engine.config): counts,
@@ -66,6 +67,9 @@ class SamplingParams:
         ints or a [vocab] bool tensor), or None for no constraint. It must be a pure function of the ids
         generated so far (and picklable, for `engine_process=True`), so the request stays reproducible and
         batch-invariant. See `engine.logits_processors`.
+    structured_outputs: a `StructuredOutputs` (JSON schema, JSON object, regex, choice or grammar) the output
+        must match; None: free text. Unlike the processors above, its mask also shapes the logprobs
+        (they are those of the grammar-masked distribution, as in vLLM). See docs/structured-output.md.
     """
 
     n: int = 1
@@ -91,6 +95,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = field(default=())
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=())
     token_mask: Callable[[tuple[int, ...]], Any] | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self):
         check_int("n", self.n, minimum=1, maximum=INT64_MAX)
@@ -126,6 +131,9 @@ class SamplingParams:
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         check_int("logprobs", self.logprobs, minimum=0, maximum=INT64_MAX, optional=True)
         check_int("prompt_logprobs", self.prompt_logprobs, minimum=0, maximum=INT64_MAX, optional=True)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise TypeError(f"structured_outputs must be a StructuredOutputs or None, "
+                            f"got {type(self.structured_outputs).__name__}")
         self._check_processors()
 
     def _check_processors(self) -> None:

@@ -5,7 +5,8 @@ differently (batch limits, port, KV pool size) still compare equal:
 * the model files: weights, config and tokenizer files (the tokenizer decides the prompt's token ids);
 * dtype, mode and the KV block size (paged attention's blocking);
 * the source of detinfer's numeric code (kernels, ops, models, engine, cache) and the versions of torch,
-  CUDA and Triton (they compile or pick the kernels);
+  CUDA and Triton (they compile or pick the kernels), and of llguidance (its grammars decide which tokens a
+  structured request may draw);
 * the device. In deterministic mode every reduction order is fixed by the kernels' code, not by the device:
   the same code gives the same bits on an H100 and an H200 (measured: random qwen3-0.6b and qwen3-8b shapes,
   bit-identical tokens and logprobs). What the hardware can still change is the instructions the compiler
@@ -52,6 +53,7 @@ class SoftwareInfo:
     torch: str
     cuda: str | None
     triton: str
+    llguidance: str = "none"  # structured output's grammar library ("none": not installed)
 
     @classmethod
     def current(cls) -> SoftwareInfo:
@@ -63,7 +65,13 @@ class SoftwareInfo:
             triton_version = triton.__version__
         except ImportError:
             triton_version = "none"
-        return cls(numeric_code_digest(), torch.__version__, torch.version.cuda, triton_version)
+        try:
+            from importlib.metadata import PackageNotFoundError, version
+
+            grammar_version = version("llguidance")
+        except PackageNotFoundError:
+            grammar_version = "none"
+        return cls(numeric_code_digest(), torch.__version__, torch.version.cuda, triton_version, grammar_version)
 
 
 def _hash_file(h: Any, path: Path) -> None:
@@ -99,7 +107,7 @@ def fingerprint_parts(*, weights_digest: str, dtype: str, mode: str, block_size:
     """The named inputs of the fingerprint (see the module docstring for why each one is there)."""
     parts = [f"weights={weights_digest}", f"dtype={dtype}", f"mode={mode}", f"block_size={block_size}",
              f"code={software.code_digest}", f"torch={software.torch}", f"cuda={software.cuda}",
-             f"triton={software.triton}", f"device_type={device.type}"]
+             f"triton={software.triton}", f"llguidance={software.llguidance}", f"device_type={device.type}"]
     if device.capability is not None:
         parts.append(f"capability=sm{device.capability[0]}{device.capability[1]}")
     if mode != "deterministic":

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 MAX_PROMPTS_PER_REQUEST = 64  # a completions `prompt` list is a batch; bound it like any other input
 MAX_STOP_SEQUENCES = 16
@@ -95,6 +95,37 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's response_format.json_schema. `strict` is accepted either way: the grammar makes every output
+    match the schema."""
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is required with type "json_schema" and only allowed with it')
+        return self
+
+
+class StructuredOutputsField(_Strict):
+    """vLLM's `structured_outputs` request object: one of json, json_object, regex, choice, grammar."""
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 LOGIT_BIAS_RANGE = 100.0  # OpenAI's bound on a logit_bias value
 MAX_BAD_WORDS = 64
 MAX_TOKEN_ID_LIST = 1 << 16  # allowed_token_ids: a bound on the list a request may carry
@@ -131,6 +162,14 @@ class _SamplingRequest(_Strict):
     allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=MAX_TOKEN_ID_LIST)
     bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
     prompt_logprobs: int | None = Field(None, ge=0, le=INT64_MAX)
+    # Structured output (at most one; see server/structured.py): OpenAI's, vLLM's older guided_* and newer
+    # structured_outputs.
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsField | None = None
     # Accepted and ignored: they never change the numbers.
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -256,17 +295,12 @@ class ChatMessage(_Strict):
         return "\n".join(p.text for p in self.content)
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=INT64_MAX)
-    response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Literal["none"] | None = None
     parallel_tool_calls: bool | None = None

@@ -12,6 +12,7 @@ from typing import Any
 
 from detinfer.engine.sampling_params import SamplingParams
 from detinfer.server.protocol import APIError, bad_request
+from detinfer.server.structured import structured_outputs
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,8 @@ def sampling_params(req: Any, limits: RequestLimits, *, max_tokens: int | None, 
                   min_tokens=req.min_tokens or 0, skip_special_tokens=req.skip_special_tokens,
                   include_stop_str_in_output=req.include_stop_str_in_output,
                   logit_bias={int(k): b for k, b in req.logit_bias.items()} if req.logit_bias else None,
-                  allowed_token_ids=req.allowed_token_ids, bad_words=tuple(req.bad_words or ()))
+                  allowed_token_ids=req.allowed_token_ids, bad_words=tuple(req.bad_words or ()),
+                  structured_outputs=structured_outputs(req))
     try:
         return SamplingParams(**fields)
     except (ValueError, TypeError) as e:  # the message starts with the field's name
