@@ -138,8 +138,10 @@ def _sum_worker(rank, port, cases, queue):
         torch.cuda.synchronize(dev)
         # Compared here; only plain values cross the queue (a tensor would be passed as a file descriptor
         # that the parent fetches from this process's resource sharer, which is gone once it exits).
-        bits = tree.cpu().view(torch.int32)
-        out.append((torch.equal(eager, tree), torch.equal(captured, tree), hashlib.sha256(bits.numpy()).hexdigest()))
+        # Bit patterns, not values: inf + -inf partials give NaN, and NaN == NaN is False.
+        tree, eager, captured = (t.view(torch.int32) for t in (tree, eager, captured))
+        out.append((torch.equal(eager, tree), torch.equal(captured, tree),
+                    hashlib.sha256(tree.cpu().numpy()).hexdigest()))
     queue.put((rank, out))
     # Flush the queue's feeder thread, then leave without running NCCL's teardown at interpreter exit.
     queue.close()
