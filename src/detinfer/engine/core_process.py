@@ -113,7 +113,8 @@ class StepGate:
     Active only when STEP_GATE_ENV names a file. While the file holds an integer N, the core runs at most N
     steps in all (counted from its start), then waits, still serving commands, until N grows or the file is
     removed. Each time it starts waiting it writes "<steps done> <unfinished requests>" to "<file>.held", so
-    a test knows the core is held with requests provably unfinished.
+    a test knows the core is held with requests provably unfinished. A step with only aborted requests left
+    still runs (it generates nothing, it delivers their final outputs).
     """
 
     def __init__(self, path: str):
@@ -135,7 +136,8 @@ class StepGate:
                 f.write(f"{state[0]} {state[1]}")
             os.replace(self.held_path + ".tmp", self.held_path)
             self._reported = state
-        return False
+        # A step with only aborted requests left generates nothing; it delivers their final outputs.
+        return not engine.scheduler.has_unfinished()
 
 
 class CoreLoop:
@@ -153,7 +155,7 @@ class CoreLoop:
         engine = self.engine
         while True:
             unfinished = engine.has_unfinished_requests()
-            can_step = unfinished and (self.gate is None or self.gate.allows(self.steps, engine))
+            can_step = (self.gate is None or self.gate.allows(self.steps, engine)) and unfinished
             if can_step:
                 messages = []
             elif unfinished:  # held by the test gate: keep serving commands (aborts, shutdown) meanwhile
