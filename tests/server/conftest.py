@@ -52,7 +52,8 @@ class ServerProcess:
             cmd = [sys.executable, "-m", "detinfer.server.serve", str(self.model_dir), "--host", "127.0.0.1",
                    "--port", str(port), "--served-model-name", MODEL_NAME, *ENGINE_ARGS, *self.args]
             with open(self.log_path, "ab") as log:
-                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.gate.env})
+                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                             env={**os.environ, **self.gate.env})
             if self._wait_healthy():
                 return self
             if "address already in use" not in self.log().lower():

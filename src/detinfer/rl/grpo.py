@@ -19,8 +19,11 @@ The sampler and the trainer share the model's weight tensors: nothing is reloade
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
+import signal
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,6 +55,27 @@ class Rollout:
     texts: list[str]
     sampler_logprobs: list[list[float]]
     rewards: list[float]
+
+
+@contextlib.contextmanager
+def ctrl_c_deferred():
+    """Ctrl-C (SIGINT) arriving inside the block takes effect when it ends, so that state which must change
+    together (a step's weights, optimizer state and step count) is never left half-changed, and a checkpoint
+    saved after the interrupt holds whole steps. Only in the main thread (signals go only there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if pending:
+            if callable(previous):
+                previous(signal.SIGINT, pending[0])  # Python's default handler raises KeyboardInterrupt
+            elif previous != signal.SIG_IGN:
+                raise KeyboardInterrupt
 
 
 def _sync(device: torch.device) -> None:
@@ -106,21 +130,24 @@ class GRPOTrainer:
 
     # -- one step ------------------------------------------------------------------------------------
     def step(self) -> dict:
-        """Run one GRPO step; returns (and appends to `history`) its metrics."""
+        """Run one GRPO step; returns (and appends to `history`) its metrics. Ctrl-C (KeyboardInterrupt)
+        leaves the trainer at the last finished step: the update itself is never cut in half."""
         t0 = time.perf_counter()
         rollout = self.rollout(self.step_index)
         _sync(self.device)
         t1 = time.perf_counter()
-        stats = self.update(rollout)
-        _sync(self.device)
-        t2 = time.perf_counter()
-        self.step_index += 1
-        lengths = [len(c) for c in rollout.completion_ids]
-        record = {"step": self.step_index, "reward_mean": sum(rollout.rewards) / len(rollout.rewards),
-                  "response_len_mean": sum(lengths) / len(lengths), **stats,
-                  "weights_hash": self.fingerprint(), "rollout_s": t1 - t0, "train_s": t2 - t1,
-                  "step_s": t2 - t0, "sample_text": rollout.texts[0][:200]}
-        self.history.append(record)
+        grads = self._backward(rollout)
+        with ctrl_c_deferred():  # the weights, optimizer state, step count and history change together
+            stats = self._apply(grads)
+            _sync(self.device)
+            t2 = time.perf_counter()
+            self.step_index += 1
+            lengths = [len(c) for c in rollout.completion_ids]
+            record = {"step": self.step_index, "reward_mean": sum(rollout.rewards) / len(rollout.rewards),
+                      "response_len_mean": sum(lengths) / len(lengths), **stats,
+                      "weights_hash": self.fingerprint(), "rollout_s": t1 - t0, "train_s": t2 - t1,
+                      "step_s": t2 - t0, "sample_text": rollout.texts[0][:200]}
+            self.history.append(record)
         return record
 
     def encode(self, example: Example) -> list[int]:
@@ -155,17 +182,31 @@ class GRPOTrainer:
 
     def update(self, r: Rollout) -> dict:
         """Policy-gradient step on one rollout; returns the loss and mismatch statistics."""
+        return self._apply(self._backward(r))
+
+    def _backward(self, r: Rollout) -> dict:
+        """Accumulate the rollout's gradients (micro-batches in a fixed order); a Ctrl-C here drops them."""
         c = self.config
-        advantages = group_advantages(r.rewards, c.n_samples, c.scale_rewards)
-        total_tokens = sum(len(x) for x in r.completion_ids)
-        trainer_lps, sampler_lps, clipped, loss_sum = [], [], 0, 0.0
-        for start in range(0, len(r.completion_ids), c.train_batch_seqs):
-            batch = range(start, min(start + c.train_batch_seqs, len(r.completion_ids)))
-            lp, s_lp, n_clipped, loss = self._micro_batch(r, batch, advantages, total_tokens)
-            trainer_lps.append(lp)
-            sampler_lps.append(s_lp)
-            clipped += n_clipped
-            loss_sum += loss
+        try:
+            advantages = group_advantages(r.rewards, c.n_samples, c.scale_rewards)
+            total_tokens = sum(len(x) for x in r.completion_ids)
+            trainer_lps, sampler_lps, clipped, loss_sum = [], [], 0, 0.0
+            for start in range(0, len(r.completion_ids), c.train_batch_seqs):
+                batch = range(start, min(start + c.train_batch_seqs, len(r.completion_ids)))
+                lp, s_lp, n_clipped, loss = self._micro_batch(r, batch, advantages, total_tokens)
+                trainer_lps.append(lp)
+                sampler_lps.append(s_lp)
+                clipped += n_clipped
+                loss_sum += loss
+        except BaseException:
+            self.trainer.zero_grad()  # half a step's gradients must not leak into the next step
+            raise
+        return {"trainer_lps": trainer_lps, "sampler_lps": sampler_lps, "clipped": clipped, "loss": loss_sum,
+                "total_tokens": total_tokens}
+
+    def _apply(self, g: dict) -> dict:
+        """Clip, optimizer step, push the weights to the engine; the step's statistics."""
+        c = self.config
         params = list(self.trainer.parameters())
         grad_norm = None
         if c.max_grad_norm is not None:
@@ -173,9 +214,9 @@ class GRPOTrainer:
         self.optimizer.step()
         self.trainer.zero_grad()
         self.trainer.push_weights()  # in-place copy into the engine's tensors + prefix cache dropped
-        mismatch = mismatch_stats(torch.cat(trainer_lps), torch.cat(sampler_lps))
-        return {"loss": loss_sum, "grad_norm": grad_norm, **{f"mismatch_{k}": v for k, v in mismatch.items()},
-                "tis_clipped_frac": clipped / max(1, total_tokens) if self.arm == "fast-tis" else None}
+        mismatch = mismatch_stats(torch.cat(g["trainer_lps"]), torch.cat(g["sampler_lps"]))
+        return {"loss": g["loss"], "grad_norm": grad_norm, **{f"mismatch_{k}": v for k, v in mismatch.items()},
+                "tis_clipped_frac": g["clipped"] / max(1, g["total_tokens"]) if self.arm == "fast-tis" else None}
 
     def _micro_batch(self, r: Rollout, batch: Sequence[int], advantages: list[float], total_tokens: int):
         ids, cu, positions, adv, s_lp = [], [0], [], [], []
