@@ -42,7 +42,7 @@ def run_arm(model, config: RLConfig, arm: str, out: str | Path | None = None, *,
     from detinfer.rl.grpo import GRPOTrainer
 
     started = time.perf_counter()
-    if progress and log:
+    if log:
         log(f"[{arm}] loading {model if isinstance(model, (str, Path)) else type(model).__name__} "
             f"({arm_engine_mode(arm)} mode) ...")
     try:
@@ -50,7 +50,7 @@ def run_arm(model, config: RLConfig, arm: str, out: str | Path | None = None, *,
     except KeyboardInterrupt:
         raise Interrupted([], f"[{arm}] while loading the model") from None
     try:
-        if progress and log:
+        if log:
             c = config
             log(f"[{arm}] loaded in {time.perf_counter() - started:.1f} s on {trainer.device}; {c.steps} steps of "
                 f"{c.prompts_per_step} prompts x {c.n_samples} samples, up to {c.max_tokens} tokens each")
