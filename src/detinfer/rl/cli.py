@@ -28,6 +28,7 @@ from detinfer.cli_util import (
 )
 from detinfer.engine.config import add_dataclass_args, from_args
 from detinfer.rl.config import MODE_ARMS, RLConfig
+from detinfer.rl.tasks import get_task
 
 PROG = "detinfer rl"
 
@@ -71,17 +72,17 @@ def _on_cpu(device: str | None) -> bool:
     return not torch.cuda.is_available()
 
 
-def _size_defaults(ns: argparse.Namespace) -> None:
-    """Fill the sizes left out with the device's defaults; on a CPU, say so in one line."""
+def _size_defaults(ns: argparse.Namespace) -> str | None:
+    """Fill the sizes left out with the device's defaults; on a CPU, the one-line notice saying so."""
     cpu = _on_cpu(ns.device)
     left_out = [k for k in CPU_DEFAULTS if getattr(ns, k) is None]
     for k in left_out:
         setattr(ns, k, CPU_DEFAULTS[k] if cpu else getattr(RLConfig, k))
-    if cpu and left_out:
-        flags = " ".join(f"--{k.replace('_', '-')} {getattr(ns, k)}" for k in left_out)
-        gpu = " ".join(f"--{k.replace('_', '-')} {getattr(RLConfig, k)}" for k in left_out)
-        print(f"{PROG}: no GPU: CPU-sized defaults {flags} (a GPU run defaults to {gpu}; give a flag to "
-              "override it)", file=sys.stderr)
+    if not (cpu and left_out):
+        return None
+    flags = " ".join(f"--{k.replace('_', '-')} {getattr(ns, k)}" for k in left_out)
+    gpu = " ".join(f"--{k.replace('_', '-')} {getattr(RLConfig, k)}" for k in left_out)
+    return f"{PROG}: no GPU: CPU-sized defaults {flags} (a GPU run defaults to {gpu}; give a flag to override it)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,10 +107,13 @@ def _main(argv: list[str] | None) -> int:
     if model is None:
         parser.error("give the model directory (MODEL_DIR or --model DIR)")
     try:
-        _size_defaults(ns)
+        notice = _size_defaults(ns)
         config = from_args(RLConfig, ns)
+        get_task(config.task)  # an unknown task is refused before anything loads
         if ns.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {ns.max_model_len}")
+        if notice:
+            print(notice, file=sys.stderr)
         from detinfer.rl.api import run
 
         command = "detinfer rl " + shlex.join(sys.argv[1:] if argv is None else argv)
