@@ -1,8 +1,10 @@
-"""Ctrl-C in `detinfer repro` and `detinfer audit`: the finished work is kept (a report marked partial, or a
-summary of the finished scenarios), one line says so, the exit status is 130, a second Ctrl-C exits at once.
+"""Ctrl-C in `detinfer repro`, `detinfer audit` and `detinfer rl`: the finished work is kept (a report marked
+partial, a checkpoint, or a summary of the finished scenarios), one line says so, the exit status is 130, a
+second Ctrl-C exits at once. (More of `detinfer rl`'s, in process: tests/rl/test_rl_cli.py.)
 
 The subprocess tests send SIGINT only after the output shows finished work, and size the run so that it
-cannot end first on any machine (20000 runs); the in-process tests raise KeyboardInterrupt at a chosen point."""
+cannot end first on any machine (20000 runs, 100000 steps); the in-process tests raise KeyboardInterrupt at
+a chosen point."""
 
 from __future__ import annotations
 
@@ -154,6 +156,28 @@ def test_audit_sigint_summarises_the_finished_scenarios(tmp_path):
     line = _only_line(err, "interrupted (Ctrl-C)")
     assert "partial result (deterministic mode)" in line and "finished scenarios bit-identical" in line, line
     assert "Traceback" not in err
+
+
+def test_rl_sigint_checkpoints_and_reports_the_finished_steps(tmp_path):
+    stories = REPO.parent / "shared" / "models" / "stories260k"
+    if not (stories / "model.safetensors").is_file():
+        pytest.skip(f"stories260k checkpoint not found at {stories}")
+    out = tmp_path / "rl"
+    run = Watched(["rl", str(stories), "--task", "emit-token", "--steps", "100000", "--prompts-per-step", "2",
+                   "--n-samples", "2", "--max-tokens", "4", "--max-model-len", "64", "--device", "cpu",
+                   "--no-progress", "--out", str(out)])
+    run.wait_for(lambda text: "[deterministic] step 1  reward" in text)  # step 1 finished
+    run.proc.send_signal(signal.SIGINT)
+    assert run.finish() == 130, run.text()[-3000:]
+    err = run.err.decode(errors="replace")
+    line = _only_line(err, "interrupted (Ctrl-C)")
+    assert "partial report:" in line and "checkpoint of step" in line and "of 100000" in line, line
+    assert "Traceback" not in err
+    doc = json.loads((out / "report.json").read_text())
+    steps = [s["step"] for s in doc["arms"]["deterministic"]["steps"]]
+    assert doc["partial"] is True and steps == list(range(1, len(steps) + 1)) and steps
+    state = json.loads((out / "deterministic" / "checkpoint" / "state.json").read_text())
+    assert state["step"] == steps[-1]  # the checkpoint holds exactly the reported steps
 
 
 SLOW_SAVE = """
