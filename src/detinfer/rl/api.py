@@ -49,7 +49,7 @@ def run_arm(model, config: RLConfig, arm: str, out: str | Path | None = None, *,
         trainer = GRPOTrainer(model, config, arm, task=task, device=device, max_model_len=max_model_len)
     except KeyboardInterrupt:
         raise Interrupted([], f"[{arm}] while loading the model") from None
-    try:
+    try:  # (a Ctrl-C here, before the steps: a plain KeyboardInterrupt, nothing of this arm to keep)
         if log:
             c = config
             log(f"[{arm}] loaded in {time.perf_counter() - started:.1f} s on {trainer.device}; {c.steps} steps of "
@@ -145,15 +145,16 @@ def run(model, config: RLConfig, arms: Sequence[str] = ARMS, out: str | Path = "
         try:
             histories[arm] = run_arm(model, config, arm, out, task=task, device=device, resume=resume,
                                      progress=progress, max_model_len=max_model_len, log=log)
-        except Interrupted as e:
-            if e.partial:
+        except KeyboardInterrupt as e:  # Interrupted from run_arm, or a Ctrl-C before its steps began
+            where = e.where if isinstance(e, Interrupted) else f"[{arm}] before its first step"
+            if isinstance(e, Interrupted) and e.partial:
                 histories[arm] = e.partial
             not_run = [a for a in arms if a not in histories and a != arm]
             partial = {"histories": histories, "paths": None}
             if any(histories.values()):  # a report of the finished steps, marked partial
-                info["partial"] = (f"interrupted (Ctrl-C) {e.where}" +
+                info["partial"] = (f"interrupted (Ctrl-C) {where}" +
                                    (f"; arms not run: {', '.join(not_run)}" if not_run else ""))
                 partial["paths"] = write_report(out, {a: h for a, h in histories.items() if h}, info)
-            raise Interrupted(partial, e.where) from None
+            raise Interrupted(partial, where) from None
     paths = write_report(out, histories, info)
     return {"histories": histories, "paths": paths}

@@ -90,10 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return _main(argv)
         except Interrupted as e:
-            paths = (e.partial or {}).get("paths") if isinstance(e.partial, dict) else None
-            saved = f"partial report: {paths['html']}" if paths else "no step had finished: nothing to report"
-            print(f"{PROG}: interrupted (Ctrl-C) {e.where}; {saved} (--resume continues from the checkpoints)",
-                  file=sys.stderr)
+            paths = e.partial.get("paths") if isinstance(e.partial, dict) else None
+            saved = (f"partial report: {paths['html']} (--resume continues from the checkpoints)" if paths else
+                     "no step had finished: nothing saved")
+            print(f"{PROG}: interrupted (Ctrl-C) {e.where}; {saved}", file=sys.stderr)
             return INTERRUPTED_EXIT_STATUS
         except KeyboardInterrupt:
             print(f"{PROG}: interrupted (Ctrl-C) before any step had finished; nothing saved", file=sys.stderr)
