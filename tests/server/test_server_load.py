@@ -147,8 +147,7 @@ def test_non_streaming_disconnect_aborts(server):
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                       b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
             server.gate.wait_held(unfinished=1)
-        assert server.gate.wait_held(unfinished=0)  # the server saw the disconnect and aborted the request
-        after = server.wait_idle()
+        after = server.wait_idle()  # the server saw the disconnect and aborted the request (asserted below)
     finally:
         server.gate.release()
     assert after["detinfer_requests_aborted_total"] == before["detinfer_requests_aborted_total"] + 1

@@ -148,27 +148,28 @@ class CoreLoop:
         gate_path = os.environ.get(STEP_GATE_ENV)
         self.gate = StepGate(gate_path) if gate_path else None
 
+    def _gate_allows(self) -> bool:
+        return self.gate is None or self.gate.allows(self.steps, self.engine)
+
     def _readable(self) -> bool:
         return bool(select.select([self.sock], [], [], 0)[0])
 
     def run(self) -> None:
         engine = self.engine
         while True:
-            unfinished = engine.has_unfinished_requests()
-            can_step = (self.gate is None or self.gate.allows(self.steps, engine)) and unfinished
-            if can_step:
-                messages = []
-            elif unfinished:  # held by the test gate: keep serving commands (aborts, shutdown) meanwhile
-                messages = [wire.recv(self.sock)] if select.select([self.sock], [], [], 0.01)[0] else []
-            else:  # block for commands only while there is nothing to step
+            if not engine.has_unfinished_requests():  # block for commands only while there is nothing to step
                 messages = [wire.recv(self.sock)]
+            elif self._gate_allows():
+                messages = []
+            else:  # held by the test gate: keep serving commands (aborts, shutdown) meanwhile
+                messages = [wire.recv(self.sock)] if select.select([self.sock], [], [], 0.01)[0] else []
             while self._readable():
                 messages.append(wire.recv(self.sock))
             for msg in messages:
                 if msg[0] == "shutdown":
                     return
                 self._apply(msg)
-            if can_step and engine.has_unfinished_requests():
+            if engine.has_unfinished_requests() and self._gate_allows():
                 self._step()
                 self.steps += 1
             elif messages:
