@@ -29,11 +29,17 @@ def test_queue_bound_returns_429_and_api_key_is_required(start_server, server):
 
     async def main():
         async with httpx.AsyncClient(base_url=server.url, headers=auth, timeout=120.0) as http:
-            long = [asyncio.ensure_future(http.post("/v1/completions", json=LONG)) for _ in range(2)]
-            while server.metrics()["detinfer_requests_pending"] < 2:
-                await asyncio.sleep(0.02)
-            extra = await asyncio.gather(*(http.post("/v1/completions", json={**LONG, "max_tokens": 2})
-                                           for _ in range(6)))
+            # The core is held (no step runs), so the two long requests provably stay pending while the
+            # others arrive, however fast this machine generates; released once those have their answers.
+            server.gate.hold_after(0)
+            try:
+                long = [asyncio.ensure_future(http.post("/v1/completions", json=LONG)) for _ in range(2)]
+                while server.metrics()["detinfer_requests_pending"] < 2:
+                    await asyncio.sleep(0.02)
+                extra = await asyncio.gather(*(http.post("/v1/completions", json={**LONG, "max_tokens": 2})
+                                               for _ in range(6)))
+            finally:
+                server.gate.release()
             return await asyncio.gather(*long), extra
 
     long, extra = asyncio.run(main())
