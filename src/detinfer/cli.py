@@ -18,7 +18,7 @@ _COMMANDS = {
 
 # Commands whose CPU runs get `cli_util.cpu_thread_policy` (set once here, at the process entry, so that
 # calling a command's main() from Python never changes the caller's torch thread count).
-_CPU_POLICY_COMMANDS = ("generate", "repro", "audit")
+_CPU_POLICY_COMMANDS = ("generate", "repro", "audit", "rl")
 
 
 def _apply_cpu_thread_policy(cmd: str, rest: list[str]) -> None:

@@ -6,13 +6,18 @@
 * `add_model_argument` / `model_path`: the model directory is accepted both as a positional argument and as
   `--model DIR`, in every subcommand that takes one, with `~` expanded (a quoted "~/..." reaches us as is).
 * `cpu_thread_policy`: on a CPU, how many torch threads a run should use (see its doc).
+* `Interrupted` / `interrupt_handling`: Ctrl-C in a long command keeps the work that finished (a partial
+  report or checkpoint), says so in one line and exits with status 130; a second Ctrl-C exits at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
+import threading
 
 
 class Parser(argparse.ArgumentParser):
@@ -81,3 +86,41 @@ def progress(msg: str, enabled: bool = True) -> None:
     """A progress line on stderr (stdout stays the result)."""
     if enabled:
         print(msg, file=sys.stderr, flush=True)
+
+
+INTERRUPTED_EXIT_STATUS = 130  # 128 + SIGINT, what shells report for a command stopped by Ctrl-C
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C reached a command's work; `partial` is what had finished by then (None: nothing had).
+
+    A KeyboardInterrupt, so code that does not know it still stops as on any Ctrl-C."""
+
+    def __init__(self, partial=None, where: str = ""):
+        super().__init__(where)
+        self.partial, self.where = partial, where
+
+
+@contextlib.contextmanager
+def interrupt_handling():
+    """For a command's main(): the first Ctrl-C raises KeyboardInterrupt as usual (the work saves what it
+    finished), a second one ends the process at once with status 130, without waiting for that save (saves
+    go to temporary files renamed into place, so an unfinished one never looks complete). Outside the main
+    thread (signals go only there) it does nothing. The previous handler is restored on exit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def second(signum, frame):
+        os.write(2, b"interrupted again: exiting now\n")
+        os._exit(INTERRUPTED_EXIT_STATUS)
+
+    def first(signum, frame):
+        signal.signal(signal.SIGINT, second)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, first)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import pytest
 from detinfer.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from detinfer.engine.core_process import EngineCoreError
 from detinfer.engine.core_wire import OutputAssembler, OutputEncoder, decode_prompt, encode_prompt
+from detinfer.engine.testing import CoreStepGate
 from detinfer.models.testing import write_tiny_checkpoint
 
 # Small steps (chunked prefill, several steps per request) so deltas cross many messages.
@@ -105,16 +105,25 @@ def test_start_up_errors_keep_their_type_and_message(tmp_path):
     assert str(in_core.value) == str(in_process.value)
 
 
-def test_killed_core_raises_instead_of_hanging_and_close_leaves_nothing(model_dir):
+def test_killed_core_raises_instead_of_hanging_and_close_leaves_nothing(model_dir, tmp_path, monkeypatch):
+    # The core is held after its first step (the first tokens exist, no request can have finished), killed
+    # there: no race between a kill timer and generation speed.
+    gate = CoreStepGate(tmp_path / "gate")
+    gate.hold_after(1)
+    for key, value in gate.env.items():
+        monkeypatch.setenv(key, value)  # the spawned core inherits it
     llm = LLM(str(model_dir), device="cpu", engine_process=True, **KW)
     pid = llm.engine.core.pid
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-    killer = threading.Timer(0.5, os.kill, (pid, signal.SIGKILL))
+
+    def kill_once_held():
+        gate.wait_held(steps=1, unfinished=4)
+        os.kill(pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_once_held)
     killer.start()
-    t0 = time.monotonic()
     with pytest.raises(EngineCoreError, match="killed by signal SIGKILL"):
         llm.generate(["once upon a time"] * 4, params, use_tqdm=False)
-    assert time.monotonic() - t0 < 60
     killer.join()
     assert not llm.engine.has_unfinished_requests()
     with pytest.raises(EngineCoreError):
@@ -130,11 +139,9 @@ def test_a_cancelled_start_up_kills_the_half_started_core(model_dir):
 
     before = {p.pid for p in multiprocessing.active_children()}  # the module's own core may be running
     cancel = threading.Event()
-    threading.Timer(0.2, cancel.set).start()  # long before the spawned interpreter has imported torch
-    t0 = time.monotonic()
+    cancel.set()  # already cancelled when the core is spawned: it cannot have loaded the model, on any machine
     with pytest.raises(EngineCoreError, match="start-up cancelled"):
         start_core(CoreSpec(str(model_dir), EngineConfig(**KW), "cpu"), cancel=cancel)
-    assert time.monotonic() - t0 < 5
     assert {p.pid for p in multiprocessing.active_children()} <= before, "the half-started core is still running"
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from detinfer.engine.testing import CoreStepGate
 from detinfer.server.metrics import parse_metrics
 
 MODEL_NAME = "tiny-llama"
@@ -39,6 +40,8 @@ class ServerProcess:
 
     def __init__(self, model_dir: Path, log_dir: Path, *args: str):
         self.model_dir, self.log_path, self.args = model_dir, log_dir / f"server-{_free_port()}.log", args
+        # Tests hold the engine core between steps through this (absent file: never held), never by timing.
+        self.gate = CoreStepGate(self.log_path.with_suffix(".gate"))
         self.proc: subprocess.Popen | None = None
         self.url = ""
 
@@ -49,7 +52,8 @@ class ServerProcess:
             cmd = [sys.executable, "-m", "detinfer.server.serve", str(self.model_dir), "--host", "127.0.0.1",
                    "--port", str(port), "--served-model-name", MODEL_NAME, *ENGINE_ARGS, *self.args]
             with open(self.log_path, "ab") as log:
-                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                             env={**os.environ, **self.gate.env})
             if self._wait_healthy():
                 return self
             if "address already in use" not in self.log().lower():

@@ -122,30 +122,31 @@ LONG = dict(model=MODEL, prompt="once upon a time", max_tokens=200, ignore_eos=T
 
 
 def _kill_core_under_load(srv) -> dict[str, object]:
-    """Kill -9 the core while a plain and a streamed request run; their answers (both must end within 10 s)."""
+    """Kill -9 the core while a plain and a streamed request run (the core held between steps, so both have
+    started and provably not finished, on any machine); their answers."""
     pid = _core_pid(srv)
     long = LONG
     results: dict[str, object] = {}
 
     def blocking() -> None:
-        results["plain"] = httpx.post(f"{srv.url}/v1/completions", json=long, timeout=60.0)
+        results["plain"] = httpx.post(f"{srv.url}/v1/completions", json=long, timeout=120.0)
 
     def streaming() -> None:
-        with httpx.stream("POST", f"{srv.url}/v1/completions", json=dict(long, stream=True), timeout=60.0) as r:
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=dict(long, stream=True), timeout=120.0) as r:
             results["lines"] = [line for line in r.iter_lines() if line]
 
+    srv.gate.hold_after(0)  # the core is idle: it holds before the first step with these requests
     threads = [threading.Thread(target=blocking), threading.Thread(target=streaming)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 30
-    while srv.metrics()["detinfer_requests_running"] < 2 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    steps, _ = srv.gate.wait_held(unfinished=2)
+    srv.gate.allow_more(2)  # prompts in, first tokens out
+    srv.gate.wait_held(steps=steps + 2, unfinished=2)
     os.kill(pid, signal.SIGKILL)
-    t0 = time.monotonic()
+    srv.gate.release()  # a restarted core runs freely
     for t in threads:
-        t.join(30)
+        t.join(60)
         assert not t.is_alive()
-    assert time.monotonic() - t0 < 10
     plain = results["plain"]
     assert plain.status_code == 500 and "killed by signal SIGKILL" in plain.json()["error"]["message"]
     lines = results["lines"]

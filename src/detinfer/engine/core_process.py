@@ -21,6 +21,7 @@ import atexit
 import dataclasses
 import logging
 import multiprocessing
+import os
 import select
 import signal
 import socket
@@ -37,6 +38,7 @@ log = logging.getLogger("detinfer.engine.core")
 
 SOCKET_BUFFER_BYTES = 4 << 20  # a few steps' outputs fit even while the front end is busy
 STOP_TIMEOUT_S = 10.0
+STEP_GATE_ENV = "DETINFER_TEST_STEP_GATE"  # test-only, see StepGate
 _STARTUP_ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "OSError": OSError,
                    "FileNotFoundError": FileNotFoundError, "KeyError": KeyError, "RuntimeError": RuntimeError}
 
@@ -105,10 +107,49 @@ def run_core(sock: socket.socket, spec: CoreSpec) -> None:
         sys.exit(1)
 
 
+class StepGate:
+    """Test-only: lets tests hold the core between steps, so that they never race generation speed.
+
+    Active only when STEP_GATE_ENV names a file. While the file holds an integer N, the core runs at most N
+    steps in all (counted from its start), then waits, still serving commands, until N grows or the file is
+    removed. Each time it starts waiting it writes "<steps done> <unfinished requests>" to "<file>.held", so
+    a test knows the core is held with requests provably unfinished. A step with only aborted requests left
+    still runs (it generates nothing, it delivers their final outputs).
+    """
+
+    def __init__(self, path: str):
+        self.path, self.held_path = path, path + ".held"
+        self._reported: tuple[int, int] | None = None
+
+    def allows(self, steps_done: int, engine) -> bool:
+        try:
+            with open(self.path) as f:
+                limit = int(f.read().strip() or "-1")
+        except (FileNotFoundError, ValueError):
+            limit = -1
+        if limit < 0 or steps_done < limit:
+            self._reported = None
+            return True
+        state = (steps_done, engine.get_num_unfinished_requests())
+        if state != self._reported:  # written once per held state (atomically: tests poll it)
+            with open(self.held_path + ".tmp", "w") as f:
+                f.write(f"{state[0]} {state[1]}")
+            os.replace(self.held_path + ".tmp", self.held_path)
+            self._reported = state
+        # A step with only aborted requests left generates nothing; it delivers their final outputs.
+        return not engine.scheduler.has_unfinished()
+
+
 class CoreLoop:
     def __init__(self, engine, sock: socket.socket):
         self.engine, self.sock = engine, sock
         self.encoder = wire.OutputEncoder()
+        self.steps = 0
+        gate_path = os.environ.get(STEP_GATE_ENV)
+        self.gate = StepGate(gate_path) if gate_path else None
+
+    def _gate_allows(self) -> bool:
+        return self.gate is None or self.gate.allows(self.steps, self.engine)
 
     def _readable(self) -> bool:
         return bool(select.select([self.sock], [], [], 0)[0])
@@ -116,16 +157,21 @@ class CoreLoop:
     def run(self) -> None:
         engine = self.engine
         while True:
-            # Block for commands only while there is nothing to step.
-            messages = [] if engine.has_unfinished_requests() else [wire.recv(self.sock)]
+            if not engine.has_unfinished_requests():  # block for commands only while there is nothing to step
+                messages = [wire.recv(self.sock)]
+            elif self._gate_allows():
+                messages = []
+            else:  # held by the test gate: keep serving commands (aborts, shutdown) meanwhile
+                messages = [wire.recv(self.sock)] if select.select([self.sock], [], [], 0.01)[0] else []
             while self._readable():
                 messages.append(wire.recv(self.sock))
             for msg in messages:
                 if msg[0] == "shutdown":
                     return
                 self._apply(msg)
-            if engine.has_unfinished_requests():
+            if engine.has_unfinished_requests() and self._gate_allows():
                 self._step()
+                self.steps += 1
             elif messages:
                 wire.send(self.sock, ("stats", wire.stats_dict(engine.stats())))
 

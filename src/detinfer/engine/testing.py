@@ -80,3 +80,60 @@ def drive(engine, requests: Sequence[TimedRequest], *, max_steps: int = 1000,
         step += 1
         assert step < max_steps, f"the engine made no progress in {max_steps} steps"
     return results
+
+
+class CoreStepGate:
+    """The test side of `core_process.StepGate`: hold an engine core process between steps.
+
+    Tests that must observe a state in the middle of a generation (requests started but unfinished) set
+    `env` in the core's environment, then `hold_after(n)` / `allow_more(k)` and `wait_held(...)`, instead of
+    sleeping and hoping generation is slow enough: the state is then the same on any machine.
+    """
+
+    def __init__(self, path):
+        from pathlib import Path
+
+        from detinfer.engine.core_process import STEP_GATE_ENV
+
+        self.path = Path(path)
+        self.held_path = Path(str(path) + ".held")
+        self.env = {STEP_GATE_ENV: str(self.path)}
+
+    def hold_after(self, steps: int) -> None:
+        """The core runs at most `steps` steps in all (counted from its start), then waits."""
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(str(steps))
+        tmp.replace(self.path)
+
+    def release(self) -> None:
+        self.path.unlink(missing_ok=True)
+        self.held_path.unlink(missing_ok=True)
+
+    def held(self) -> tuple[int, int] | None:
+        """(steps done, unfinished requests) the core last reported while held, or None."""
+        try:
+            steps, unfinished = self.held_path.read_text().split()
+        except (FileNotFoundError, ValueError):
+            return None
+        return int(steps), int(unfinished)
+
+    def wait_held(self, *, steps: int | None = None, unfinished: int | None = None,
+                  timeout: float = 120.0) -> tuple[int, int]:
+        """Wait until the core reports being held (after `steps` steps, with `unfinished` requests)."""
+        import time
+
+        deadline = time.monotonic() + timeout  # only a guard against a hang, never part of the check
+        while True:
+            state = self.held()
+            if state is not None and steps in (None, state[0]) and unfinished in (None, state[1]):
+                return state
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the engine core was not held as expected: last report {state}")
+            time.sleep(0.01)
+
+    def allow_more(self, steps: int) -> None:
+        """Let a held core run `steps` more steps."""
+        state = self.held()
+        if state is None:
+            raise RuntimeError("allow_more: the core is not held")
+        self.hold_after(state[0] + steps)

@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from detinfer.cli_util import Interrupted
 from detinfer.engine.config import ENGINE_MODES, EngineConfig
 from detinfer.models.hub import resolve_model_path
 from detinfer.repro.analysis import summarize
@@ -81,30 +82,56 @@ def repro_offline(model_dir: str | Path | None, prompt: str, cfg: ReproConfig, *
     engine_config = EngineConfig() if engine_config is None else engine_config
     sections = []
     for i, mode in enumerate(modes):
-        started = time.perf_counter()
-        if progress:
-            print(f"[{i + 1}/{len(modes)}] {mode} mode: loading {model_dir or random_model} ...", file=sys.stderr,
-                  flush=True)
-        engine, tok, decode, text_of, what = _engine_for(mode, model_dir, random_model, engine_config, device,
-                                                          random_seed)
-        if progress:
-            print(f"[{i + 1}/{len(modes)}] {mode} mode: loaded in {time.perf_counter() - started:.1f} s; "
-                  f"{cfg.n} runs of up to {cfg.max_tokens} tokens under load", file=sys.stderr, flush=True)
         try:
-            ids = prompt_ids_for(tok, prompt, cfg.chat)
-            encode = tok.encode if tok is not None else encode_bytes
+            section, interrupted = _run_mode(i, modes, model_dir, random_model, prompt, cfg, engine_config,
+                                             device, random_seed, progress)
+        except KeyboardInterrupt:  # while loading: the modes before this one are finished
+            raise Interrupted(sections, f"while loading {mode} mode{_not_run(modes[i + 1:])}") from None
+        if section is not None:
+            sections.append(section)
+        if interrupted is not None:
+            raise Interrupted(sections, f"in {mode} mode {interrupted}{_not_run(modes[i + 1:])}")
+    return sections
+
+
+def _not_run(modes: Sequence[str]) -> str:
+    return f"; not run: {', '.join(modes)} mode" if modes else ""
+
+
+def _run_mode(i: int, modes: Sequence[str], model_dir, random_model, prompt: str, cfg: ReproConfig,
+              engine_config: EngineConfig, device, random_seed: int, progress: bool):
+    """(this mode's Section or None, None or where Ctrl-C stopped it). A Section of an interrupted mode
+    holds the runs that finished, and says so in its extra["partial"]."""
+    mode, started = modes[i], time.perf_counter()
+    if progress:
+        print(f"[{i + 1}/{len(modes)}] {mode} mode: loading {model_dir or random_model} ...", file=sys.stderr,
+              flush=True)
+    engine, tok, decode, text_of, what = _engine_for(mode, model_dir, random_model, engine_config, device,
+                                                      random_seed)
+    if progress:
+        print(f"[{i + 1}/{len(modes)}] {mode} mode: loaded in {time.perf_counter() - started:.1f} s; "
+              f"{cfg.n} runs of up to {cfg.max_tokens} tokens under load", file=sys.stderr, flush=True)
+    interrupted = None
+    try:
+        ids = prompt_ids_for(tok, prompt, cfg.chat)
+        encode = tok.encode if tok is not None else encode_bytes
+        try:
             completions, extra = run_offline(engine, ids, cfg, encode=encode, text_of=text_of,
                                              progress=progress, label=mode)
-            prompt_text = decode(ids)
-        finally:
-            engine.close()  # a tensor-parallel engine's workers hold their GPUs until stopped
-            del engine
-            _free_memory()
-        elapsed = extra.pop("elapsed_s")
-        sections.append(Section(label=mode, target=f"offline engine, {mode} mode, {what}", prompt=prompt_text,
-                                summary=summarize(completions, decode, cfg.max_pairs),
-                                completions=tuple(completions), elapsed_s=elapsed, extra=extra))
-    return sections
+        except Interrupted as e:
+            (completions, extra), interrupted = e.partial, e.where
+            extra["partial"] = f"interrupted (Ctrl-C) {e.where}"
+        prompt_text = decode(ids)
+    finally:
+        engine.close()  # a tensor-parallel engine's workers hold their GPUs until stopped
+        del engine
+        _free_memory()
+    if not completions:
+        return None, interrupted
+    elapsed = extra.pop("elapsed_s")
+    return Section(label=mode, target=f"offline engine, {mode} mode, {what}", prompt=prompt_text,
+                   summary=summarize(completions, decode, cfg.max_pairs), completions=tuple(completions),
+                   elapsed_s=elapsed, extra=extra), interrupted
 
 
 def repro_server(urls: Sequence[str], prompt: str, cfg: ReproConfig, *, model: str | None = None,
@@ -117,8 +144,12 @@ def repro_server(urls: Sequence[str], prompt: str, cfg: ReproConfig, *, model: s
         raise ValueError("urls must be a non-empty list of server URLs")
     sections = []
     for i, url in enumerate(urls):
-        completions, extra = run_server(url, prompt, cfg, model=model, api_key=api_key, progress=progress,
-                                        label=url)
+        try:
+            completions, extra = run_server(url, prompt, cfg, model=model, api_key=api_key, progress=progress,
+                                            label=url)
+        except KeyboardInterrupt:  # the servers before this one are finished
+            not_run = f"; not run: {', '.join(urls[i + 1:])}" if urls[i + 1:] else ""
+            raise Interrupted(sections, f"while running against {url}{not_run}") from None
         elapsed = extra.pop("elapsed_s")
         label = url if list(urls).count(url) == 1 else f"{url} #{i}"
         endpoint = "/v1/chat/completions" if cfg.chat else "/v1/completions"

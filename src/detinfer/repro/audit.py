@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from detinfer.cli_util import Parser, add_model_argument, model_path
+from detinfer.cli_util import INTERRUPTED_EXIT_STATUS, Parser, add_model_argument, interrupt_handling, model_path
 from detinfer.engine.config import EngineConfig, add_dataclass_args, check_int, from_args
 
 SCENARIOS = ("alone again", "batch", "chunked")
@@ -308,6 +308,23 @@ def _fill_defaults(ns: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    done: list[tuple[str, Finding]] = []  # (mode, finding) of every finished scenario, for a Ctrl-C summary
+    with interrupt_handling():
+        try:
+            return _main(argv, done)
+        except KeyboardInterrupt:
+            if not done:
+                print("detinfer audit: interrupted (Ctrl-C) before any scenario had finished", file=sys.stderr)
+            else:
+                bad = sum(f.name is not None for _, f in done)
+                modes = ", ".join(dict.fromkeys(m for m, _ in done))
+                print(f"detinfer audit: interrupted (Ctrl-C); partial result ({modes} mode): "
+                      f"{len(done) - bad}/{len(done)} finished scenarios bit-identical to the prompt alone "
+                      "(lines above)", file=sys.stderr)
+            return INTERRUPTED_EXIT_STATUS
+
+
+def _main(argv: list[str] | None, done: list) -> int:
     p = build_parser()
     ns = p.parse_args(argv)
     model_dir = model_path(p, ns)
@@ -330,8 +347,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{mode}: loaded in {time.perf_counter() - started:.1f} s; {total} scenarios "
                   f"({cfg.prompts} prompts x (alone again + {cfg.batches} batch + {cfg.chunkings} chunked))",
                   flush=True)
-            findings = audit(runner, vocab, cfg, on_finding=lambda f, mode=mode: print(
-                finding_line(f, mode), flush=True))
+            def on_finding(f: Finding, mode=mode) -> None:
+                done.append((mode, f))
+                print(finding_line(f, mode), flush=True)
+
+            findings = audit(runner, vocab, cfg, on_finding=on_finding)
             print(report(findings, mode, lines_too=False) + f" ({time.perf_counter() - started:.1f} s)")
             failed |= mode == "deterministic" and any(f.name is not None for f in findings)
             del runner

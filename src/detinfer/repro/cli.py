@@ -10,6 +10,7 @@ Flags: the experiment's (`ReproConfig`), the engine's (`EngineConfig`, offline o
 Writes report.html (self-contained), report.json (every raw completion) and PNG plots into --out.
 With --check the exit status is 1 when a run set that should reproduce (deterministic mode, or a server)
 gave more than one distinct completion or logprob sequence: a regression test for a deployment.
+Ctrl-C writes the runs that finished as a report marked partial and exits with status 130.
 """
 
 from __future__ import annotations
@@ -20,7 +21,14 @@ import shlex
 import sys
 from pathlib import Path
 
-from detinfer.cli_util import Parser, add_model_argument, model_path
+from detinfer.cli_util import (
+    INTERRUPTED_EXIT_STATUS,
+    Interrupted,
+    Parser,
+    add_model_argument,
+    interrupt_handling,
+    model_path,
+)
 from detinfer.engine.config import EngineConfig, add_dataclass_args, from_args
 from detinfer.repro.experiment import ReproConfig
 
@@ -144,6 +152,31 @@ def reproduces(section) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    with interrupt_handling():
+        try:
+            return _main(argv)
+        except KeyboardInterrupt:  # outside the runs (their Ctrl-C: _report_partial)
+            print("detinfer repro: interrupted (Ctrl-C) before any run had finished; no report written",
+                  file=sys.stderr)
+            return INTERRUPTED_EXIT_STATUS
+
+
+def _report_partial(e: Interrupted, out: str, experiment: dict) -> int:
+    """Ctrl-C: write the finished sections as a report marked partial; one line says what was kept."""
+    from detinfer.repro.report import write_report
+
+    sections = e.partial or []
+    if not sections:
+        print(f"detinfer repro: interrupted (Ctrl-C) {e.where}; no run had finished, nothing saved",
+              file=sys.stderr)
+        return INTERRUPTED_EXIT_STATUS
+    paths = write_report(out, sections, {**experiment, "partial": f"interrupted (Ctrl-C) {e.where}"})
+    print(f"detinfer repro: interrupted (Ctrl-C) {e.where}; partial report of the finished runs: {paths['html']}",
+          file=sys.stderr)
+    return INTERRUPTED_EXIT_STATUS
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     ns.model = model_path(parser, ns)
@@ -160,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         prompt = _read_prompt(ns)
         from detinfer.repro import api
 
+        experiment = {"prompt": prompt, **dataclasses.asdict(cfg),
+                      "target": ns.model or (f"random {ns.random_model}" if ns.random_model else ns.url),
+                      "command": "detinfer repro " + shlex.join(sys.argv[1:] if argv is None else argv)}
         if ns.url:
             sections = api.repro_server(ns.url, prompt, cfg, model=ns.model_name, api_key=ns.api_key,
                                         progress=not ns.no_progress)
@@ -171,10 +207,9 @@ def main(argv: list[str] | None = None) -> int:
                                          random_seed=ns.random_seed, progress=not ns.no_progress)
         from detinfer.repro.report import write_report
 
-        experiment = {"prompt": prompt, **dataclasses.asdict(cfg),
-                      "target": ns.model or (f"random {ns.random_model}" if ns.random_model else ns.url),
-                      "command": "detinfer repro " + shlex.join(sys.argv[1:] if argv is None else argv)}
         paths = write_report(ns.out, sections, experiment)
+    except Interrupted as e:
+        return _report_partial(e, ns.out, experiment)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError, ImportError) as e:
         print(f"detinfer repro: error: {e}", file=sys.stderr)
         return 2

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from detinfer.cli_util import Interrupted
 from detinfer.engine.config import MAX_SEED, check_float, check_int
 from detinfer.repro.analysis import Completion
 
@@ -188,15 +189,22 @@ def run_offline(engine, prompt_ids: Sequence[int], cfg: ReproConfig, *,
                     done[ev.run] = completion_from_engine(ev.run, c, meta)
                     bar.set_postfix({"runs done": f"{len(done)}/{cfg.n}"}, refresh=False)
             step += 1
+    except KeyboardInterrupt:  # Ctrl-C: hand back the runs that finished
+        bar.close()
+        finished = [done[r] for r in sorted(done)]
+        raise Interrupted((finished, _extra(engine, plan, start)), f"after {len(done)} of {cfg.n} runs") from None
     finally:
         bar.close()
         for rid in list(runs_at):
             engine.abort_request(rid)
+    return [done[r] for r in range(cfg.n)], _extra(engine, plan, start)
+
+
+def _extra(engine, plan: list[Event], start: float) -> dict[str, Any]:
     stats = engine.stats()
-    extra = {"engine steps": stats.num_steps, "background requests": sum(e.run is None for e in plan),
-             "preemptions": stats.num_preemptions, "prefix-cache hit tokens": stats.prefix_cache_hit_tokens,
-             "elapsed_s": time.perf_counter() - start}
-    return [done[r] for r in range(cfg.n)], extra
+    return {"engine steps": stats.num_steps, "background requests": sum(e.run is None for e in plan),
+            "preemptions": stats.num_preemptions, "prefix-cache hit tokens": stats.prefix_cache_hit_tokens,
+            "elapsed_s": time.perf_counter() - start}
 
 
 def _with_text(c, text: str):

@@ -131,7 +131,8 @@ def report_dict(sections: Sequence[Section], experiment: dict[str, Any]) -> dict
     from detinfer import __version__
 
     return _jsonable({
-        "format": REPORT_FORMAT, "detinfer_version": __version__, "experiment": experiment,
+        "format": REPORT_FORMAT, "detinfer_version": __version__, "partial": bool(experiment.get("partial")),
+        "experiment": experiment,
         "sections": [{"label": s.label, "target": s.target, "prompt": s.prompt, "elapsed_s": s.elapsed_s,
                       "extra": s.extra, "summary": summary_dict(s.summary),
                       "completions": [completion_dict(c) for c in s.completions]} for s in sections]})
@@ -302,8 +303,10 @@ def report_html(sections: Sequence[Section], experiment: dict[str, Any],
     cmd = experiment.get("command")
     head = ("<!doctype html><html><head><meta charset=utf-8><title>detinfer repro report</title>"
             f"<style>{_CSS}</style></head><body><h1>Reproducibility: N runs under load</h1>")
+    if experiment.get("partial"):  # Ctrl-C: the sections that finished, said before anything else
+        head += f"<p><b>Partial report:</b> {_e(experiment['partial'])}</p>"
     info = "<p>" + ", ".join(f"{_e(k)}: <code>{_e(v)}</code>" for k, v in experiment.items()
-                             if k != "command" and not isinstance(v, (dict, list))) + "</p>"
+                             if k not in ("command", "partial") and not isinstance(v, (dict, list))) + "</p>"
     if cmd:
         info += f"<p>command: <code>{_e(cmd)}</code></p>"
     summary = f"<p><b>{_e(headline(sections))}</b></p>"

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import gc
 import json
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from detinfer.cli_util import Interrupted
 from detinfer.rl.checkpoint import jsonable, load_checkpoint, save_checkpoint
-from detinfer.rl.config import ARMS, RLConfig
+from detinfer.rl.config import ARMS, RLConfig, arm_engine_mode
 from detinfer.rl.tasks import Task
 
 
@@ -45,11 +47,23 @@ def run_arm(model, config: RLConfig, arm: str, out: str | Path | None = None, *,
             log: Callable[[str], None] | None = print) -> list[dict]:
     """Train one arm for config.steps steps (in total, counting a resumed checkpoint's); returns its
     per-step metrics. With `out`: metrics.jsonl and checkpoints under <out>/<arm>/; `resume` continues
-    from <out>/<arm>/checkpoint when one exists."""
+    from <out>/<arm>/checkpoint when one exists. Ctrl-C: the finished steps are checkpointed (with `out`)
+    and `Interrupted` is raised with their metrics as `partial`."""
     from detinfer.rl.grpo import GRPOTrainer
 
-    trainer = GRPOTrainer(model, config, arm, task=task, device=device, max_model_len=max_model_len)
+    started = time.perf_counter()
+    if log:
+        log(f"[{arm}] loading {model if isinstance(model, (str, Path)) else type(model).__name__} "
+            f"({arm_engine_mode(arm)} mode) ...")
     try:
+        trainer = GRPOTrainer(model, config, arm, task=task, device=device, max_model_len=max_model_len)
+    except KeyboardInterrupt:
+        raise Interrupted([], f"[{arm}] while loading the model") from None
+    try:  # (a Ctrl-C here, before the steps: a plain KeyboardInterrupt, nothing of this arm to keep)
+        if log:
+            c = config
+            log(f"[{arm}] loaded in {time.perf_counter() - started:.1f} s on {trainer.device}; {c.steps} steps of "
+                f"{c.prompts_per_step} prompts x {c.n_samples} samples, up to {c.max_tokens} tokens each")
         arm_dir = None if out is None else Path(out) / arm
         ckpt = None if arm_dir is None else arm_dir / "checkpoint"
         if arm_dir is not None:
@@ -66,7 +80,14 @@ def run_arm(model, config: RLConfig, arm: str, out: str | Path | None = None, *,
                 log(f"[{arm}] no checkpoint in {ckpt}; starting from step 0")
         if trainer.step_index > config.steps:
             raise ValueError(f"the checkpoint is at step {trainer.step_index}, past steps={config.steps}")
-        _loop(trainer, config, arm, arm_dir, ckpt, progress, log)
+        try:
+            _loop(trainer, config, arm, arm_dir, ckpt, progress, log)
+        except KeyboardInterrupt:
+            where = f"[{arm}] during step {trainer.step_index + 1} of {config.steps}"
+            if ckpt is not None and trainer.step_index > 0:
+                save_checkpoint(trainer, ckpt)  # the finished steps (a step is never half-applied)
+                where += f"; checkpoint of step {trainer.step_index} in {ckpt}"
+            raise Interrupted(list(trainer.history), where) from None
         return trainer.history
     finally:
         trainer.close()
@@ -89,6 +110,9 @@ def _loop(trainer, config: RLConfig, arm: str, arm_dir, ckpt, progress: bool, lo
                 f.write(json.dumps(jsonable(rec)) + "\n")
     try:
         while trainer.step_index < config.steps:
+            if log:  # before the step: a step can take minutes, and the bar alone says nothing until it ends
+                write(f"[{arm}] step {trainer.step_index + 1}/{config.steps}: sampling "
+                      f"{config.prompts_per_step} x {config.n_samples}, then training ...")
             rec = trainer.step()
             if arm_dir is not None:
                 with open(arm_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
@@ -123,12 +147,24 @@ def run(model, config: RLConfig, arms: Sequence[str] = ARMS, out: str | Path = "
         if arm not in ARMS:
             raise ValueError(f"unknown arm {arm!r}; arms: {ARMS}")
     histories = {}
-    for arm in arms:
-        histories[arm] = run_arm(model, config, arm, out, task=task, device=device, resume=resume,
-                                 progress=progress, max_model_len=max_model_len, log=log)
-    from detinfer.rl.report import write_report
-
     info = {**config.to_dict(), "model": str(model) if isinstance(model, (str, Path)) else type(model).__name__,
             "task": task.name if task else (config.dataset or config.task), **(experiment or {})}
+    from detinfer.rl.report import write_report
+
+    for arm in arms:
+        try:
+            histories[arm] = run_arm(model, config, arm, out, task=task, device=device, resume=resume,
+                                     progress=progress, max_model_len=max_model_len, log=log)
+        except KeyboardInterrupt as e:  # Interrupted from run_arm, or a Ctrl-C before its steps began
+            where = e.where if isinstance(e, Interrupted) else f"[{arm}] before its first step"
+            if isinstance(e, Interrupted) and e.partial:
+                histories[arm] = e.partial
+            not_run = [a for a in arms if a not in histories and a != arm]
+            partial = {"histories": histories, "paths": None}
+            if any(histories.values()):  # a report of the finished steps, marked partial
+                info["partial"] = (f"interrupted (Ctrl-C) {where}" +
+                                   (f"; arms not run: {', '.join(not_run)}" if not_run else ""))
+                partial["paths"] = write_report(out, {a: h for a, h in histories.items() if h}, info)
+            raise Interrupted(partial, where) from None
     paths = write_report(out, histories, info)
     return {"histories": histories, "paths": paths}

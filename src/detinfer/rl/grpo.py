@@ -33,10 +33,13 @@ The sampler and the trainer share the model's weight tensors: nothing is reloade
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import math
 import random
+import signal
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -73,6 +76,27 @@ class Rollout:
     rewards: list[float]
     truncated: list[bool] = field(default_factory=list)   # stopped by max_tokens
     scores: RewardScores | None = None
+
+
+@contextlib.contextmanager
+def ctrl_c_deferred():
+    """Ctrl-C (SIGINT) arriving inside the block takes effect when it ends, so that state which must change
+    together (a step's weights, optimizer state and step count) is never left half-changed, and a checkpoint
+    saved after the interrupt holds whole steps. Only in the main thread (signals go only there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if pending:
+            if callable(previous):
+                previous(signal.SIGINT, pending[0])  # Python's default handler raises KeyboardInterrupt
+            elif previous != signal.SIG_IGN:
+                raise KeyboardInterrupt
 
 
 def _sync(device: torch.device) -> None:
@@ -146,32 +170,34 @@ class GRPOTrainer:
 
     # -- one step ------------------------------------------------------------------------------------
     def step(self) -> dict:
-        """Run one GRPO step; returns (and appends to `history`) its metrics."""
+        """Run one GRPO step; returns (and appends to `history`) its metrics. Ctrl-C (KeyboardInterrupt)
+        leaves the trainer at the last finished step: the update itself is never cut in half."""
         t0 = time.perf_counter()
         rollout = self.rollout(self.step_index)
         _sync(self.device)
         t1 = time.perf_counter()
-        stats = self.update(rollout)
-        _sync(self.device)
-        t2 = time.perf_counter()
-        self.step_index += 1
-        lengths = [len(c) for c in rollout.completion_ids]
-        scores = rollout.scores
-        record = {"step": self.step_index, "reward_mean": _mean(rollout.rewards),
-                  "response_len_mean": _mean(lengths), "truncated_frac": _mean(rollout.truncated),
-                  **{f"reward/{k}": _mean(x for x in v if not math.isnan(x)) for k, v in scores.per_func.items()},
-                  "reward_failures": scores.failed_samples,
-                  **{f"reward_failures/{k}": v for k, v in scores.failures.items()},
-                  "reward_error": scores.first_error, **stats,
-                  "weights_hash": self.fingerprint(), "rollout_s": t1 - t0, "train_s": t2 - t1,
-                  "step_s": t2 - t0, "sample_text": rollout.texts[0][:200]}
-        epoch = epoch_of_step(self.task, self.step_index, self.config.prompts_per_step)
-        if epoch is not None:
-            record["epoch"] = epoch
-        every = self.config.eval_every
-        if every and self.step_index % every == 0:
-            record.update(self.evaluate())
-        self.history.append(record)
+        with ctrl_c_deferred():  # the weights, optimizer state, step count and history change together
+            stats = self.update(rollout)
+            _sync(self.device)
+            t2 = time.perf_counter()
+            self.step_index += 1
+            lengths = [len(c) for c in rollout.completion_ids]
+            scores = rollout.scores
+            record = {"step": self.step_index, "reward_mean": _mean(rollout.rewards),
+                      "response_len_mean": _mean(lengths), "truncated_frac": _mean(rollout.truncated),
+                      **{f"reward/{k}": _mean(x for x in v if not math.isnan(x)) for k, v in scores.per_func.items()},
+                      "reward_failures": scores.failed_samples,
+                      **{f"reward_failures/{k}": v for k, v in scores.failures.items()},
+                      "reward_error": scores.first_error, **stats,
+                      "weights_hash": self.fingerprint(), "rollout_s": t1 - t0, "train_s": t2 - t1,
+                      "step_s": t2 - t0, "sample_text": rollout.texts[0][:200]}
+            epoch = epoch_of_step(self.task, self.step_index, self.config.prompts_per_step)
+            if epoch is not None:
+                record["epoch"] = epoch
+            every = self.config.eval_every
+            if every and self.step_index % every == 0:
+                record.update(self.evaluate())
+            self.history.append(record)
         return record
 
     def encode(self, example: Example) -> list[int]:

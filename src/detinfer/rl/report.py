@@ -116,8 +116,10 @@ def report_html(histories: Mapping[str, Sequence[Mapping[str, Any]]], experiment
                 png: bytes) -> str:
     head = ("<!doctype html><html><head><meta charset=utf-8><title>detinfer rl report</title>"
             f"<style>{_CSS}</style></head><body><h1>GRPO: sampler-trainer mismatch, deterministic vs fast</h1>")
+    if experiment.get("partial"):  # Ctrl-C: the steps that finished, said before anything else
+        head += f"<p><b>Partial report:</b> {_e(experiment['partial'])}</p>"
     info = "<p>" + ", ".join(f"{_e(k)}: <code>{_e(v)}</code>" for k, v in experiment.items()
-                             if k != "command" and not isinstance(v, (dict, list))) + "</p>"
+                             if k not in ("command", "partial") and not isinstance(v, (dict, list))) + "</p>"
     if experiment.get("command"):
         info += f"<p>command: <code>{_e(experiment['command'])}</code></p>"
     times = {a: arm_summary(h).get("mean step time (s)") for a, h in histories.items()}
@@ -139,7 +141,8 @@ def write_report(out_dir: str | Path, histories: Mapping[str, Sequence[Mapping[s
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "report.json", "html": out / "report.html", "summary_png": out / "summary.png"}
-    doc = {"format": REPORT_FORMAT, "detinfer_version": __version__, "experiment": dict(experiment),
+    doc = {"format": REPORT_FORMAT, "detinfer_version": __version__, "partial": bool(experiment.get("partial")),
+           "experiment": dict(experiment),
            "arms": {a: {"summary": arm_summary(h), "steps": list(h)} for a, h in histories.items()}}
     paths["json"].write_text(json.dumps(jsonable(doc), allow_nan=False, indent=1) + "\n", encoding="utf-8")
     png = summary_png(histories)
