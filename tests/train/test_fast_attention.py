@@ -93,9 +93,13 @@ def test_varlen_causal_keywords_follow_the_installed_signature():
     def no_causal(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None):
         pass
 
+    def no_scale(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal=False):
+        pass
+
     assert _varlen_causal_kwargs(new_style) == {"window_size": (-1, 0), "enable_gqa": True}
     assert _varlen_causal_kwargs(old_style) == {"is_causal": True}
     assert _varlen_causal_kwargs(no_causal) is None
+    assert _varlen_causal_kwargs(no_scale) is None
 
 
 @pytest.fixture(scope="module")

@@ -97,6 +97,8 @@ def _torch_varlen():
 
 def _varlen_causal_kwargs(fn) -> dict | None:
     params = inspect.signature(fn).parameters
+    if "scale" not in params:  # the model's softmax scale must be passed through
+        return None
     if "window_size" in params:
         kwargs = {"window_size": (-1, 0)}
     elif "is_causal" in params:
