@@ -94,7 +94,9 @@ def pack_padded(token_ids: torch.Tensor, lengths: Sequence[int] | torch.Tensor |
 
 
 class TrainableModel:
-    """See the module doc. `source`: a detinfer LLM, LLMEngine, or a models.Transformer."""
+    """See the module doc. `source`: a detinfer LLM, LLMEngine, or a models.Transformer.
+    `fast_attention` (fast mode only): "auto" (the strongest available), "varlen", "flash-attn",
+    "padded-sdpa" or "per-sequence" (fast_attention.py); `self.fast_attention` names the one resolved."""
 
     def __init__(self, source, mode: str = "deterministic", *, master_weights: bool | None = None,
                  block_size: int = 16, activation_checkpointing: bool = False,
