@@ -167,3 +167,25 @@ def test_gpu_fast_attention_matches_reference_in_bf16(impl, lens, hkv, group, d)
     q, k, v, cu = _inputs(lens, hkv, group, d, seed=0, dtype=torch.bfloat16, device=dev)
     _check_against_reference(build_fast_attention(name, cu, d ** -0.5, dev), q, k, v, cu, d ** -0.5,
                              atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_fast_mode_batched_scores_equal_per_sequence_scores():
+    from detinfer.train.testing import random_model
+
+    model, cfg = random_model("smollm2-135m", layers=2, mode="fast", device="cuda", dtype=torch.bfloat16)
+    lens = [3, 40, 17, 64, 1, 33]
+    ids = torch.randint(0, cfg.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(0))
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    scores = {}
+    for impl in ("auto", "per-sequence"):
+        trainer = TrainableModel(model, mode="fast", fast_attention=impl)
+        with torch.no_grad():
+            scores[impl] = (trainer.fast_attention, trainer.score(ids, cu))
+        trainer.close()
+    print(f"auto -> {scores['auto'][0]}; max |batched - per-sequence| "
+          f"{(scores['auto'][1] - scores['per-sequence'][1]).abs().max().item():.3g}")
+    assert scores["auto"][0] != "per-sequence"
+    torch.testing.assert_close(scores["auto"][1], scores["per-sequence"][1], atol=5e-2, rtol=0)
