@@ -16,6 +16,7 @@ fp32) "auto" picks padded-sdpa.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -84,6 +85,7 @@ class PaddedSDPAAttention:
         return out.transpose(1, 2)[self.seq_index, self.pos_index]
 
 
+@functools.cache  # looked up once: called per layer
 def _torch_varlen():
     """torch's varlen_attn and the keyword arguments that make it causal (and grouped-query, where it
     takes enable_gqa), or None where the installed torch lacks it or a causal option: the signature
@@ -110,6 +112,7 @@ def _varlen_causal_kwargs(fn) -> dict | None:
     return kwargs
 
 
+@functools.cache
 def _flash_attn_varlen():
     try:
         from flash_attn import flash_attn_varlen_func
