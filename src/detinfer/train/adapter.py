@@ -21,8 +21,9 @@ contiguous block tables and calls the very attention function the engine's runne
 attention is invariant to chunking and block layout, so the bits equal what the engine computed.
 Everything is restored afterwards. Not thread-safe: do not step the engine during a training forward.
 
-Fast mode swaps in the model's Ops in fast mode (F.linear, torch norms and softmax: plain autograd) and
-`SDPAAttention` (torch's scaled_dot_product_attention per sequence), on the same module and weights.
+Fast mode swaps in the model's Ops in fast mode (F.linear, torch norms and softmax: plain autograd) and a
+stock attention over the whole packed batch in one call (fast_attention.py: torch's varlen flash attention
+where available, else SDPA over a padded batch), on the same module and weights.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.overrides import TorchFunctionMode
 
+from detinfer.train.fast_attention import SDPAAttention
 from detinfer.train.functions import (
     AttentionFn,
     EmbeddingFn,
@@ -189,25 +191,6 @@ class PackedPagedAttention:
         if not _needs_grad(q, k, v):
             return self._forward(q, k, v)
         return AttentionFn.apply(q, k, v, self._forward, self.cu, self.scale)
-
-
-class SDPAAttention:
-    """Fast mode: torch's scaled_dot_product_attention, causal, one call per sequence (stock autograd)."""
-
-    def __init__(self, cu_seqlens: list[int], scale: float):
-        self.cu, self.scale = cu_seqlens, scale
-
-    def __call__(self, layer_idx, q, k, v):
-        outs = []
-        group = q.shape[1] // k.shape[1]
-        for a, b in zip(self.cu[:-1], self.cu[1:]):
-            # [1, H, L, D]: the fused (flash / memory-efficient) backends take 4-D inputs only
-            qs, ks, vs = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-            if group > 1:
-                ks, vs = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
-            outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale)[0]
-                        .transpose(0, 1))
-        return torch.cat(outs, 0)
 
 
 def _checkpointed(forward):

@@ -14,7 +14,9 @@ In deterministic mode the logprobs are `torch.equal` to the ones the engine repo
 same tokens (output `logprobs` and `prompt_logprobs`), whatever the engine's batches and the training
 packing: the forward runs the engine's ops and attention (see adapter.py), and both sides are
 batch-invariant. Gradients come from fixed-order backward kernels: two identical steps give identical bits.
-Fast mode runs stock PyTorch autograd (F.linear, SDPA) on the same module, to measure cost and mismatch.
+Fast mode runs stock PyTorch autograd (F.linear, and attention over the whole packed batch in one call:
+torch's varlen flash attention where available, else SDPA over a padded batch; `fast_attention=`, see
+fast_attention.py) on the same module, to measure cost and mismatch. It makes no determinism claim.
 
 Parameters and gradients. fp32 models: `parameters()` are the engine's tensors, with fp32 grads. 16-bit
 models (bf16 on GPU): by default (`master_weights=True`) `parameters()` are fp32 master copies whose
@@ -40,10 +42,10 @@ import torch
 from detinfer.train.adapter import (
     DifferentiableOps,
     PackedPagedAttention,
-    SDPAAttention,
     TrainingForward,
     attention_functions,
 )
+from detinfer.train.fast_attention import build_fast_attention, resolve_fast_attention
 from detinfer.train.logprobs import LOGPROB_CHUNK_ROWS, LogprobHead, chunked_logprobs
 
 __all__ = ["MODES", "TrainableModel", "pack_padded"]
@@ -92,13 +94,18 @@ def pack_padded(token_ids: torch.Tensor, lengths: Sequence[int] | torch.Tensor |
 
 
 class TrainableModel:
-    """See the module doc. `source`: a detinfer LLM, LLMEngine, or a models.Transformer."""
+    """See the module doc. `source`: a detinfer LLM, LLMEngine, or a models.Transformer.
+    `fast_attention` (fast mode only): "auto" (the strongest available), "varlen", "flash-attn",
+    "padded-sdpa" or "per-sequence" (fast_attention.py); `self.fast_attention` names the one resolved."""
 
     def __init__(self, source, mode: str = "deterministic", *, master_weights: bool | None = None,
                  block_size: int = 16, activation_checkpointing: bool = False,
-                 logprob_chunk_rows: int = LOGPROB_CHUNK_ROWS):
+                 logprob_chunk_rows: int = LOGPROB_CHUNK_ROWS, fast_attention: str = "auto"):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode == "deterministic" and fast_attention != "auto":
+            raise ValueError(f"fast_attention={fast_attention!r} picks fast mode's attention; deterministic mode "
+                             "always runs the engine's paged attention (leave fast_attention='auto')")
         if not isinstance(activation_checkpointing, bool):
             raise TypeError(f"activation_checkpointing must be a bool, got {activation_checkpointing!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
@@ -113,8 +120,13 @@ class TrainableModel:
                 else None
             self.attend, self.write = attention_functions(self.model, runner)
             self.ops = DifferentiableOps(base)
+            self.fast_attention = None
         else:
             self.ops = self.model.ops.replace(mode="fast")
+            weight = self.model.embed_tokens
+            # resolved once: the name says which kernel the fast arm's numbers come from (bench, rl report)
+            self.fast_attention = resolve_fast_attention(fast_attention, weight.device, weight.dtype,
+                                                         cfg.head_dim)
         self.head = LogprobHead(self.model.ops.replace(mode=mode), logprob_chunk_rows)
         self.activation_checkpointing = activation_checkpointing
         self.forward_runner = TrainingForward(self.model, self.ops, checkpoint_layers=activation_checkpointing)
@@ -267,7 +279,7 @@ class TrainableModel:
     def _attention(self, cu: list[int], dev: torch.device):
         if self.mode == "deterministic":
             return PackedPagedAttention(self.attend, self.write, cu, self.scale, self.block_size, dev)
-        return SDPAAttention(cu, self.scale)
+        return build_fast_attention(self.fast_attention, cu, self.scale, dev)
 
     def _hidden(self, ids: torch.Tensor, cu: list[int]) -> torch.Tensor:
         return self.forward_runner.hidden(ids, self._positions_of(cu, ids.device), self._attention(cu, ids.device))
