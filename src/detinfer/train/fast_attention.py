@@ -10,8 +10,10 @@ strongest one available is the default ("auto"):
   padded-sdpa   scaled_dot_product_attention over a right-padded [S, H, max_len, D] batch, one call;
   per-sequence  one SDPA call per sequence (the old fast path; kept for the benchmark's comparison).
 
-The two varlen kernels take CUDA, fp16/bf16 and head_dim a multiple of 8 up to 256; elsewhere (the CPU,
-fp32) "auto" picks padded-sdpa.
+The two varlen kernels take CUDA, fp16/bf16 and head_dim a multiple of 8 up to 256. "auto" picks
+padded-sdpa everywhere for now: the varlen paths are written against both torch versions' signatures but
+have not yet run on a GPU here (tests/train/test_fast_attention.py's GPU tests check them); once they pass,
+`AUTO_ORDER` puts varlen first.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ __all__ = ["FAST_ATTENTION", "PaddedSDPAAttention", "SDPAAttention", "VarlenAtte
            "build_fast_attention", "resolve_fast_attention"]
 
 FAST_ATTENTION = ("auto", "varlen", "flash-attn", "padded-sdpa", "per-sequence")
+# What "auto" tries, strongest first (see the module doc for why the varlen kernels are not in it yet).
+AUTO_ORDER = ()
 
 
 def _expand_kv(q, k, v):
@@ -159,13 +163,12 @@ def _varlen_unsupported(impl: str, device: torch.device, dtype: torch.dtype, hea
 
 
 def resolve_fast_attention(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
-    """The implementation `name` stands for on this device / dtype / head_dim: "auto" -> the strongest
-    available (varlen, flash-attn, padded-sdpa in that order); an explicit one that cannot run -> a
-    ValueError saying why."""
+    """The implementation `name` stands for on this device / dtype / head_dim: "auto" -> the first of
+    AUTO_ORDER available, else padded-sdpa; an explicit one that cannot run -> a ValueError saying why."""
     if name not in FAST_ATTENTION:
         raise ValueError(f"fast_attention must be one of {FAST_ATTENTION}, got {name!r}")
     if name == "auto":
-        for impl in ("varlen", "flash-attn"):
+        for impl in AUTO_ORDER:
             if _varlen_unsupported(impl, device, dtype, head_dim) is None:
                 return impl
         return "padded-sdpa"
