@@ -19,8 +19,8 @@ from pathlib import Path
 
 from detinfer.cli_util import Interrupted
 from detinfer.rl.checkpoint import load_checkpoint, run_identity, save_checkpoint
-from detinfer.rl.logs import StepLogs
 from detinfer.rl.config import ARMS, RLConfig, arm_engine_mode
+from detinfer.rl.logs import StepLogs
 from detinfer.rl.tasks import Task
 
 
@@ -52,19 +52,11 @@ def run_arm(model, config: RLConfig, arm: str, out: str | Path | None = None, *,
     continues from <out>/<arm>/checkpoint when one exists (refused if the model, the engine's limits or the
     task's data differ from the checkpoint's run: see checkpoint.run_identity). `tensorboard`: also write
     TensorBoard events to <out>/<arm>/tensorboard; `export_hf`: at the end, write the trained weights as a
-    Hugging Face checkpoint to <out>/<arm>/hf (model given as a directory). Ctrl-C: the finished steps are checkpointed (with `out`)
-    and `Interrupted` is raised with their metrics as `partial`."""
+    Hugging Face checkpoint to <out>/<arm>/hf (model given as a directory). Ctrl-C: the finished steps are
+    checkpointed (with `out`) and `Interrupted` is raised with their metrics as `partial`."""
     from detinfer.rl.grpo import GRPOTrainer
 
-    if (tensorboard or export_hf) and out is None:
-        raise ValueError("tensorboard and export_hf write under the output directory: give `out`")
-    if export_hf and not isinstance(model, (str, Path)):
-        raise ValueError("export_hf needs the model as a directory (its config.json and tokenizer are copied); "
-                         "for a built LLM call detinfer.rl.export.export_hf yourself")
-    if tensorboard:
-        from detinfer.rl.logs import tensorboard_writer_class
-
-        tensorboard_writer_class()  # refuses now, naming the package, not after the model has loaded
+    _check_output_options(model, out, tensorboard, export_hf)
     started = time.perf_counter()
     if log:
         log(f"[{arm}] loading {model if isinstance(model, (str, Path)) else type(model).__name__} "
@@ -115,6 +107,19 @@ def run_arm(model, config: RLConfig, arm: str, out: str | Path | None = None, *,
         del trainer
         gc.collect()
         _empty_cuda_cache()
+
+
+def _check_output_options(model, out, tensorboard: bool, export_hf: bool) -> None:
+    """Refuse output options that cannot work before the model loads (not after a run of many minutes)."""
+    if (tensorboard or export_hf) and out is None:
+        raise ValueError("tensorboard and export_hf write under the output directory: give `out`")
+    if export_hf and not isinstance(model, (str, Path)):
+        raise ValueError("export_hf needs the model as a directory (its config.json and tokenizer are copied); "
+                         "for a built LLM call detinfer.rl.export.export_hf yourself")
+    if tensorboard:
+        from detinfer.rl.logs import tensorboard_writer_class
+
+        tensorboard_writer_class()  # raises ImportError naming the package
 
 
 def _local_model_dir(model) -> Path:
