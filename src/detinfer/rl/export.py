@@ -132,21 +132,26 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, model_dir
     return export_hf(weights, out_dir, model_dir, dtype=dtype, overwrite=overwrite)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`detinfer export CHECKPOINT OUT --model DIR [--dtype D] [--overwrite]`."""
+def build_parser():
     import argparse
-    import sys
-
-    from detinfer.dtypes import resolve_dtype
 
     p = argparse.ArgumentParser(prog="detinfer export", description="Write the weights of a `detinfer rl` "
                                 "checkpoint as a Hugging Face checkpoint (HF tensor names, config.json, tokenizer).")
     p.add_argument("checkpoint", help="checkpoint directory, e.g. rl-report/deterministic/checkpoint")
     p.add_argument("out", help="output directory (created)")
     p.add_argument("--model", required=True, help="the model directory the run started from (config.json, tokenizer)")
-    p.add_argument("--dtype", default=None, help="store the weights in this dtype (default: as trained)")
+    p.add_argument("--dtype", default=None, help="store the weights in this dtype, e.g. bfloat16 (default: as trained)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
-    ns = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`detinfer export CHECKPOINT OUT --model DIR [--dtype D] [--overwrite]`."""
+    import sys
+
+    from detinfer.dtypes import resolve_dtype
+
+    ns = build_parser().parse_args(argv)
     try:
         dtype = None if ns.dtype is None else resolve_dtype(ns.dtype, None)
         out = export_checkpoint(ns.checkpoint, ns.out, ns.model, dtype=dtype, overwrite=ns.overwrite)
