@@ -115,3 +115,24 @@ def test_export_refuses_the_source_directory_and_a_missing_config(trained, stori
         export_hf(weights, stories_dir, stories_dir)
     with pytest.raises(FileNotFoundError, match="no config.json"):
         export_hf(weights, tmp_path / "y", tmp_path)
+
+
+def test_16_bit_engine_exports_fp32_masters_or_exactly_the_engines_bf16_weights(stories_dir, tmp_path):
+    from detinfer.rl import GRPOTrainer
+
+    trainer = GRPOTrainer(stories_dir, CFG.replace(dtype="bfloat16"), "deterministic", device="cpu",
+                          max_model_len=64)
+    try:
+        trainer.step()
+        engine = dict(trainer.engine.runner.model.state_dict())
+        masters = dict(trainer.named_parameters())
+        assert engine["norm.weight"].dtype == torch.bfloat16 and masters["norm.weight"].dtype == torch.float32
+        for dtype, expected in ((None, masters), (torch.bfloat16, engine)):
+            out = export_hf(trainer, tmp_path / str(dtype), stories_dir, dtype=dtype)
+            config = ModelConfig.from_dir(out)
+            reloaded = load_state(out, config, expected["norm.weight"].dtype, "cpu")
+            assert sorted(reloaded) == sorted(masters)
+            for name, tensor in reloaded.items():
+                assert torch.equal(tensor, expected[name].detach()), (dtype, name)
+    finally:
+        trainer.close()
