@@ -13,6 +13,7 @@ _COMMANDS = {
     "repro": ("detinfer.repro.cli", "N runs of a prompt under load: how many unique completions? (report)"),
     "audit": ("detinfer.repro.audit", "check a model's batch invariance and name the first op that differs"),
     "rl": ("detinfer.rl.cli", "GRPO with sampler-trainer logprobs equal bit for bit; compare with stock kernels"),
+    "export": ("detinfer.rl.export", "write a `detinfer rl` checkpoint's weights as a Hugging Face checkpoint"),
 }
 
 

@@ -20,14 +20,17 @@ _EXPORTS = {
     "save_checkpoint": "detinfer.rl.checkpoint",
     "load_checkpoint": "detinfer.rl.checkpoint",
     "write_report": "detinfer.rl.report",
+    "export_hf": "detinfer.rl.export",
+    "export_checkpoint": "detinfer.rl.export",
 }
-__all__ = ["ARMS", "TASKS", "Example", "GRPOTrainer", "RLConfig", "Task", "load_checkpoint", "run", "run_arm",
-           "save_checkpoint", "write_report"]
+__all__ = ["ARMS", "TASKS", "Example", "GRPOTrainer", "RLConfig", "Task", "export_checkpoint", "export_hf",
+           "load_checkpoint", "run", "run_arm", "save_checkpoint", "write_report"]
 
 if TYPE_CHECKING:
     from detinfer.rl.api import run, run_arm
     from detinfer.rl.checkpoint import load_checkpoint, save_checkpoint
     from detinfer.rl.config import ARMS, RLConfig
+    from detinfer.rl.export import export_checkpoint, export_hf
     from detinfer.rl.grpo import GRPOTrainer
     from detinfer.rl.report import write_report
     from detinfer.rl.tasks import TASKS, Example, Task

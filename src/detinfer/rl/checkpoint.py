@@ -4,7 +4,8 @@ A checkpoint directory holds
   weights.safetensors    the trained weights (fp32 masters for 16-bit engines), by parameter name
   optimizer.safetensors  AdamW's per-parameter state ("<name>::exp_avg", "::exp_avg_sq", "::step")
   state.json             steps done, the run's seed and config, the arm, the optimizer's hyperparameters,
-                         the metrics history and the weights' fingerprint
+                         the metrics history, the weights' fingerprint and the run's identity (model, engine
+                         limits, task data: see `run_identity`), which a resume must match
 
 There is no other random state to save: a step's prompts and every sampling seed are pure functions of
 (seed, step, prompt, sample), so (seed, steps done) is the whole RNG state. A checkpoint is written to a
@@ -14,6 +15,7 @@ checkpoint that looks valid.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -45,8 +47,90 @@ def _safetensors():
     return load_file, save_file
 
 
-def save_checkpoint(trainer, directory: str | Path) -> Path:
-    """Write `trainer`'s (a GRPOTrainer) state into `directory` (replaced if it exists)."""
+# The engine settings that bound or shape what a run samples (EngineConfig fields).
+ENGINE_IDENTITY_FIELDS = ("max_model_len", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens")
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _model_identity(trainer, model) -> dict:
+    """What the run started from: the initial weights' fingerprint (exact bits), and for a model directory
+    its config.json's SHA-256 and its weight files' sizes. The path is recorded for messages only (a moved
+    directory is the same model)."""
+    identity = {"initial_weights": trainer.fingerprint()}
+    path = Path(model) if isinstance(model, (str, Path)) else None
+    if path is not None and path.is_dir():
+        identity["path"] = str(path)
+        if (path / "config.json").is_file():
+            identity["config_json_sha256"] = _sha256_file(path / "config.json")
+        identity["weight_file_sizes"] = {p.name: p.stat().st_size for p in sorted(path.glob("*.safetensors"))}
+    else:
+        identity["path"] = str(model) if isinstance(model, (str, Path)) else type(model).__name__
+    return identity
+
+
+def _examples_sha256(examples) -> str:
+    h = hashlib.sha256()
+    for ex in examples:
+        h.update(json.dumps([ex.prompt, ex.answer, ex.meta], sort_keys=True, default=repr).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def _task_identity(trainer) -> dict:
+    """The prompts the run trains and evaluates on: the task's name, a SHA-256 of its examples (a dataset's
+    rows as loaded, whatever their source: a file's edited rows or another dataset revision change it) or,
+    for a generator task, of its first step's examples; a local dataset file's SHA-256; the eval examples."""
+    from detinfer.rl.tasks import examples_for_step
+
+    task, c = trainer.task, trainer.config
+    examples = task.examples if task.examples is not None else examples_for_step(task, c.seed, 0, c.prompts_per_step)
+    identity = {"name": task.name, "examples_sha256": _examples_sha256(examples),
+                "eval_examples_sha256": _examples_sha256(trainer.eval_examples)}
+    for key in ("dataset", "eval_dataset"):
+        source = getattr(c, key)
+        if source is not None and Path(source).is_file():
+            identity[f"{key}_file_sha256"] = _sha256_file(Path(source))
+    return identity
+
+
+def run_identity(trainer, model, max_model_len: int) -> dict:
+    """Everything besides RLConfig that decides a run's trajectory, computed from a freshly built `trainer`
+    (before any step or checkpoint load): {"model": ..., "engine": ..., "task": ...}. A checkpoint stores it,
+    and a resume refuses to continue under a different one (`check_identity`)."""
+    engine = {k: getattr(trainer.engine.config, k) for k in ENGINE_IDENTITY_FIELDS if hasattr(trainer.engine.config, k)}
+    engine["max_model_len"] = max_model_len
+    engine["weights_dtype"] = str(trainer.engine.runner.dtype).removeprefix("torch.")
+    return {"model": _model_identity(trainer, model), "engine": engine, "task": _task_identity(trainer)}
+
+
+def check_identity(saved: dict | None, now: dict | None) -> None:
+    """Refuse a resume whose model, engine limits or task data differ from the checkpoint's, naming each
+    difference with its old and new value. Checkpoints written before identities were stored have none
+    (nothing to compare); `path` alone may differ (a moved model directory)."""
+    if saved is None or now is None:
+        return
+    diffs = []
+    for part in ("model", "engine", "task"):
+        old, new = saved.get(part, {}), now.get(part, {})
+        for key in sorted(set(old) | set(new)):
+            if key != "path" and old.get(key) != new.get(key):
+                diffs.append(f"{part} {key}: {old.get(key, '(absent)')!r} -> {new.get(key, '(absent)')!r}")
+    if diffs:
+        where = f" (checkpoint's model: {saved.get('model', {}).get('path')}, now: {now.get('model', {}).get('path')})"
+        raise ValueError("cannot resume: this run differs from the checkpoint's in what decides its trajectory: "
+                         + "; ".join(diffs) + where)
+
+
+def save_checkpoint(trainer, directory: str | Path, identity: dict | None = None) -> Path:
+    """Write `trainer`'s (a GRPOTrainer) state into `directory` (replaced if it exists), with the run's
+    `identity` (`run_identity`) when given."""
     _, save_file = _safetensors()
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
@@ -66,7 +150,7 @@ def save_checkpoint(trainer, directory: str | Path) -> Path:
     groups = [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.state_dict()["param_groups"]]
     state = {"format": CHECKPOINT_FORMAT, "step": trainer.step_index, "arm": trainer.arm,
              "task": trainer.task.name, "config": trainer.config.to_dict(), "optimizer_param_groups": groups,
-             "weights_hash": trainer.fingerprint(), "history": trainer.history}
+             "weights_hash": trainer.fingerprint(), "history": trainer.history, "identity": identity}
     (tmp / "state.json").write_text(json.dumps(jsonable(state), indent=1, allow_nan=False) + "\n", encoding="utf-8")
     if directory.exists():
         shutil.rmtree(directory)
@@ -100,13 +184,15 @@ def check_compatible(state: dict, config: RLConfig, arm: str, task_name: str) ->
 
 
 @torch.no_grad()
-def load_checkpoint(trainer, directory: str | Path) -> dict:
+def load_checkpoint(trainer, directory: str | Path, identity: dict | None = None) -> dict:
     """Restore weights, optimizer state, step and history into a freshly built `trainer`; the engine
-    sees the restored weights (and an empty prefix cache). Returns the checkpoint's state.json."""
+    sees the restored weights (and an empty prefix cache). `identity`: this run's `run_identity`, refused
+    if it differs from the checkpoint's. Returns the checkpoint's state.json."""
     load_file, _ = _safetensors()
     directory = Path(directory)
     state = read_state(directory)
     check_compatible(state, trainer.config, trainer.arm, trainer.task.name)
+    check_identity(state.get("identity"), identity)
     weights = load_file(str(directory / "weights.safetensors"))
     named = trainer.named_parameters()
     names = [n for n, _ in named]

@@ -5,6 +5,9 @@ the sampler-vs-trainer mismatch logged every step; one report comparing the arms
     detinfer rl --model DIR --task emit-token --steps 4 --mode deterministic --out r   # then again:
     detinfer rl --model DIR --task emit-token --steps 8 --mode deterministic --out r --resume
 
+Outputs per arm: <out>/<arm>/metrics.jsonl and metrics.csv, checkpoint/, tensorboard/ (--tensorboard), hf/
+(--export-hf; or later: detinfer export <out>/<arm>/checkpoint OUT --model DIR).
+
 --mode: deterministic | fast | fast-tis | both (= all three arms: deterministic; fast without importance
 weighting; fast with truncated importance weighting, cap --tis-cap). Flags other than the target, --mode,
 --out, --device, --resume and --check come from `RLConfig`. On a CPU, --steps, --prompts-per-step,
@@ -55,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="exit 1 unless the deterministic arm's mismatch was "
                    "exactly 0 at every step")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events to "
+                   "<out>/<arm>/tensorboard (needs the tensorboard package)")
+    p.add_argument("--export-hf", action="store_true", help="at the end, write each arm's trained weights as a "
+                   "Hugging Face checkpoint (config.json, tokenizer, model.safetensors) to <out>/<arm>/hf")
     add_dataclass_args(p, RLConfig)
     p.set_defaults(**{k: None for k in CPU_DEFAULTS})  # None: not given, filled in by device in main
     for action in p._actions:
@@ -119,7 +126,8 @@ def _main(argv: list[str] | None) -> int:
         command = "detinfer rl " + shlex.join(sys.argv[1:] if argv is None else argv)
         result = run(model, config, MODE_ARMS[ns.mode], ns.out, device=ns.device, resume=ns.resume,
                      progress=not ns.no_progress, max_model_len=ns.max_model_len,
-                     experiment={"command": command, "mode": ns.mode})
+                     experiment={"command": command, "mode": ns.mode}, tensorboard=ns.tensorboard,
+                     export_hf=ns.export_hf)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError, ImportError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
