@@ -7,6 +7,7 @@ that validation needs: tokenizer, vocabulary size, context length), never the en
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from detinfer.server.async_engine import AsyncEngine
@@ -41,3 +42,5 @@ class ServerState:
     prompts: PromptChecker
     limits: RequestLimits
     created: int = field(default=0)
+    # weights digest -> system_fingerprint (the other inputs fixed); an admin weight load re-fingerprints
+    refingerprint: Callable[[str], str] | None = None
