@@ -135,10 +135,15 @@ class RequestStream:
         return item
 
 
-def _resolve(fut: asyncio.Future, exc: BaseException | None) -> None:
+def _resolve(fut: asyncio.Future, exc: BaseException | None, result: Any = None) -> None:
     # Runs on the event loop.
     if not fut.done():
-        fut.set_exception(exc) if exc is not None else fut.set_result(None)
+        fut.set_exception(exc) if exc is not None else fut.set_result(result)
+
+
+def admin_error(kind: str, message: str) -> BaseException:
+    """An admin operation's failure as the server reports it: ValueError/TypeError (HTTP 400) or RequestFailed."""
+    return {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RequestFailed)(message)
 
 
 class AsyncEngine:
