@@ -129,9 +129,13 @@ def read_weights(path: Any, model: Any, model_config: Any, dtype: Any, device: A
     for name, tensor in state.items():
         if name not in params:
             raise ValueError(f"tensor {name}: the running model has no such parameter")
-        if tuple(tensor.shape) != params[name]:
-            raise ValueError(f"tensor {name} has shape {list(tensor.shape)}, the running model's is {list(params[name])}")
+        _check_shape(name, tuple(tensor.shape), params[name])
     return state
+
+
+def _check_shape(name: str, shape: tuple, expected: tuple) -> None:
+    if shape != expected:
+        raise ValueError(f"tensor {name} has shape {list(shape)}, the running model's is {list(expected)}")
 
 
 def _load_hf(load: Callable[[], dict]) -> dict:
@@ -159,8 +163,7 @@ def _read_file(path: Path, params: dict[str, tuple], model_config: Any, dtype: A
         for name in names:
             sl = f.get_slice(name)
             shape, stored = tuple(sl.get_shape()), sl.get_dtype()
-            if shape != params[name]:
-                raise ValueError(f"tensor {name} has shape {list(shape)}, the running model's is {list(params[name])}")
+            _check_shape(name, shape, params[name])
             if stored not in STORED_FLOAT_DTYPES:
                 raise ValueError(f"tensor {name} is stored as {stored}; allowed: {', '.join(STORED_FLOAT_DTYPES)}")
         return {name: _read_tensor(f, path, name, device, dtype) for name in names}

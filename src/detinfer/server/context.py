@@ -6,8 +6,8 @@ that validation needs: tokenizer, vocabulary size, context length), never the en
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from detinfer.server.async_engine import AsyncEngine
