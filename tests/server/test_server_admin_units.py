@@ -125,3 +125,42 @@ def test_admin_refuses_a_busy_engine_and_unknown_ops(dirs):
     engine.add_request("r", "hi", SamplingParams(max_tokens=4))
     with pytest.raises(RuntimeError, match="unfinished"):
         run_admin(engine, "reset_prefix_cache")
+
+
+# -- the engine core's loop: admin held until idle, aborts of held adds ------------------------------------
+def test_core_loop_holds_admin_until_idle_and_aborts_reach_held_adds(dirs):
+    """Over the real core protocol (a socketpair, CoreLoop on a thread): an admin operation sent while A runs
+    is answered only after A's final output; B, added behind it and aborted before its add was applied, ends
+    with finish_reason "abort" and no token (it must not run to max_tokens after the operation)."""
+    import socket
+    import threading
+
+    from detinfer.engine import core_wire as wire
+    from detinfer.engine.core_process import CoreLoop
+
+    engine = LLMEngine(dirs[0], CONFIG, device="cpu")
+    ours, theirs = socket.socketpair()
+    loop = threading.Thread(target=CoreLoop(engine, theirs).run, daemon=True)
+    long = SamplingParams(max_tokens=30, ignore_eos=True)
+    wire.send(ours, ("add", 0, (("A", wire.encode_prompt([1, 2, 3, 4, 5]), long),)))
+    wire.send(ours, ("admin", 1, "reset_prefix_cache", None))
+    wire.send(ours, ("add", 2, (("B", wire.encode_prompt([5, 4, 3]), long),)))
+    wire.send(ours, ("abort", ("B",)))
+    loop.start()  # all four are queued before the loop reads any: A is running when the admin op arrives
+    assembler, events, finals = wire.OutputAssembler(), [], {}
+    while len(finals) < 2 or "reply" not in events:
+        msg = wire.recv(ours)
+        if msg[0] == "step":
+            for delta in msg[3]:
+                out = assembler.apply(delta)
+                if out is not None and out.finished:
+                    finals[out.request_id] = out
+                    events.append(f"final {out.request_id}")
+        elif msg[0] in ("reply", "added"):
+            events.append(msg[0])
+            assert msg[0] != "reply" or msg[3] is None, msg
+    wire.send(ours, ("shutdown",))
+    loop.join(30)
+    assert events.index("final A") < events.index("reply")
+    assert finals["A"].outputs[0].finish_reason == "length" and len(finals["A"].outputs[0].token_ids) == 30
+    assert finals["B"].outputs[0].finish_reason == "abort" and finals["B"].outputs[0].token_ids == ()

@@ -181,6 +181,10 @@ class CoreLoop:
     def _apply(self, msg: tuple) -> None:
         if msg[0] in ("add", "admin") and self.held.offer(msg):
             return  # behind an admin operation waiting for the requests in flight to finish
+        if msg[0] == "abort" and self.held:
+            # Now for requests already running (a load must not wait for a request nobody reads), and again
+            # after the held adds (the front end may abort a request whose add is still held here).
+            self.held.offer(msg)
         self._apply_now(msg)
 
     def _apply_now(self, msg: tuple) -> None:
