@@ -164,3 +164,25 @@ def test_core_loop_holds_admin_until_idle_and_aborts_reach_held_adds(dirs):
     assert events.index("final A") < events.index("reply")
     assert finals["A"].outputs[0].finish_reason == "length" and len(finals["A"].outputs[0].token_ids) == 30
     assert finals["B"].outputs[0].finish_reason == "abort" and finals["B"].outputs[0].token_ids == ()
+
+
+@pytest.mark.gpu
+def test_gpu_load_weights_under_cuda_graphs_equals_a_fresh_engine(tmp_path):
+    """bf16 on CUDA with CUDA graphs captured over the old weights: the in-place load keeps the graphs valid,
+    so sampling after the load equals, bit for bit, an engine started on the new checkpoint."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    shape = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                 dtype="bfloat16")
+    a = write_tiny_checkpoint(tmp_path / "a", "Qwen3ForCausalLM", seed=1, **shape)
+    b = write_tiny_checkpoint(tmp_path / "b", "Qwen3ForCausalLM", seed=2, **shape)
+    cfg = EngineConfig(max_num_batched_tokens=256, max_num_seqs=8, block_size=16, num_kv_blocks=128,
+                       dtype="bfloat16")
+    engine = LLMEngine(a, cfg, device="cuda")
+    _sample(engine)  # graphs captured and replayed on the old weights
+    run_admin(engine, "load_weights", str(b))
+    got = _sample(engine)
+    del engine
+    fresh = LLMEngine(b, cfg, device="cuda")
+    assert got == _sample(fresh)
