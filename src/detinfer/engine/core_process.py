@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from detinfer.engine import core_wire as wire
+from detinfer.engine.admin import HeldCommands, run_admin
 
 log = logging.getLogger("detinfer.engine.core")
 
@@ -145,6 +146,7 @@ class CoreLoop:
         self.engine, self.sock = engine, sock
         self.encoder = wire.OutputEncoder()
         self.steps = 0
+        self.held = HeldCommands(lambda msg: msg[0] == "admin")  # admin operations wait for an idle engine
         gate_path = os.environ.get(STEP_GATE_ENV)
         self.gate = StepGate(gate_path) if gate_path else None
 
@@ -157,6 +159,7 @@ class CoreLoop:
     def run(self) -> None:
         engine = self.engine
         while True:
+            self.held.release(lambda: not engine.has_unfinished_requests(), self._apply_now)
             if not engine.has_unfinished_requests():  # block for commands only while there is nothing to step
                 messages = [wire.recv(self.sock)]
             elif self._gate_allows():
@@ -176,8 +179,26 @@ class CoreLoop:
                 wire.send(self.sock, ("stats", wire.stats_dict(engine.stats())))
 
     def _apply(self, msg: tuple) -> None:
+        if msg[0] in ("add", "admin") and self.held.offer(msg):
+            return  # behind an admin operation waiting for the requests in flight to finish
+        if msg[0] == "abort" and self.held:
+            # Now for requests already running (a load must not wait for a request nobody reads), and again
+            # after the held adds (the front end may abort a request whose add is still held here).
+            self.held.offer(msg)
+        self._apply_now(msg)
+
+    def _apply_now(self, msg: tuple) -> None:
         tag = msg[0]
-        if tag == "add":
+        if tag == "admin":
+            try:
+                result, err = run_admin(self.engine, msg[2], msg[3]), None
+            except Exception as e:
+                if not isinstance(e, (ValueError, TypeError)):
+                    log.error("admin operation %s failed:\n%s", msg[2], traceback.format_exc())
+                result, err = None, wire.error_of(e)
+            wire.send(self.sock, ("reply", msg[1], result, err))
+            wire.send(self.sock, ("stats", wire.stats_dict(self.engine.stats())))
+        elif tag == "add":
             self._add(msg[1], msg[2])
         elif tag == "abort":
             for request_id in msg[1]:

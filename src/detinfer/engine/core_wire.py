@@ -9,6 +9,10 @@ Front end -> core:
     ("add", token, ((request_id, prompt, SamplingParams), ...))   all or none; answered by "added"
     ("abort", (request_id, ...))
     ("call", token, method_name)                                   an idle-engine call; answered by "reply"
+    ("admin", token, op, argument)                                 engine/admin.py's operations (load_weights,
+                                                                   reset_prefix_cache, weights_fingerprint);
+                                                                   held with every later command until the
+                                                                   engine is idle; answered by "reply"
     ("shutdown",)
 Core -> front end:
     ("ready", info) / ("startup_error", exception type name, message)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
@@ -15,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from detinfer.server import protocol as P
+from detinfer.server.admin import ADMIN_ROUTES, add_admin_routes
 from detinfer.server.async_engine import AsyncEngine
 from detinfer.server.chat import chat_completions
 from detinfer.server.completions import completions
@@ -27,7 +29,8 @@ from detinfer.server.prompts import PromptChecker
 from detinfer.server.request_io import HostCheck, check_auth
 from detinfer.server.sampling import RequestLimits
 
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{id}", "/health", "/metrics")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{id}", "/health", "/metrics",
+          *ADMIN_ROUTES)
 # Tokenizing and chat templates run here, off the event loop; a couple of threads is plenty (the tokenizer
 # is fast, and the cheap size bound refuses prompts that could never fit before they reach it).
 TOKENIZER_THREADS = 2
@@ -74,13 +77,15 @@ async def _internal(_request, exc: Exception):
     return JSONResponse(P.APIError(500, f"internal error: {exc!r}").body(), status_code=500)
 
 
-def create_app(engine: AsyncEngine, config: ServerConfig, model: ServedModel) -> FastAPI:
+def create_app(engine: AsyncEngine, config: ServerConfig, model: ServedModel,
+               refingerprint: Callable[[str], str] | None = None) -> FastAPI:
     executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="detinfer-tokenize")
     formatter = TokenFormatter(model.tokenizer)
     prompts = PromptChecker(model.tokenizer, model.vocab_size, model.max_model_len,
                             formatter.longest_token_bytes(model.vocab_size), executor)
     limits = RequestLimits(config.max_n, config.max_logprobs, config.max_temperature)
-    state = ServerState(engine, config, model, formatter, prompts, limits, created=int(time.time()))
+    state = ServerState(engine, config, model, formatter, prompts, limits, created=int(time.time()),
+                        refingerprint=refingerprint)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -104,4 +109,5 @@ def create_app(engine: AsyncEngine, config: ServerConfig, model: ServedModel) ->
     app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    add_admin_routes(app)
     return app

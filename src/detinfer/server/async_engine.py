@@ -31,7 +31,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from detinfer.engine.core_wire import stats_dict
+from detinfer.engine.admin import HeldCommands, run_admin
+from detinfer.engine.core_wire import error_of, stats_dict
 from detinfer.server.metrics import ServerMetrics
 
 log = logging.getLogger("detinfer.server")
@@ -89,6 +90,15 @@ class AbortAll:
 
 
 @dataclass(frozen=True)
+class Admin:
+    """An engine/admin.py operation: held with every later command until the engine is idle."""
+
+    op: str
+    arg: Any
+    done: asyncio.Future  # gets the operation's result dict or its exception
+
+
+@dataclass(frozen=True)
 class Stop:
     """Abort everything and end the engine thread."""
 
@@ -125,10 +135,15 @@ class RequestStream:
         return item
 
 
-def _resolve(fut: asyncio.Future, exc: BaseException | None) -> None:
+def _resolve(fut: asyncio.Future, exc: BaseException | None, result: Any = None) -> None:
     # Runs on the event loop.
     if not fut.done():
-        fut.set_exception(exc) if exc is not None else fut.set_result(None)
+        fut.set_exception(exc) if exc is not None else fut.set_result(result)
+
+
+def admin_error(kind: str, message: str) -> BaseException:
+    """An admin operation's failure as the server reports it: ValueError/TypeError (HTTP 400) or RequestFailed."""
+    return {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RequestFailed)(message)
 
 
 class AsyncEngine:
@@ -249,6 +264,17 @@ class AsyncEngine:
             raise
         return [r.stream for r in new]
 
+    async def admin(self, op: str, arg: Any = None) -> dict[str, Any]:
+        """Run an engine/admin.py operation once the requests already in flight finished (requests sent after
+        it wait for it); its result dict, or ValueError (nothing changed), RequestFailed, EngineUnavailableError."""
+        if self._closing or not self._running():
+            raise EngineUnavailableError("the server is shutting down")
+        if self.error is not None:
+            raise EngineUnavailableError(self._failure_message())
+        done = self._loop.create_future()
+        self._commands.put(Admin(op, arg, done))
+        return await asyncio.shield(done)  # a client that leaves does not undo a started weight load
+
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it already finished). Its stream ends with RequestAborted."""
         self._commands.put(Abort(request_id))
@@ -276,7 +302,10 @@ class AsyncEngine:
 
     def _run(self) -> None:
         streams: dict[str, RequestStream] = {}
+        held = HeldCommands(lambda c: isinstance(c, Admin))
         while True:
+            held.release(lambda: not (streams or self._engine.has_unfinished_requests()),
+                         lambda c: self._run_admin(c) if isinstance(c, Admin) else self._apply_add(streams, c))
             # Block for commands only while there is nothing to step. (An aborted request still counts:
             # the engine reports its end in the next step, and that step releases its bookkeeping.)
             busy = self.error is None and (bool(streams) or self._engine.has_unfinished_requests())
@@ -289,11 +318,13 @@ class AsyncEngine:
             for cmd in commands:
                 if isinstance(cmd, Stop):
                     self._abort_all(streams, RequestAborted("the server is shutting down"))
-                    for late in commands:  # adds queued behind the stop get an answer, not silence
-                        if isinstance(late, AddRequests):
-                            self._call(_resolve, late.accepted,
+                    for late in held.drain() + commands:  # adds queued behind the stop get an answer
+                        if isinstance(late, (AddRequests, Admin)):
+                            self._call(_resolve, late.accepted if isinstance(late, AddRequests) else late.done,
                                        EngineUnavailableError("the server is shutting down"))
                     return
+                if isinstance(cmd, (AddRequests, Admin)) and held.offer(cmd):
+                    continue
                 if isinstance(cmd, AddRequests):
                     self._apply_add(streams, cmd)
                 elif isinstance(cmd, Abort):
@@ -329,6 +360,19 @@ class AsyncEngine:
         for r in cmd.requests:
             streams[r.request_id] = r.stream
         self._call(_resolve, cmd.accepted, None)
+
+    def _run_admin(self, cmd: Admin) -> None:
+        if self.error is not None:
+            self._call(_resolve, cmd.done, EngineUnavailableError(self._failure_message()))
+            return
+        try:
+            result, exc = run_admin(self._engine, cmd.op, cmd.arg), None
+        except Exception as e:
+            if not isinstance(e, (ValueError, TypeError)):
+                log.error("admin operation %s failed:\n%s", cmd.op, traceback.format_exc())
+            result, exc = None, admin_error(*error_of(e))
+        self._call(_resolve, cmd.done, exc, result)
+        self._snapshot_stats()
 
     def _engine_abort(self, request_id: str) -> None:
         try:

@@ -47,12 +47,15 @@ async def chat_completions(request: Request):
     fmt = state.formatter
     choices = [P.ChatChoice(index=o.index, message=P.AssistantMessage(content=o.text),
                             logprobs=fmt.chat_logprobs(o.logprobs) if logprobs is not None else None,
-                            finish_reason=o.finish_reason) for o in out.outputs]
+                            finish_reason=o.finish_reason,
+                            token_ids=list(o.token_ids) if req.return_token_ids else None) for o in out.outputs]
     count_finishes(state, [c.finish_reason for c in choices])
     prompt_lp = fmt.prompt_logprobs(out.prompt_logprobs or ()) if req.prompt_logprobs is not None else None
     return json_response(P.ChatCompletionResponse(id=gen.request_id, created=created, model=state.model.name,
                                                   system_fingerprint=state.model.fingerprint, choices=choices,
-                                                  usage=usage(gen), prompt_logprobs=prompt_lp), headers)
+                                                  usage=usage(gen), prompt_logprobs=prompt_lp,
+                                                  prompt_token_ids=list(ids) if req.return_token_ids else None),
+                         headers)
 
 
 def _stream(state, req: P.ChatCompletionRequest, gen: Generation, created: int, logprobs: int | None,
@@ -65,20 +68,26 @@ def _stream(state, req: P.ChatCompletionRequest, gen: Generation, created: int, 
                                      system_fingerprint=state.model.fingerprint, choices=choices)
 
     def emit(tracker: ChoiceTracker, i: int, out: Any):
-        for c, text, entries, finish in tracker.deltas(i, out):
+        for c, text, entries, finish, new_ids in tracker.deltas(i, out):
+            new_ids = new_ids if req.return_token_ids else None
             if c not in started:  # OpenAI opens each choice with the role
                 first = not started
                 started.add(c)
                 opening = chunk([P.ChatChunkChoice(index=c, delta=P.DeltaMessage(role="assistant", content=""))])
+                if first and req.return_token_ids:  # the templated prompt's ids, once per response
+                    opening.prompt_token_ids = list(gen.prompts[0])
                 if first and req.prompt_logprobs is not None:  # once per response, with the first chunk
                     opening.prompt_logprobs = state.formatter.prompt_logprobs(out.prompt_logprobs or ())
                 yield opening
             lp = state.formatter.chat_logprobs(entries) if entries and logprobs is not None else None
             if text or lp:
-                yield chunk([P.ChatChunkChoice(index=c, delta=P.DeltaMessage(content=text), logprobs=lp)])
+                yield chunk([P.ChatChunkChoice(index=c, delta=P.DeltaMessage(content=text), logprobs=lp,
+                                               token_ids=new_ids)])
+                new_ids = [] if new_ids is not None else None
             if finish is not None:
                 count_finishes(state, [finish])
-                yield chunk([P.ChatChunkChoice(index=c, delta=P.DeltaMessage(), finish_reason=finish)])
+                yield chunk([P.ChatChunkChoice(index=c, delta=P.DeltaMessage(), finish_reason=finish,
+                                               token_ids=new_ids)])
         if include_usage and gen.latest[0] is not None and gen.latest[0].finished:
             u = chunk([])
             u.usage = usage(gen)

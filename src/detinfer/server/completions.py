@@ -47,7 +47,8 @@ class _Choices:
         self.n = req.n or 1
         self.offsets: dict[int, TextOffsets] = {}
 
-    def choice(self, out: Any, i: int, o: Any, text: str, entries: Any, finish: str | None) -> P.CompletionChoice:
+    def choice(self, out: Any, i: int, o: Any, text: str, entries: Any, finish: str | None,
+               ids: Any = None) -> P.CompletionChoice:
         c = i * self.n + o.index
         first = c not in self.offsets
         if first:
@@ -65,7 +66,11 @@ class _Choices:
         prompt_lp = None
         if first and self.req.prompt_logprobs is not None:
             prompt_lp = self.state.formatter.prompt_logprobs(out.prompt_logprobs or ())
-        return P.CompletionChoice(index=c, text=text, logprobs=lp, finish_reason=finish, prompt_logprobs=prompt_lp)
+        choice = P.CompletionChoice(index=c, text=text, logprobs=lp, finish_reason=finish, prompt_logprobs=prompt_lp)
+        if self.req.return_token_ids:  # vLLM's shape: the prompt's ids with the choice's first chunk
+            choice.token_ids = list(o.token_ids if ids is None else ids)
+            choice.prompt_token_ids = list(self.prompts[i]) if first else None
+        return choice
 
 
 def _concat(a: P.CompletionLogprobs, b: P.CompletionLogprobs) -> P.CompletionLogprobs:
@@ -112,12 +117,12 @@ def _stream(state, req: P.CompletionRequest, gen: Generation, choices: _Choices,
     n = choices.n
 
     def emit(tracker: ChoiceTracker, i: int, out: Any):
-        for c, text, entries, finish in tracker.deltas(i, out):
+        for c, text, entries, finish, ids in tracker.deltas(i, out):
             o = out.outputs[c - i * n]
             text = (choices.prompt_text[i] if c not in choices.offsets else "") + text
             if finish is not None:
                 count_finishes(state, [finish])
-            yield resp([choices.choice(out, i, o, text, entries, finish)])
+            yield resp([choices.choice(out, i, o, text, entries, finish, ids)])
         if include_usage and all(x is not None and x.finished for x in gen.latest):
             yield resp([], usage(gen))
 

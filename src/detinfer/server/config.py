@@ -23,6 +23,10 @@ class ServerConfig:
         "help": "Model name clients send in `model`; default: the model directory's name."})
     api_key: str | None = field(default=None, metadata={
         "help": "If set, require `Authorization: Bearer <key>` on /v1 routes."})
+    enable_admin_endpoints: bool = field(default=False, metadata={
+        "help": "Serve the /admin routes (load weights, reset the prefix cache, weights fingerprint; "
+                "docs/rollout-server.md) without an API key: local use only. With --api-key they are on and "
+                "require the key."})
     allowed_hosts: str | None = field(default=None, metadata={
         "help": "Without --api-key, requests must name this machine in their Host header (localhost, "
                 "127.0.0.1, [::1] or --host), so a web page cannot reach the server through DNS rebinding. "
@@ -80,8 +84,9 @@ class ServerConfig:
         check_float("timeout_keep_alive", self.timeout_keep_alive, minimum=0.0, min_exclusive=True)
         check_int("limit_concurrency", self.limit_concurrency, minimum=1)
         check_float("timeout_graceful_shutdown", self.timeout_graceful_shutdown, minimum=0.0)
-        if not isinstance(self.engine_process, bool):
-            raise ValueError(f"engine_process must be True or False, got {self.engine_process!r}")
+        for name in ("engine_process", "enable_admin_endpoints"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check_int("max_core_restarts", self.max_core_restarts, minimum=0)
         check_float("gil_switch_interval_ms", self.gil_switch_interval_ms, minimum=0.0, min_exclusive=True)
         if self.uvicorn_log_level not in LOG_LEVELS:

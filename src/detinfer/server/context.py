@@ -6,6 +6,7 @@ that validation needs: tokenizer, vocabulary size, context length), never the en
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,3 +42,5 @@ class ServerState:
     prompts: PromptChecker
     limits: RequestLimits
     created: int = field(default=0)
+    # weights digest -> system_fingerprint (the other inputs fixed); an admin weight load re-fingerprints
+    refingerprint: Callable[[str], str] | None = None

@@ -41,6 +41,7 @@ from detinfer.server.async_engine import (
     Abort,
     AbortAll,
     AddRequests,
+    Admin,
     AsyncEngine,
     EngineUnavailableError,
     RequestAborted,
@@ -48,6 +49,7 @@ from detinfer.server.async_engine import (
     RequestStream,
     Stop,
     _resolve,
+    admin_error,
 )
 from detinfer.server.metrics import ServerMetrics
 
@@ -85,6 +87,7 @@ class CoreAsyncEngine(AsyncEngine):
         self._adds: dict[int, AddRequests] = {}  # token -> the add the core has not answered yet
         self._adding: dict[str, int] = {}  # request id -> its unanswered add's token
         self._abort_on_add: dict[str, BaseException] = {}
+        self._admins: dict[int, Admin] = {}  # token -> the admin operation the core has not answered yet
         self._assembler = wire.OutputAssembler()
         self._reader = wire.FrameReader()
         self._tokens = itertools.count()
@@ -157,6 +160,10 @@ class CoreAsyncEngine(AsyncEngine):
                 self._adding[r.request_id] = token
             self._write(("add", token, tuple((r.request_id, wire.encode_prompt(r.prompt), r.params)
                                              for r in cmd.requests)))
+        elif isinstance(cmd, Admin):  # the core holds it (and what follows) until its engine is idle
+            token = next(self._tokens)
+            self._admins[token] = cmd
+            self._write(("admin", token, cmd.op, cmd.arg))
         elif isinstance(cmd, Abort):
             self._abort([cmd.request_id], None)
         elif isinstance(cmd, AbortAll):
@@ -167,6 +174,7 @@ class CoreAsyncEngine(AsyncEngine):
             self._abort(list(self._streams), RequestAborted(SHUTTING_DOWN))
             for token in list(self._adds):
                 self._answer_add(token, EngineUnavailableError(SHUTTING_DOWN))
+            self._fail_admins(EngineUnavailableError(SHUTTING_DOWN))
 
     def _abort(self, request_ids: list[str], exc: BaseException | None) -> None:
         sent = []
@@ -245,6 +253,7 @@ class CoreAsyncEngine(AsyncEngine):
             self._deliver(self._streams.pop(request_id), EngineUnavailableError(message), True)
         for token in list(self._adds):
             self._answer_add(token, EngineUnavailableError(message))
+        self._fail_admins(EngineUnavailableError(message))
         self._out.clear()
         if restarting:
             self.error = EngineUnavailableError(f"engine core restarting after {cause}")
@@ -312,9 +321,17 @@ class CoreAsyncEngine(AsyncEngine):
                 self._answer_add(msg[1], RequestFailed(f"the engine could not add this request: {err[1]}"))
         elif tag == "stats":
             self._set_stats(msg[1])
+        elif tag == "reply":
+            cmd = self._admins.pop(msg[1], None)
+            if cmd is not None:
+                _resolve(cmd.done, None if msg[3] is None else admin_error(*msg[3]), msg[2])
         elif tag == "failed":
             self._fail(f"the engine failed: {msg[1]}")
             self._detach()
+
+    def _fail_admins(self, exc: BaseException) -> None:
+        for token in list(self._admins):
+            _resolve(self._admins.pop(token).done, exc)
 
     def _answer_add(self, token: int, exc: BaseException | None) -> None:
         cmd = self._adds.pop(token)

@@ -20,10 +20,14 @@ class ChoiceTracker:
         self.n = n
         self.text_sent: dict[int, int] = {}
         self.tokens_sent: dict[int, int] = {}
+        self.ids_sent: dict[int, int] = {}  # tokens already carried by a yielded delta (return_token_ids)
         self.finished: dict[int, str] = {}
 
     def deltas(self, prompt_index: int, out: Any):
-        """(choice index, new text, new logprob entries or None, finish_reason newly reached or None)."""
+        """(choice index, new text, new logprob entries or None, finish_reason newly reached or None, token
+        ids not carried by an earlier delta). A token whose text is still held back (an incomplete UTF-8
+        character, a possible stop string) yields no delta of its own; its id rides with the next one, and
+        the final delta always comes, so the ids of all deltas concatenate to the choice's token ids."""
         for o in out.outputs:
             c = prompt_index * self.n + o.index
             if c in self.finished:
@@ -34,7 +38,9 @@ class ChoiceTracker:
             if o.finish_reason is not None:
                 self.finished[c] = o.finish_reason
             if text or new_lp or o.finish_reason is not None:
-                yield c, text, new_lp, o.finish_reason
+                ids = list(o.token_ids[self.ids_sent.get(c, 0):])
+                self.ids_sent[c] = len(o.token_ids)
+                yield c, text, new_lp, o.finish_reason, ids
 
 
 class Generation:

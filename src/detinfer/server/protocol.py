@@ -162,6 +162,9 @@ class _SamplingRequest(_Strict):
     allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=MAX_TOKEN_ID_LIST)
     bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
     prompt_logprobs: int | None = Field(None, ge=0, le=INT64_MAX)
+    # vLLM's: return the prompt's token ids and each choice's completion token ids (RL rollouts score
+    # exactly these tokens; re-tokenizing the text need not give them back)
+    return_token_ids: bool = False
     # Structured output (at most one; see server/structured.py): OpenAI's, vLLM's older guided_* and newer
     # structured_outputs.
     response_format: ResponseFormat | None = None
@@ -361,6 +364,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: the prompt's (first chunk only when streaming)
+    token_ids: list[int] | None = None  # return_token_ids: this choice's completion tokens (streaming: the new ones)
 
 
 class CompletionResponse(BaseModel):
@@ -397,6 +402,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -408,6 +414,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: the templated prompt's token ids
 
 
 class DeltaMessage(BaseModel):
@@ -425,6 +432,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's new completion tokens
 
 
 class ChatCompletionChunk(BaseModel):
@@ -436,6 +444,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: with the first chunk
 
 
 class ModelCard(BaseModel):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import logging
 import os
 import signal
@@ -166,6 +167,12 @@ def _serve(model_dir: Path, name: str, server_config: ServerConfig, engine_confi
             engine.close()  # idempotent: normally the app's shutdown stopped it already
 
 
+def _fingerprint_of(weights_digest: str, **rest) -> str:
+    from detinfer.server.fingerprint import system_fingerprint
+
+    return system_fingerprint(weights_digest=weights_digest, **rest)
+
+
 def _serve_engine(engine, info: dict, model_dir: Path, name: str, server_config: ServerConfig,
                   sock: socket.socket, url: str) -> int:
     from detinfer.models.loader import load_tokenizer
@@ -189,7 +196,9 @@ def _serve_engine(engine, info: dict, model_dir: Path, name: str, server_config:
         async_engine = AsyncEngine(engine, max_pending_requests=server_config.max_pending_requests)
     tokenizer = load_tokenizer(model_dir) if server_config.engine_process else engine.tokenizer
     served = ServedModel(name, tokenizer, info["vocab_size"], resolved.max_model_len, fingerprint)
-    app = create_app(async_engine, server_config, served)
+    refingerprint = functools.partial(_fingerprint_of, dtype=dtype, mode=resolved.mode,
+                                      block_size=resolved.block_size, device=hardware)
+    app = create_app(async_engine, server_config, served, refingerprint)
     grace = server_config.timeout_graceful_shutdown
     uv_config = uvicorn_config(app, server_config)
 
