@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from detinfer.engine.config import from_args
 from detinfer.rl.checkpoint import check_compatible
-from detinfer.rl.cli import build_parser
+from detinfer.rl.cli import _size_defaults, build_parser
 from detinfer.rl.config import RESUMABLE_CHANGES, RLConfig
 from detinfer.rl.loss import build_optimizer, clipped_objective, decays, k3_kl, lr_at, token_norms
 
@@ -107,7 +107,8 @@ def test_new_flags_reach_the_config():
         "--reward-funcs", "math,format", "--reward-weights", "1,0.1", "--temperature", "0.7", "--top-p", "0.9",
         "--top-k", "50", "--ppo-epochs", "2", "--mini-batch-seqs", "8", "--clip-eps-high", "0.28",
         "--loss-norm", "constant", "--mask-truncated", "--lr-schedule", "cosine", "--warmup-steps", "5",
-        "--eval-size", "4", "--eval-every", "10", "--no-shuffle"])
+        "--eval-size", "4", "--eval-every", "10", "--no-shuffle", "--device", "cuda"])
+    _size_defaults(ns)  # what the CLI does before building the config (GPU-sized: --device cuda)
     c = from_args(RLConfig, ns)
     assert (c.dataset, c.prompt_column, c.reward_weights, c.top_k, c.mini_batch_seqs, c.loss_norm) == (
         "d.jsonl", "question", "1,0.1", 50, 8, "constant")
@@ -149,5 +150,7 @@ def test_cli_reports_a_missing_dataset_in_one_line(tmp_path, capsys):
     argv = ["--model", "unused", "--dataset", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o"),
             "--no-progress", "--device", "cpu"]
     assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("detinfer rl: error: dataset file") and "nope.jsonl not found" in err
+    lines = capsys.readouterr().err.splitlines()
+    # the CPU-sized-defaults notice may come first; the error itself is one line, the last
+    assert lines[-1].startswith("detinfer rl: error: dataset file") and "nope.jsonl not found" in lines[-1]
+    assert all(line.startswith("detinfer rl: ") for line in lines) and len(lines) <= 2
