@@ -4,7 +4,6 @@ one-line notice, progress before the first step ends, and Ctrl-C (checkpoint + p
 from __future__ import annotations
 
 import json
-import os
 import signal
 
 import pytest
@@ -73,7 +72,9 @@ def test_ctrl_c_saves_the_finished_steps_and_resume_continues(stories_dir, tmp_p
 
     def step(self):
         if self.step_index == 2:
-            os.kill(os.getpid(), signal.SIGINT)  # arrives in this (the main) thread, mid-step
+            # raise(3): delivered to this (the main) thread before it returns. os.kill(getpid()) may be taken by
+            # any thread of the process, and the handler then runs whenever the main thread next checks.
+            signal.raise_signal(signal.SIGINT)
         return real_step(self)
 
     monkeypatch.setattr(GRPOTrainer, "step", step)
@@ -108,6 +109,6 @@ def test_ctrl_c_during_the_update_waits_for_the_step_to_finish():
     done = []
     with pytest.raises(KeyboardInterrupt):
         with ctrl_c_deferred():
-            os.kill(os.getpid(), signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)  # synchronous, in this thread (see the test above)
             done.append("the rest of the block ran")
     assert done == ["the rest of the block ran"]
