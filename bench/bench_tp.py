@@ -38,6 +38,8 @@ from bench_e2e import qwen3_8b_config, random_model  # noqa: E402
 from detinfer.distributed.group import connect, free_port  # noqa: E402
 from detinfer.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from detinfer.kernels.chunked_linear import pairwise_tree_sum  # noqa: E402
+from detinfer.models.weight_sources import RandomWeights  # noqa: E402
+from detinfer.repro.random_model import preset_config  # noqa: E402
 
 SUM_BYTES = (8 << 10, 64 << 10, 256 << 10)  # fp32 partials: 2048 / 16384 / 65536 elements
 
@@ -82,19 +84,30 @@ def engine_runs(args) -> list[tuple[str, int, bool, bool]]:
     return runs
 
 
+def build_engine(args, model, cfg, config: EngineConfig) -> LLMEngine:
+    """From the shared TP=1 model (qwen3-8b shapes), or with --preset from sharded random draws: every rank
+    draws only its own slices, so models larger than one GPU start (no TP=1 copy exists anywhere)."""
+    if model is None:
+        return LLMEngine.from_weights(RandomWeights(0, torch.bfloat16), cfg, config, torch.device("cuda", 0))
+    model.set_ops(model.ops.replace(mode=config.mode))
+    return LLMEngine.from_model(model, cfg, config)
+
+
 def bench_engines(args) -> list[dict]:
     rows = []
-    cfg = qwen3_8b_config(args.layers, args.max_len)
-    model = random_model(cfg, torch.device("cuda", 0), seed=0)
+    if args.preset:
+        cfg, model = preset_config(args.preset), None
+    else:
+        cfg = qwen3_8b_config(args.layers, args.max_len)
+        model = random_model(cfg, torch.device("cuda", 0), seed=0)
     for mode, tp, invariant, eager in engine_runs(args):
-        model.set_ops(model.ops.replace(mode=mode))
         config = EngineConfig(mode=mode, tensor_parallel_size=tp, tp_invariant_reduction=invariant,
                               enforce_eager=eager, max_num_seqs=max(args.batch_sizes),
                               max_num_batched_tokens=max(512, max(args.batch_sizes)), max_model_len=args.max_len,
                               cuda_graph_max_tokens=args.cuda_graph_max_tokens,
                               gpu_memory_utilization=args.gpu_memory_utilization)
         start = time.perf_counter()
-        engine = LLMEngine.from_model(model, cfg, config)
+        engine = build_engine(args, model, cfg, config)
         built = time.perf_counter() - start
         try:
             graphs = engine.runner.graphs
@@ -196,6 +209,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--layers", type=int, default=36)
+    p.add_argument("--preset", default=None, help="a random-model preset at full size (e.g. qwen3-30b-a3b, "
+                   "llama-3.1-70b, qwen3-235b-a22b) instead of qwen3-8b with --layers; every engine draws its own "
+                   "shards (pick the engines that fit with --only)")
     p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--max-len", type=int, default=1024)
@@ -217,7 +233,7 @@ def main() -> None:
         sys.exit(f"--tp {args.tp} (and the cross-rank sums) need {max(args.tp, 2)} GPUs, "
                  f"{torch.cuda.device_count()} visible")
     print(f"{torch.cuda.get_device_name()} x {torch.cuda.device_count()}, torch {torch.__version__}, "
-          f"{args.layers} layers, batch sizes {args.batch_sizes}", flush=True)
+          f"{args.preset or f'qwen3-8b shapes, {args.layers} layers'}, batch sizes {args.batch_sizes}", flush=True)
     rows = {"engines": bench_engines(args), "sums": []}
     if not args.no_collectives:
         rows["sums"] = bench_collectives(args.graph_calls)

@@ -133,6 +133,10 @@ def describe(section) -> str:
 
     s = section.summary
     lines = [f"{section.label}: {verdict(s)} (most common completion: {s.most_common_count} runs)"]
+    rate = section.extra.get("output tokens/s")
+    if rate is not None:
+        lines.append(f"  {section.extra['output tokens']} output tokens (runs and background) in "
+                     f"{section.elapsed_s:.1f} s: {rate} tokens/s")
     if s.agreed_prefix is not None:
         lines.append(f"  all runs agree for {s.agreed_prefix} {s.unit}s")
     if s.logprob_divergence:
@@ -218,6 +222,9 @@ def _main(argv: list[str] | None) -> int:
     print(headline(sections))
     for s in sections:
         print(describe(s))
+    rates = {s.label: s.extra.get("output tokens/s") for s in sections}
+    if rates.get("fast") and rates.get("deterministic"):  # the same plan in both: the cost of determinism
+        print(f"throughput deterministic / fast: {rates['deterministic'] / rates['fast']:.3f}")
     print(f"report: {paths['html']}  (raw completions: {paths['json']})")
     if ns.check:
         must = [s for s in sections if s.label != "fast"]

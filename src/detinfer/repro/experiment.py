@@ -201,10 +201,14 @@ def run_offline(engine, prompt_ids: Sequence[int], cfg: ReproConfig, *,
 
 
 def _extra(engine, plan: list[Event], start: float) -> dict[str, Any]:
-    stats = engine.stats()
+    stats, elapsed = engine.stats(), time.perf_counter() - start
+    # Output tokens of runs and background alike: what the engine served in the wall time (the figure to
+    # compare across modes, which run the same plan).
     return {"engine steps": stats.num_steps, "background requests": sum(e.run is None for e in plan),
             "preemptions": stats.num_preemptions, "prefix-cache hit tokens": stats.prefix_cache_hit_tokens,
-            "elapsed_s": time.perf_counter() - start}
+            "output tokens": stats.generation_tokens,
+            "output tokens/s": round(stats.generation_tokens / elapsed, 1) if elapsed > 0 else None,
+            "elapsed_s": elapsed}
 
 
 def _with_text(c, text: str):

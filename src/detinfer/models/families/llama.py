@@ -31,6 +31,10 @@ PRESETS = {
     "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
                          max_position_embeddings=131072, tie_word_embeddings=False, eos_token_id=128009),
+    # ~141 GB in bf16: more than one 80 GB or 141 GB GPU holds with a KV cache (a tensor-parallel size check).
+    "llama-3.1-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
+                          max_position_embeddings=131072, tie_word_embeddings=False, eos_token_id=128009),
     # Small enough for a CPU (tests, trying the tool out).
     "tiny-llama": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,

@@ -51,8 +51,12 @@ _QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=614
                       rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False,
                       eos_token_id=151645, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+# Qwen3-235B-A22B's config.json (94 layers, 128 experts, top-8): ~470 GB in bf16, served across GPUs.
+_QWEN3_235B_A22B = dict(_QWEN3_30B_A3B, hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
+                        num_attention_heads=64, num_key_value_heads=4, moe_intermediate_size=1536)
 PRESETS = {
     "qwen3-30b-a3b": _QWEN3_30B_A3B,
+    "qwen3-235b-a22b": _QWEN3_235B_A22B,
     # Small enough for a CPU: 8 experts, top-2; layer 1 keeps a dense MLP (mlp_only_layers).
     "tiny-qwen3-moe": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
