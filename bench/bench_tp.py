@@ -119,7 +119,7 @@ def bench_engines(args) -> list[dict]:
                 rows.append(row)
         finally:
             engine.close()
-            del engine
+            del engine, graphs  # the graph runner holds the model: drop it too, or the next engine OOMs
             gc.collect()  # the engine's KV pools and graph pool go before the next engine sizes its own
             torch.cuda.empty_cache()
     return rows
