@@ -123,10 +123,15 @@ GPU_CONFIGS_16BIT: dict = {
                      _C(64, 64, 256, 4, 3), _C(64, 32, 256, 4, 4))),
 }
 # fp32 runs IEEE fp32 FMA dots (no tf32, like torch's default): smaller tiles, operands live in registers.
+# The 16x16 member is for narrow outputs, the MoE router's fp32 logits above all (N = 128 experts, K = 2048-
+# 4096): the wider tiles gave it 2-4 programs, each walking all of K (a 30B-A3B decode step spent ~90 us per
+# layer there on an H200, as much as its expert GEMMs); 16x16 tiles give 8 per 16 rows, 128-deep K steps
+# halve the serial loop. The "tiles" rule picks it only where the wider tiles leave the SMs idle.
+_FP32_NARROW = _C(16, 16, 128, 4, 3)
 GPU_CONFIGS_FP32: dict = {
-    "decode": (16, (_C(16, 64, 32, 4, 3),)),
-    "small": (64, (_C(32, 64, 32, 4, 3),)),
-    "mid": (768, (_C(64, 64, 32, 4, 3),)),
+    "decode": (16, (_C(16, 64, 32, 4, 3), _FP32_NARROW)),
+    "small": (64, (_C(32, 64, 32, 4, 3), _FP32_NARROW)),
+    "mid": (768, (_C(64, 64, 32, 4, 3), _FP32_NARROW)),
     "large": (None, (_C(128, 128, 32, 8, 3),)),
 }
 _RULES = {"batch": "waves"}

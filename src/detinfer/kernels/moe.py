@@ -20,7 +20,8 @@ things a stock MoE does not do:
   in fp32 (elementwise ops, no atomics, no index_add in arrival order), then rounds once to x's dtype.
 - Expert parallelism splits the layer in two: `expert_outputs` / `expert_outputs_ref` (each slot's expert
   output, rounded to x's dtype as the fused layer rounds it, computed by whichever rank holds the expert),
-  then `combine_slots` on the gathered slots: the same numbers in the same order as the fused layer.
+  then `combine_slots` on the gathered slots: the same numbers in the same order as the fused layer
+  (kernels/moe_combine.py: one Triton launch with `combine_slots_ref`'s bits).
 - No host syncs on the kernel path (grouping is sort / scatter / cumsum / searchsorted on the device), so
   a decode step that runs it can be captured in a CUDA graph.
 
@@ -40,9 +41,10 @@ import triton
 import triton.language as tl
 
 from detinfer.kernels._launch import KERNEL_DTYPES, check_kernel_inputs
+from detinfer.kernels.moe_combine import combine_slots, combine_slots_ref
 
-__all__ = ["ExpertConfig", "combine_slots", "combine_slots_fast", "expert_config", "expert_outputs",
-           "expert_outputs_ref", "fast_config_for", "fused_moe", "fused_moe_ref", "moe_experts", "moe_experts_ref",
+__all__ = ["ExpertConfig", "combine_slots", "combine_slots_fast", "combine_slots_ref", "expert_config",
+           "expert_outputs", "expert_outputs_ref", "fast_config_for", "fused_moe", "fused_moe_ref", "moe_experts", "moe_experts_ref",
            "moe_fast", "moe_stock", "route", "route_ref", "route_stock"]
 
 
@@ -102,16 +104,6 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize:
     return _topk_stable(softmax(logits, dim=-1), top_k, renormalize)
 
 
-def combine_slots(weights: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """sum_r weights[t, r] * y[t, r] in routing-rank order (y [T, k, H], each slot's expert output already
-    rounded to the model dtype), accumulated in fp32 (fp64 for fp64), rounded once to `dtype`."""
-    acc_dt = _acc_dtype(dtype)
-    acc = weights[:, 0, None].to(acc_dt) * y[:, 0].to(acc_dt)
-    for r in range(1, y.shape[1]):
-        acc = acc + weights[:, r, None].to(acc_dt) * y[:, r].to(acc_dt)
-    return acc.to(dtype)
-
-
 def route_stock(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool):
     """Fast mode's routing: the router GEMM in x's dtype, torch's softmax (fp32 out) and torch.topk (ties and
     rounding may follow the batch)."""
@@ -156,8 +148,8 @@ def expert_outputs_ref(x: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tens
 
 def moe_experts_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
                     w_down: torch.Tensor) -> torch.Tensor:
-    """The experts and combine for given routing (`expert_outputs_ref`, then `combine_slots`)."""
-    return combine_slots(weights, expert_outputs_ref(x, ids, w_gate_up, w_down), x.dtype)
+    """The experts and combine for given routing (`expert_outputs_ref`, then `combine_slots_ref`)."""
+    return combine_slots_ref(weights, expert_outputs_ref(x, ids, w_gate_up, w_down), x.dtype)
 
 
 def fused_moe_ref(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,

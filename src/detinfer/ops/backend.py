@@ -372,11 +372,13 @@ class Ops:
         return moe.expert_outputs(x, ids, w_gate_up, w_down, config_for, first_expert)
 
     def moe_combine(self, weights: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """sum_r weights[t, r] * y[t, r] -> [T, H] `dtype`: in routing-rank order in fp32 (`combine_slots`);
-        fast mode: a stock weighted sum."""
+        """sum_r weights[t, r] * y[t, r] -> [T, H] `dtype`: in routing-rank order in fp32 (`combine_slots`, one
+        launch where the kernels run, else `combine_slots_ref`: the same bits); fast mode: a stock weighted sum."""
         from detinfer.kernels import moe
 
-        return (moe.combine_slots if self.deterministic else moe.combine_slots_fast)(weights, y, dtype)
+        if not self.deterministic:
+            return moe.combine_slots_fast(weights, y, dtype)
+        return (moe.combine_slots if self._kernel(y) else moe.combine_slots_ref)(weights, y, dtype)
 
     @property
     def moe_graph_safe(self) -> bool:
