@@ -44,8 +44,8 @@ from detinfer.kernels._launch import KERNEL_DTYPES, check_kernel_inputs
 from detinfer.kernels.moe_combine import combine_slots, combine_slots_ref
 
 __all__ = ["ExpertConfig", "combine_slots", "combine_slots_fast", "combine_slots_ref", "expert_config",
-           "expert_outputs", "expert_outputs_ref", "fast_config_for", "fused_moe", "fused_moe_ref", "moe_experts", "moe_experts_ref",
-           "moe_fast", "moe_stock", "route", "route_ref", "route_stock"]
+           "expert_outputs", "expert_outputs_ref", "fast_config_for", "fused_moe", "fused_moe_ref", "moe_experts",
+           "moe_experts_ref", "moe_fast", "moe_stock", "route", "route_ref", "route_stock"]
 
 
 # --------------------------------------------------------------------------------------------- routing
