@@ -5,6 +5,7 @@ per batch size: the batch decodes a few steps eagerly, then one step is profiled
 listed by total device time (all layers summed), with the launch count.
 
     python bench/profile_decode_step.py --layers 36 --batches 1,64 --mode deterministic
+    python bench/profile_decode_step.py --preset qwen3-30b-a3b --batches 1,64 --mode fast   # a full-size preset
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from bench_e2e import HBM_BYTES_PER_S, matmul_weight_bytes, model_in_mode, qwen3_8b_config, random_model  # noqa: E402
 from detinfer.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from detinfer.models.weight_sources import RandomWeights  # noqa: E402
+from detinfer.repro.random_model import preset_config  # noqa: E402
 
 
 def profile_batch(engine: LLMEngine, batch: int, vocab: int, top: int) -> None:
@@ -50,16 +53,23 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--mode", default="deterministic")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--preset", default=None, help="a random-model preset at full size (e.g. qwen3-30b-a3b) "
+                    "instead of qwen3-8b shapes with --layers")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_decode_step needs a CUDA GPU", file=sys.stderr)
         return 2
-    cfg = qwen3_8b_config(args.layers, 1024)
-    model = model_in_mode(random_model(cfg, torch.device("cuda"), seed=0), cfg, args.mode)
-    roof = matmul_weight_bytes(model) / HBM_BYTES_PER_S
-    print(f"{torch.cuda.get_device_name()}  layers {args.layers}  mode {args.mode}  roofline {roof * 1e3:.2f} ms")
-    engine = LLMEngine.from_model(model, cfg, EngineConfig(mode=args.mode, max_num_seqs=256, max_model_len=1024,
-                                                           enforce_eager=True))
+    config = EngineConfig(mode=args.mode, max_num_seqs=256, max_model_len=1024, enforce_eager=True)
+    if args.preset:
+        cfg = preset_config(args.preset)
+        print(f"{torch.cuda.get_device_name()}  {args.preset}  mode {args.mode}")
+        engine = LLMEngine.from_weights(RandomWeights(0, torch.bfloat16), cfg, config, torch.device("cuda", 0))
+    else:
+        cfg = qwen3_8b_config(args.layers, 1024)
+        model = model_in_mode(random_model(cfg, torch.device("cuda"), seed=0), cfg, args.mode)
+        roof = matmul_weight_bytes(model) / HBM_BYTES_PER_S
+        print(f"{torch.cuda.get_device_name()}  layers {args.layers}  mode {args.mode}  roofline {roof * 1e3:.2f} ms")
+        engine = LLMEngine.from_model(model, cfg, config)
     for b in args.batches.split(","):
         profile_batch(engine, int(b), cfg.vocab_size, args.top)
     return 0
