@@ -341,7 +341,10 @@ class Ops:
 
         kernel = self._kernel(x, router_weight, w_gate_up, w_down)
         if not self.deterministic:
-            fn = moe.moe_fast if kernel else moe.moe_stock
+            # moe_fast's grouped GEMMs have no backward: fast-mode training takes the stock loop (autograd).
+            recording = torch.is_grad_enabled() and any(t.requires_grad for t in (x, router_weight, w_gate_up,
+                                                                                   w_down))
+            fn = moe.moe_fast if kernel and not recording else moe.moe_stock
         else:
             fn = moe.fused_moe if kernel else moe.fused_moe_ref
         return fn(x, router_weight, w_gate_up, w_down, top_k, renormalize)

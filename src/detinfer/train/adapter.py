@@ -40,6 +40,7 @@ from detinfer.train.functions import (
     AttentionFn,
     EmbeddingFn,
     LinearFn,
+    MoEFn,
     QKNormRopeFn,
     RMSNormFn,
     RotaryFn,
@@ -117,11 +118,10 @@ class DifferentiableOps:
         return self.base.softmax(x, dim=dim, dtype=dtype)
 
     def moe(self, x, router_weight, w_gate_up, w_down, top_k, renormalize):
-        """Forward only: mixture-of-experts layers have no fixed-order backward yet."""
-        if _needs_grad(x, router_weight, w_gate_up, w_down):
-            raise NotImplementedError("gradients through mixture-of-experts layers are not implemented (the "
-                                      "engine's MoE op is inference-only); score under torch.no_grad()")
-        return self.base.moe(x, router_weight, w_gate_up, w_down, top_k, renormalize)
+        """The engine's MoE layer forward; with autograd, `MoEFn`'s fixed-order backward."""
+        if not _needs_grad(x, router_weight, w_gate_up, w_down):
+            return self.base.moe(x, router_weight, w_gate_up, w_down, top_k, renormalize)
+        return MoEFn.apply(x, router_weight, w_gate_up, w_down, top_k, renormalize, self.base)
 
 
 class _Rope:

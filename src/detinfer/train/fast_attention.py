@@ -10,10 +10,10 @@ strongest one available is the default ("auto"):
   padded-sdpa   scaled_dot_product_attention over a right-padded [S, H, max_len, D] batch, one call;
   per-sequence  one SDPA call per sequence (the old fast path; kept for the benchmark's comparison).
 
-The two varlen kernels take CUDA, fp16/bf16 and head_dim a multiple of 8 up to 256. "auto" picks
-padded-sdpa everywhere for now: the varlen paths are written against both torch versions' signatures but
-have not yet run on a GPU here (tests/train/test_fast_attention.py's GPU tests check them); once they pass,
-`AUTO_ORDER` puts varlen first.
+The two varlen kernels take CUDA, fp16/bf16 and head_dim a multiple of 8 up to 256. "auto" picks torch's
+varlen kernel where it runs (its GPU tests in tests/train/test_fast_attention.py passed on an H200 with
+torch 2.11, 2026-11-26), else padded-sdpa; flash-attn is never picked by "auto" (not installed on the GPUs
+these tests ran on, so never checked).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ __all__ = ["FAST_ATTENTION", "PaddedSDPAAttention", "SDPAAttention", "VarlenAtte
            "build_fast_attention", "resolve_fast_attention"]
 
 FAST_ATTENTION = ("auto", "varlen", "flash-attn", "padded-sdpa", "per-sequence")
-# What "auto" tries, strongest first (see the module doc for why the varlen kernels are not in it yet).
-AUTO_ORDER = ()
+# What "auto" tries, strongest first (see the module doc for why flash-attn is not in it).
+AUTO_ORDER = ("varlen",)
 
 
 def _expand_kv(q, k, v):

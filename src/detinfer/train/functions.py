@@ -19,12 +19,13 @@ from detinfer.kernels.attention_backward import attention_backward, attention_ba
 from detinfer.kernels.embedding_backward import embedding_backward_ref
 from detinfer.kernels.linear_backward import linear_backward
 from detinfer.kernels.log_softmax_backward import log_softmax_gather_backward_ref
+from detinfer.kernels.moe_backward import moe_backward
 from detinfer.kernels.rmsnorm_backward import rms_norm_backward_ref
 from detinfer.kernels.rope_backward import rope_angles, rope_backward_ref
 from detinfer.kernels.silu_mul_backward import silu_mul_backward_ref
 
-__all__ = ["AttentionFn", "EmbeddingFn", "LinearFn", "LogprobFn", "QKNormRopeFn", "RMSNormFn", "RotaryFn",
-           "SiLUMulFn"]
+__all__ = ["AttentionFn", "EmbeddingFn", "LinearFn", "LogprobFn", "MoEFn", "QKNormRopeFn", "RMSNormFn",
+           "RotaryFn", "SiLUMulFn"]
 
 
 class LinearFn(torch.autograd.Function):
@@ -39,6 +40,24 @@ class LinearFn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dx, dw, db = linear_backward(dy, x, weight, ctx.has_bias)
         return dx, dw, db, None
+
+
+class MoEFn(torch.autograd.Function):
+    """The engine's whole MoE layer forward (`base.moe`: its bits); backward `moe_backward` with the routing
+    recomputed by `base.moe_route` (the rule the forward used, so the same experts and weights)."""
+
+    @staticmethod
+    def forward(ctx, x, router_weight, w_gate_up, w_down, top_k: int, renormalize: bool, base):
+        ctx.save_for_backward(x, router_weight, w_gate_up, w_down)
+        ctx.top_k, ctx.renormalize, ctx.base = top_k, renormalize, base
+        return base.moe(x, router_weight, w_gate_up, w_down, top_k, renormalize)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, router_weight, w_gate_up, w_down = ctx.saved_tensors
+        weights, ids = ctx.base.moe_route(x, router_weight, ctx.top_k, ctx.renormalize)
+        grads = moe_backward(dout, x, router_weight, w_gate_up, w_down, weights, ids, ctx.renormalize)
+        return (*grads, None, None, None)
 
 
 class RMSNormFn(torch.autograd.Function):
