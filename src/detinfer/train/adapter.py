@@ -72,6 +72,13 @@ class DifferentiableOps:
             return self.base.linear(x, weight, bias)
         return LinearFn.apply(x, weight, bias, self.base.linear)
 
+    def linear_tree(self, x, weight, num_chunks):
+        """Row-parallel layers under tp_invariant_reduction: the base's chunk tree forward (fp32 out; the
+        bits of a TP=N engine with the flag), `linear`'s backward (the same product, so the same gradient)."""
+        if not _needs_grad(x, weight):
+            return self.base.linear_tree(x, weight, num_chunks)
+        return LinearFn.apply(x, weight, None, lambda x_, w_, _b: self.base.linear_tree(x_, w_, num_chunks))
+
     def rms_norm(self, x, weight, eps, residual=None):
         if not _needs_grad(x, weight, residual):
             return self.base.rms_norm(x, weight, eps, residual=residual)

@@ -61,10 +61,11 @@ def _resolve(source):
                         "process (engine_process=True); create it with engine_process=False (the default)")
     runner = getattr(engine, "runner", None)
     config = getattr(engine, "config", None)
-    if runner is not None and (getattr(config, "tensor_parallel_size", 1) > 1
-                               or getattr(config, "tp_invariant_reduction", False)):
-        raise ValueError("TrainableModel needs an engine with tensor_parallel_size=1 and "
-                         "tp_invariant_reduction=False (the trainer's ops have no sharded or chunk-tree layers)")
+    if runner is not None and getattr(config, "tensor_parallel_size", 1) > 1:
+        # A TP=N sampler's bits are a TP=1 engine's with tp_invariant_reduction: train on such an engine.
+        raise ValueError("TrainableModel needs an engine with tensor_parallel_size=1 (it shares the engine's "
+                         "whole weight tensors); to score a tensor-parallel sampler's tokens bit for bit, run both "
+                         "with tp_invariant_reduction=True and give the trainer a TP=1 engine")
     model = runner.model if runner is not None else source
     if not (hasattr(model, "layers") and hasattr(model, "compute_logits") and hasattr(model, "embed_tokens")):
         raise TypeError("TrainableModel takes a detinfer LLM, LLMEngine or models.Transformer, got "
