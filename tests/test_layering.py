@@ -14,12 +14,13 @@ layer are independent of each other):
 - models: the one Transformer, configs, families, loading, weight sharding rules
 - distributed: process groups, collectives, tensor-parallel layers (a sharded Transformer)
 - engine (scheduler, model runner, TP runner and workers, LLM API) and train (the differentiable forward)
-- the applications: server, repro, rl
-- the command line: cli, demo, __main__, and the `detinfer` facade (its lazy re-exports)
+- the applications: server, repro, rl, demo
+- the command table (cli) and the `detinfer` facade (its lazy re-exports)
+- `python -m detinfer` (__main__)
 
-`from detinfer import NAME` is resolved to where NAME lives: a module, a lazily re-exported name's own module
-(read from the facade's TYPE_CHECKING block), or the facade's own constants (`__version__`), which import
-nothing and are allowed everywhere.
+`from detinfer import NAME` and `detinfer.NAME` after `import detinfer` are resolved to where NAME lives: a
+module, a lazily re-exported name's own module (read from the facade's TYPE_CHECKING block), or the facade's
+own constants (`__version__`), which import nothing and are allowed everywhere.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("models",),
     ("distributed",),
     ("engine", "train"),
-    ("server", "repro", "rl"),
-    ("cli", "demo", "__main__", ROOT),
+    ("server", "repro", "rl", "demo"),
+    ("cli", ROOT),
+    ("__main__",),
 ]
 LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 
@@ -85,23 +87,33 @@ def _absolute(module: str, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def import_targets(module: str, node: ast.AST) -> list[str]:
-    """The detinfer modules an import statement loads (None-free; facade constants dropped)."""
+def _facade_names(tree: ast.AST) -> list[str]:
+    """After a bare `import detinfer`: the `detinfer.NAME` attributes the module reads."""
+    return sorted({node.attr for node in ast.walk(tree)
+                   if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == ROOT})
+
+
+def _resolve_facade(base: str, name: str) -> str | None:
+    """`from base import name` -> the module it loads (None: a constant of the facade itself)."""
+    if f"{base}.{name}" in MODULES:
+        return f"{base}.{name}"
+    if base == ROOT:
+        return FACADE.get(name)  # a re-export's own module; None for __version__ (it imports nothing)
+    return base
+
+
+def import_targets(module: str, node: ast.AST, tree: ast.AST | None = None) -> list[str]:
+    """The detinfer modules an import statement in `module` (whose syntax tree is `tree`) loads."""
     if isinstance(node, ast.Import):
-        names = [alias.name for alias in node.names]
-    elif isinstance(node, ast.ImportFrom):
-        base = _absolute(module, node)
         names = []
         for alias in node.names:
-            sub = f"{base}.{alias.name}"
-            if sub in MODULES:
-                names.append(sub)
-            elif base == ROOT and alias.name in FACADE:
-                names.append(FACADE[alias.name])
-            elif base == ROOT:
-                continue  # a constant of the facade itself (__version__): it imports nothing
+            if alias.name == ROOT and alias.asname is None and tree is not None:
+                names += [t for t in (_resolve_facade(ROOT, a) for a in _facade_names(tree)) if t]
             else:
-                names.append(base)
+                names.append(alias.name)
+    elif isinstance(node, ast.ImportFrom):
+        base = _absolute(module, node)
+        names = [t for t in (_resolve_facade(base, alias.name) for alias in node.names) if t]
     else:
         return []
     out = []
@@ -110,7 +122,8 @@ def import_targets(module: str, node: ast.AST) -> list[str]:
             continue
         while name not in MODULES and "." in name:  # `import a.b.c` where c is a name, not a module
             name = name.rsplit(".", 1)[0]
-        out.append(name)
+        if name not in out:
+            out.append(name)
     return out
 
 
@@ -118,9 +131,10 @@ def all_imports() -> list[tuple[str, int, str]]:
     """(importing module, line, imported module) for every detinfer import in the package."""
     edges = []
     for module, path in MODULES.items():
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            edges.extend((module, node.lineno, target) for target in import_targets(module, node))
-    return edges
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            edges.extend((module, node.lineno, target) for target in import_targets(module, node, tree))
+    return sorted(edges)
 
 
 EDGES = all_imports()

@@ -21,7 +21,7 @@ captured with (max_q_len = the token count, max_kv_len = the table's capacity or
 real row gets the same bits in a graph of any size as in an eager step of its own batch. In fast mode the
 same padding is used, but its kernels pick work splits from the padded shape, so bits may move with the graph
 size. Under tensor parallelism every rank's runner captures the same graphs, collectives inside (`tp_group`,
-distributed/runner.py).
+engine/tp_runner.py).
 
 Mixed steps use whole-step graphs over padded token buckets, not piecewise graphs (every op but attention
 captured, attention eager in between): both keep the bits (the argument above), but piecewise graphs
