@@ -24,8 +24,9 @@ Selection rule (`Ops.__post_init__`, from mode, device, dtype, head_dim and two 
   and the tensors are CUDA ones of a kernel dtype, or fp32 CPU ones under the interpreter (how CI tests
   the kernels); otherwise `paged_attention_ref` + `write_kv_ref` (invariant by construction).
   `attention="kernel"` / `"ref"` forces one side (a kernel that cannot run here is an error).
-- SiLU in deterministic mode on CPU is spelled with exp and a division: torch's vectorized CPU SiLU
-  rounds a tensor's SIMD tail differently, so an element's bits would depend on its position.
+- SiLU in deterministic mode on CPU is spelled with exp and a division (kernels/activations.py): torch's
+  vectorized CPU SiLU rounds a tensor's SIMD tail differently, so an element's bits would depend on its
+  position.
 - SiLU*mul and the attention prologue (`qk_norm_rope`: per-head q/k RMSNorm + RoPE), both modes: one
   fused elementwise Triton launch each where the dense kernels run (CUDA), reading their inputs by strides
   out of the fused projections' outputs; they are row-wise, so batch-invariant in either mode. Under
@@ -37,8 +38,8 @@ Selection rule (`Ops.__post_init__`, from mode, device, dtype, head_dim and two 
 - The SwiGLU MLP's gate_up projection + SiLU*mul (`linear_silu_mul`), deterministic mode: one launch with
   the same bits as the two (kernels/linear_silu_mul.py) for 16-bit decode-sized batches where the kernels
   run; otherwise (and in fast mode) `linear` then `silu_mul` as above.
-- RoPE, and the sampler's reductions (`fold_sum`, `cumsum`), are the same in both modes: elementwise or
-  fixed-order, so batch-invariant on any device.
+- RoPE (kernels/rope.py), and the sampler's reductions (`fold_sum`, `cumsum`), are the same in both modes:
+  elementwise or fixed-order, so batch-invariant on any device.
 
 Adding an op (a trainer's backward): one method here (plus its kernel/ref in kernels/), as `moe` did:
 deterministic -> kernels/moe.py's fused kernel (CUDA) or its ref (CPU); fast -> its M-tuned variant with
