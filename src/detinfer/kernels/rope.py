@@ -14,9 +14,11 @@ import torch
 __all__ = ["apply_rope", "rope_angles", "rotate_half", "rotate_pairs"]
 
 
-def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, 1, D/2] fp32 of positions [T] (int) and inv_freq [D/2] (fp32)."""
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, 1, D/2] of positions [T] (int) and inv_freq [D/2] (fp32). The angle is fp32 by definition;
+    its cos/sin are taken in `dtype` (fp32; fp64 for the accuracy reference)."""
+    angles = (positions.to(torch.float32)[:, None] * inv_freq[None, :]).to(dtype)  # [T, D/2]
     return angles.cos()[:, None, :], angles.sin()[:, None, :]
 
 

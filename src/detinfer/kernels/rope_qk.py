@@ -40,7 +40,7 @@ from detinfer.kernels._launch import check_kernel_inputs, interpreting, next_pow
 from detinfer.kernels._pdl import launch_options, pdl_start, use_pdl
 from detinfer.kernels.kv_write import check_write_kv
 from detinfer.kernels.rmsnorm import rms_norm_ref
-from detinfer.kernels.rope import apply_rope, rotate_pairs
+from detinfer.kernels.rope import apply_rope, rope_angles, rotate_pairs
 
 __all__ = ["kernel_takes", "qk_norm_rope", "qk_norm_rope_ref", "qk_norm_rope_write_kv"]
 
@@ -259,7 +259,6 @@ def qk_norm_rope_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     if q_weight is not None:
         q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
     if q.dtype == torch.float64:  # the accuracy reference: the (fp32, by definition) angle, then fp64
-        angles = (positions.to(torch.float32)[:, None] * inv_freq[None, :]).to(torch.float64)
-        c, s = angles.cos()[:, None, :], angles.sin()[:, None, :]
+        c, s = rope_angles(positions, inv_freq, torch.float64)
         return rotate_pairs(q, c, s), rotate_pairs(k, c, s)
     return apply_rope(positions, q, k, inv_freq)
