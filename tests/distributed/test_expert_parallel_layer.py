@@ -28,11 +28,11 @@ from detinfer.distributed.layers import (
     ExpertParallelMoE,
     TPTransformer,
     build_local_model,
-    expert_block,
     pick_slot_owners,
     shard_state,
 )
 from detinfer.models.config import ModelConfig
+from detinfer.models.sharding import expert_block
 from detinfer.models.testing import tiny_config_dict
 from detinfer.models.transformer import Transformer
 from detinfer.ops import Ops

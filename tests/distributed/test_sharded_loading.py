@@ -60,7 +60,7 @@ def test_checkpoint_tp2_loads_sharded_and_matches_the_whole_model_path_and_tp1(m
     monkeypatch.setattr(loader, "load_model", refuse)  # rank 0 is this process: it never has the full model
     monkeypatch.setattr(layers, "shard_state", refuse)
     monkeypatch.setattr("detinfer.engine.llm_engine.load_model", refuse)
-    monkeypatch.setattr("detinfer.distributed.runner.shard_state", refuse)
+    monkeypatch.setattr("detinfer.engine.tp_runner.shard_state", refuse)
     engine = LLMEngine(STORIES, EngineConfig(tensor_parallel_size=2, **ENGINE), device="cpu")
     assert engine.runner.weight_bytes == (expected_shard_bytes(cfg, 2, 4),) * 2
     assert sum(engine.runner.weight_bytes) < 2 * expected_shard_bytes(cfg, 1, 4)  # less than two full copies

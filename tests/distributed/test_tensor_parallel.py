@@ -24,9 +24,9 @@ import torch
 
 from detinfer.cache.layout import StepLayout
 from detinfer.distributed import check_tp_config, tp_invariant_chunks
-from detinfer.distributed.worker import LayoutBatch
 from detinfer.engine import EngineConfig, LLMEngine, SamplingParams
 from detinfer.engine.testing import drive
+from detinfer.engine.tp_worker import LayoutBatch
 from detinfer.models.config import ModelConfig
 from detinfer.models.testing import tiny_config_dict, write_tiny_checkpoint
 

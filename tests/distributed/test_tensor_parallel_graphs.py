@@ -20,9 +20,9 @@ import torch
 from test_tensor_parallel import REQUESTS, engine_at, greedy, model_dir, prompt, run, sampled  # noqa: F401
 
 from detinfer.cache.layout import StepLayout
-from detinfer.distributed.worker import LayoutBatch, run_step
 from detinfer.engine.model_runner import ModelRunner
 from detinfer.engine.sequence import PENDING_TOKEN
+from detinfer.engine.tp_worker import LayoutBatch, run_step
 
 _rng = random.Random(23)
 MORE = [(3, "e", prompt(_rng, 30), sampled(5, seed=4)), (4, "f", prompt(_rng, 3), greedy(6)),

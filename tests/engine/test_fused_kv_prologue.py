@@ -10,7 +10,8 @@ import torch
 from detinfer.cache.layout import StepLayout
 from detinfer.engine import EngineConfig
 from detinfer.engine.cuda_graphs import pad_layout
-from detinfer.engine.model_runner import ModelRunner, PagedAttention
+from detinfer.engine.model_runner import ModelRunner
+from detinfer.engine.paged_attention import PagedAttention
 from detinfer.kernels import rope_qk
 from detinfer.models import load_model
 from detinfer.models.testing import write_tiny_checkpoint

@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from detinfer.kernels._launch import interpreting
+from detinfer.kernels.rope import apply_rope
 from detinfer.kernels.rope_qk import qk_norm_rope, qk_norm_rope_ref
 from detinfer.ops import Ops
-from detinfer.ops.backend import apply_rope
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 # fp32 kernel tests: on the GPU where there is one, else in Triton's interpreter (TRITON_INTERPRET=1).

@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from detinfer.kernels._launch import interpreting
+from detinfer.kernels.activations import silu_cpu
 from detinfer.kernels.silu_mul import silu_mul, silu_mul_ref
 from detinfer.ops import Ops
-from detinfer.ops.backend import silu_cpu
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 # fp32 kernel tests: on the GPU where there is one, else in Triton's interpreter (TRITON_INTERPRET=1).

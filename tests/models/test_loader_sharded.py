@@ -18,11 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from detinfer.distributed.layers import shard_spec, shard_state, take_shard
+from detinfer.distributed.layers import shard_state
 from detinfer.models import loader
 from detinfer.models import random_weights as rw
 from detinfer.models.config import ModelConfig
 from detinfer.models.loader import load_model, load_state
+from detinfer.models.sharding import shard_spec, take_shard
 from detinfer.models.testing import expected_shard_numel, write_tiny_checkpoint
 from detinfer.repro.random_model import build_random_model, preset_config
 

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from detinfer.kernels import matmul, rmsnorm, softmax
 from detinfer.kernels._launch import KERNEL_DTYPES, SUPPORTED_HEAD_DIMS, interpreting
+from detinfer.kernels.activations import silu_cpu
 from detinfer.ops import Ops
-from detinfer.ops.backend import silu_cpu
 
 
 def test_selection_rule():

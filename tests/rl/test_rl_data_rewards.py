@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from detinfer.rl.config import RLConfig
 from detinfer.rl.data import build_task_and_eval, encode_prompt, load_records, prompt_messages, records_to_examples
-from detinfer.rl.math_task import answers_match, extract_answer, has_answer_format, make_word_problem
+from detinfer.rl.math_task import answers_match, extract_answer, has_answer_format
 from detinfer.rl.rewards import RewardModel, overlong_punishment, parse_reward_config
 from detinfer.rl.tasks import TASKS, Example, Task, dataset_indices, examples_for_step
 
@@ -238,8 +238,9 @@ def test_extract_answer_finds_the_marked_number(n, distractor, form):
 
 
 def test_word_problems_are_seeded_and_verifiable():
-    a = [make_word_problem(random.Random(s)) for s in range(40)]
-    assert a == [make_word_problem(random.Random(s)) for s in range(40)]
+    make = TASKS["math"].make_example
+    a = [make(random.Random(s)) for s in range(40)]
+    assert a == [make(random.Random(s)) for s in range(40)]
     assert len({ex.prompt for ex in a}) == 40
     for ex in a:
         assert isinstance(ex.answer, int) and ex.answer >= 0 and "####" in ex.prompt

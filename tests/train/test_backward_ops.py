@@ -14,6 +14,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from detinfer.kernels.activations import silu_cpu
 from detinfer.kernels.attention_backward import (
     attention_backward,
     attention_backward_ref,
@@ -27,7 +28,6 @@ from detinfer.kernels.softmax import log_softmax_ref
 from detinfer.models.config import ModelConfig
 from detinfer.models.rope import RotaryEmbedding
 from detinfer.models.testing import tiny_config_dict
-from detinfer.ops.aten_impls import silu_cpu
 from detinfer.train.functions import (
     AttentionFn,
     EmbeddingFn,

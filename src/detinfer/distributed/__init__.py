@@ -1,7 +1,8 @@
-"""Tensor parallelism (see docs/tensor-parallel.md): process group and collectives (`group`), sharded layers
-and weights (`layers`), the worker loop (`worker`) and rank 0's runner (`runner`)."""
+"""Tensor parallelism's building blocks (see docs/tensor-parallel.md): the process group and its collectives
+(`group`, `nccl_comm`) and the tensor-parallel layers of the one Transformer (`layers`). The engine side of
+tensor parallelism (rank 0's runner, the worker ranks' step loop) lives in engine/tp_runner.py and
+engine/tp_worker.py: it runs the engine's `ModelRunner`, and this package sits below the engine."""
 
 from detinfer.distributed.layers import MAX_TP_CHUNKS, check_tp_config, tp_invariant_chunks
-from detinfer.distributed.runner import TensorParallelRunner, make_runner
 
-__all__ = ["MAX_TP_CHUNKS", "TensorParallelRunner", "check_tp_config", "make_runner", "tp_invariant_chunks"]
+__all__ = ["MAX_TP_CHUNKS", "check_tp_config", "tp_invariant_chunks"]

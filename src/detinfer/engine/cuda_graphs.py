@@ -45,6 +45,7 @@ import torch
 
 from detinfer.cache.layout import StepLayout, padded_tables
 from detinfer.cache.paged_kv import StepMetadata
+from detinfer.engine.paged_attention import PagedAttention
 
 logger = logging.getLogger(__name__)
 
@@ -212,8 +213,6 @@ class StepGraphs:
     def capture(self) -> None:
         """Capture every shape, largest first (the others fit in its memory pool); logs the time taken and
         the pool's size (`pool_bytes`, what `ModelRunner._graph_reserve_bytes` must cover)."""
-        from detinfer.engine.model_runner import PagedAttention
-
         runner, dev = self.runner, self.runner.device
         start = time.perf_counter()
         forwards = {}

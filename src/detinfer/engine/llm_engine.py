@@ -154,7 +154,7 @@ class LLMEngine:
                              "set max_model_len explicitly") from None
         self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
         if config.tensor_parallel_size > 1 or config.tp_invariant_reduction:
-            from detinfer.distributed import make_runner  # rank 0 of a TP group (docs/tensor-parallel.md)
+            from detinfer.engine.tp_runner import make_runner  # rank 0 of a TP group (docs/tensor-parallel.md)
 
             self.runner = make_runner(model, model_config, config, config.num_kv_blocks, weights=weights, ops=ops)
         else:

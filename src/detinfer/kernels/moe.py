@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from detinfer.kernels._launch import KERNEL_DTYPES, check_kernel_inputs
+from detinfer.kernels.activations import silu_cpu
 from detinfer.kernels.moe_combine import combine_slots, combine_slots_ref
 
 __all__ = ["ExpertConfig", "combine_slots", "combine_slots_fast", "combine_slots_ref", "expert_config",
@@ -120,11 +121,6 @@ def combine_slots_fast(weights: torch.Tensor, y: torch.Tensor, dtype: torch.dtyp
 
 
 # ------------------------------------------------------------------------------------- reference path
-def _silu(x: torch.Tensor) -> torch.Tensor:
-    # exp and a division: torch's vectorized CPU SiLU rounds a tensor's SIMD tail differently.
-    return x / (1 + torch.exp(-x))
-
-
 def expert_outputs_ref(x: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                        first_expert: int | None = None) -> torch.Tensor:
     """y [T, k, H] in x's dtype: y[t, r] = expert ids[t, r] applied to x[t], through `linear_ref` per expert
@@ -142,7 +138,7 @@ def expert_outputs_ref(x: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tens
             continue  # another rank's expert
         pairs = (flat == e).nonzero().squeeze(1)
         gate, up = linear_ref(x[pairs // k], w_gate_up[e]).split(inter, dim=-1)
-        y[pairs] = linear_ref(_silu(gate) * up, w_down[e])
+        y[pairs] = linear_ref(silu_cpu(gate) * up, w_down[e])
     return y.view(T, k, -1)
 
 

@@ -7,13 +7,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rope_angles", "rope_backward_ref"]
+from detinfer.kernels.rope import rope_angles
 
-
-def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, 1, D/2] fp32, computed exactly as models/rope.RotaryEmbedding does."""
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-    return angles.cos()[:, None, :], angles.sin()[:, None, :]
+__all__ = ["rope_angles", "rope_backward_ref"]  # rope_angles: the forward's cos/sin, which the backward reuses
 
 
 def rope_backward_ref(dout: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype):

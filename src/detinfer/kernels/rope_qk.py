@@ -39,6 +39,8 @@ from triton.language.extra import libdevice
 from detinfer.kernels._launch import check_kernel_inputs, interpreting, next_pow2
 from detinfer.kernels._pdl import launch_options, pdl_start, use_pdl
 from detinfer.kernels.kv_write import check_write_kv
+from detinfer.kernels.rmsnorm import rms_norm_ref
+from detinfer.kernels.rope import apply_rope, rope_angles, rotate_pairs
 
 __all__ = ["kernel_takes", "qk_norm_rope", "qk_norm_rope_ref", "qk_norm_rope_write_kv"]
 
@@ -253,18 +255,10 @@ def qk_norm_rope_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                      eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """The unfused definition in pure torch (`rms_norm_ref` per head, then `apply_rope`): batch-invariant
     by construction on any device; with fp64 inputs it doubles as the accuracy reference."""
-    from detinfer.kernels.rmsnorm import rms_norm_ref
-    from detinfer.ops.backend import apply_rope
-
     _validate("qk_norm_rope_ref", positions, q, k, inv_freq, q_weight, k_weight, eps)
     if q_weight is not None:
         q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
     if q.dtype == torch.float64:  # the accuracy reference: the (fp32, by definition) angle, then fp64
-        angles = (positions.to(torch.float32)[:, None] * inv_freq[None, :]).to(torch.float64)
-        c, s = angles.cos()[:, None, :], angles.sin()[:, None, :]
-
-        def rot(x):
-            x1, x2 = x.chunk(2, dim=-1)
-            return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-        return rot(q), rot(k)
+        c, s = rope_angles(positions, inv_freq, torch.float64)
+        return rotate_pairs(q, c, s), rotate_pairs(k, c, s)
     return apply_rope(positions, q, k, inv_freq)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from detinfer.kernels.activations import sigmoid_cpu
+
 __all__ = ["silu_mul_backward_ref"]
 
 
@@ -16,7 +18,7 @@ def silu_mul_backward_ref(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tens
     """-> (dgate, dup) in the dtypes of gate and up."""
     acc = torch.float64 if gate.dtype == torch.float64 else torch.float32
     g, u, d = gate.to(acc), up.to(acc), dout.to(acc)
-    s = 1 / (1 + torch.exp(-g))
+    s = sigmoid_cpu(g)
     dgate = d * u * s * (1 + g * (1 - s))
     dup = d * g * s
     return dgate.to(gate.dtype), dup.to(up.dtype)

@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from detinfer.dtypes import resolve_dtype
 from detinfer.models.config import ModelConfig
+from detinfer.models.sharding import ShardSpec, shard_spec
 from detinfer.models.transformer import Transformer
 from detinfer.ops import Ops
 
@@ -155,11 +156,9 @@ def full_parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 def load_state(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
                rank: int = 0, size: int = 1) -> dict[str, torch.Tensor]:
     """Rank `rank` of `size`'s Transformer state dict (size 1: the whole model), reading from the checkpoint
-    only the rows / columns / experts that rank holds (`distributed.layers.shard_spec`) of each HF tensor,
+    only the rows / columns / experts that rank holds (`models.sharding.shard_spec`) of each HF tensor,
     cast to `dtype` on `device`. Under tensor parallelism every rank calls this for itself: no rank reads
     or holds the full weights. Errors name the tensor and, when size > 1, the rank."""
-    from detinfer.distributed.layers import shard_spec
-
     who = f"rank {rank} of {size}: " if size > 1 else ""
     try:
         to_load = check_checkpoint(model_dir, config)
@@ -192,8 +191,6 @@ def load_state(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype, d
 def _read_source(source, spec, expected: dict[str, tuple[int, ...]], read, shape: tuple[int, ...],
                  dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """`spec`'s slice of the parameter `source` makes (dense_decoder.HFSource), reading only that slice."""
-    from detinfer.distributed.layers import ShardSpec
-
     if source.per_expert:  # stacked experts: spec (if any) selects whole experts along dim 0
         k = source.per_expert
         experts = range(shape[0]) if spec.dim is None else [e for a, b in spec.ranges for e in range(a, b)]

@@ -2,7 +2,7 @@
 
 An element's value is a pure function of (seed, parameter name, row, column) of the full (TP=1)
 Transformer parameter, computed with integer torch ops: rank r of a tensor-parallel group draws exactly
-the values of the slice it owns (`distributed.layers.shard_spec`) on its own device, without the full
+the values of the slice it owns (`models.sharding.shard_spec`) on its own device, without the full
 tensor ever existing anywhere, and TP=1 draws the same function over the whole tensor, so TP=N's weights
 are TP=1's, bit for bit. The integer hash and the conversion to floats are exact operations (integer
 arithmetic, an int -> fp32 conversion of a value below 2^17, one correctly rounded fp32 multiply and add,
@@ -24,6 +24,7 @@ import zlib
 import torch
 
 from detinfer.models.config import ModelConfig
+from detinfer.models.sharding import shard_spec
 
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # odd, < 2^31: a uint32 times it fits an int64
@@ -95,7 +96,6 @@ def random_state(config: ModelConfig, *, seed: int, dtype: torch.dtype, device: 
                  rank: int = 0, size: int = 1) -> dict[str, torch.Tensor]:
     """Rank `rank` of `size`'s Transformer state dict of the seeded random model (size 1: all of it),
     drawn on `device` slice by slice (see the module doc)."""
-    from detinfer.distributed.layers import shard_spec
     from detinfer.models.loader import full_parameter_shapes
 
     device = torch.device(device)

@@ -1,5 +1,5 @@
 """Rotary position embeddings (RoPE), HF "rotate_half" layout: the config's frequencies (the rotation is
-`detinfer.ops.backend.Ops.rope`).
+`detinfer.ops.backend.Ops.rope`, which is `kernels.rope.apply_rope`).
 
 cos/sin are computed per token from its position, elementwise, in fp32: no precomputed table whose contents
 could depend on a maximum length, and nothing a token computes depends on the other tokens in the batch.
@@ -13,6 +13,7 @@ import math
 import torch
 from torch import nn
 
+from detinfer.kernels.rope import apply_rope
 from detinfer.models.config import ModelConfig
 
 
@@ -55,6 +56,4 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [T] int; q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k), same dtypes."""
-        from detinfer.ops.backend import apply_rope
-
         return apply_rope(positions, q, k, self.inv_freq)

@@ -120,7 +120,7 @@ def random_hf_weights(config: ModelConfig, seed: int = 0, dtype: torch.dtype = t
 
 def expected_shard_numel(cfg: ModelConfig, size: int) -> int:
     """For tests: the parameters one tensor-parallel rank of `size` holds, counted from the config alone
-    (independently of distributed.layers.shard_spec, which it checks)."""
+    (independently of models.sharding.shard_spec, which it checks)."""
     H, D, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size // size
     hq, hkv = cfg.num_attention_heads // size, max(1, cfg.num_key_value_heads // size)
     vocab_rows = -(-cfg.vocab_size // size)

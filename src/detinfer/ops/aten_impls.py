@@ -18,7 +18,8 @@ import torch
 
 from detinfer.kernels._fold import fold_sum
 from detinfer.kernels._launch import interpreting
-from detinfer.ops.backend import Ops, gelu_cpu, sigmoid_cpu, silu_cpu, softplus_cpu
+from detinfer.kernels.activations import gelu_cpu, sigmoid_cpu, silu_cpu, softplus_cpu
+from detinfer.ops.backend import Ops
 
 
 class NotBatchInvariantError(RuntimeError):

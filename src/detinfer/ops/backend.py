@@ -24,8 +24,9 @@ Selection rule (`Ops.__post_init__`, from mode, device, dtype, head_dim and two 
   and the tensors are CUDA ones of a kernel dtype, or fp32 CPU ones under the interpreter (how CI tests
   the kernels); otherwise `paged_attention_ref` + `write_kv_ref` (invariant by construction).
   `attention="kernel"` / `"ref"` forces one side (a kernel that cannot run here is an error).
-- SiLU in deterministic mode on CPU is spelled with exp and a division: torch's vectorized CPU SiLU
-  rounds a tensor's SIMD tail differently, so an element's bits would depend on its position.
+- SiLU in deterministic mode on CPU is spelled with exp and a division (kernels/activations.py): torch's
+  vectorized CPU SiLU rounds a tensor's SIMD tail differently, so an element's bits would depend on its
+  position.
 - SiLU*mul and the attention prologue (`qk_norm_rope`: per-head q/k RMSNorm + RoPE), both modes: one
   fused elementwise Triton launch each where the dense kernels run (CUDA), reading their inputs by strides
   out of the fused projections' outputs; they are row-wise, so batch-invariant in either mode. Under
@@ -37,8 +38,8 @@ Selection rule (`Ops.__post_init__`, from mode, device, dtype, head_dim and two 
 - The SwiGLU MLP's gate_up projection + SiLU*mul (`linear_silu_mul`), deterministic mode: one launch with
   the same bits as the two (kernels/linear_silu_mul.py) for 16-bit decode-sized batches where the kernels
   run; otherwise (and in fast mode) `linear` then `silu_mul` as above.
-- RoPE, and the sampler's reductions (`fold_sum`, `cumsum`), are the same in both modes: elementwise or
-  fixed-order, so batch-invariant on any device.
+- RoPE (kernels/rope.py), and the sampler's reductions (`fold_sum`, `cumsum`), are the same in both modes:
+  elementwise or fixed-order, so batch-invariant on any device.
 
 Adding an op (a trainer's backward): one method here (plus its kernel/ref in kernels/), as `moe` did:
 deterministic -> kernels/moe.py's fused kernel (CUDA) or its ref (CPU); fast -> its M-tuned variant with
@@ -49,7 +50,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -57,6 +57,8 @@ import torch.nn.functional as F
 
 from detinfer.kernels._fold import fold_sum
 from detinfer.kernels._launch import KERNEL_DTYPES, SUPPORTED_HEAD_DIMS, interpreting
+from detinfer.kernels.activations import silu_cpu
+from detinfer.kernels.rope import apply_rope
 from detinfer.kernels.scan import cumsum_ref
 
 MODES = ("deterministic", "fast")
@@ -66,44 +68,6 @@ _INTERPRETER_DENSE_DTYPES = frozenset({torch.float32, torch.float16})
 _INTERPRETER_ATTENTION_DTYPES = frozenset({torch.float32})
 # The fused gate_up + SiLU*mul launch: 16-bit models (fp32 keeps two launches; no model runs it for speed).
 _FUSED_SWIGLU_DTYPES = frozenset({torch.float16, torch.bfloat16})
-
-
-# Position-independent spellings of the activations whose stock CPU kernels are not (see module doc).
-def silu_cpu(x: torch.Tensor) -> torch.Tensor:
-    return x / (1 + torch.exp(-x))
-
-
-def sigmoid_cpu(x: torch.Tensor) -> torch.Tensor:
-    return 1 / (1 + torch.exp(-x))
-
-
-def gelu_cpu(x: torch.Tensor, *, approximate: str = "none") -> torch.Tensor:
-    if approximate == "tanh":
-        return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x)))
-    return 0.5 * x * (1 + torch.erf(x * (1 / math.sqrt(2))))
-
-
-def softplus_cpu(x: torch.Tensor, beta=1, threshold=20) -> torch.Tensor:
-    bx = x * beta
-    return torch.where(bx > threshold, x, torch.log1p(torch.exp(bx)) / beta)
-
-
-def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by cos/sin [T, 1, D/2] (fp32): pairs are (i, i + D/2), as in HF checkpoints."""
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)  # [T, H, D/2] each
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
-
-
-def apply_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor):
-    """Rotary embedding (the same in every mode: elementwise): positions [T] int; q [T, Hq, D], k [T, Hkv, D];
-    inv_freq [D/2] fp32. cos/sin are computed per token from its position (no table sized by a maximum
-    length)."""
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos = angles.cos()[:, None, :]  # [T, 1, D/2]
-    sin = angles.sin()[:, None, :]
-    return rotate_half(q, cos, sin), rotate_half(k, cos, sin)
 
 
 @functools.cache
@@ -283,7 +247,7 @@ class Ops:
         return self.silu_mul(gate, up)
 
     def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor):
-        """Rotary embedding of q and k (`apply_rope`)."""
+        """Rotary embedding of q and k (`kernels.rope.apply_rope`)."""
         return apply_rope(positions, q, k, inv_freq)
 
     def qk_norm_rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor,
@@ -442,5 +406,4 @@ class Ops:
                   max_kv_len=max_kv_len, validate=validate, **kwargs)
 
 
-__all__ = ["ATTENTION_BACKENDS", "MODES", "Ops", "apply_rope", "gelu_cpu", "rotate_half", "sigmoid_cpu", "silu_cpu",
-           "softplus_cpu"]
+__all__ = ["ATTENTION_BACKENDS", "MODES", "Ops"]

@@ -160,9 +160,8 @@ def _weekly(rng: random.Random) -> tuple[str, int]:
 _TEMPLATES = (_groups_minus, _shopping, _share, _speed, _weekly)
 
 
-def make_word_problem(rng: random.Random):
-    """One GSM8K-style problem (two to three arithmetic steps, integer answer) from `rng`."""
-    from detinfer.rl.tasks import Example
-
+def word_problem(rng: random.Random) -> tuple[str, int]:
+    """One GSM8K-style problem (two to three arithmetic steps, integer answer) from `rng`: (prompt, answer);
+    the "math" task (rl/tasks.py) makes it an `Example`."""
     question, answer = rng.choice(_TEMPLATES)(rng)
-    return Example(question + _INSTRUCTION, answer)
+    return question + _INSTRUCTION, answer

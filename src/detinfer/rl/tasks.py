@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from detinfer.rl.math_task import answers_match, make_word_problem
+from detinfer.rl.math_task import answers_match, word_problem
 
 RewardFn = Callable[["Example", str, Sequence[int]], float]
 
@@ -139,6 +139,11 @@ def _emit_reward(ex: Example, text: str, ids: Sequence[int]) -> float:
     return min(1.0, hits / len(ids))
 
 
+def _make_math(rng: random.Random) -> Example:
+    prompt, answer = word_problem(rng)
+    return Example(prompt, answer)
+
+
 def _math_task_reward(ex: Example, text: str, ids: Sequence[int]) -> float:
     return float(answers_match(text, ex.answer))
 
@@ -152,7 +157,7 @@ TASKS: dict[str, Task] = {
                     description="reverse 3-5 letters; reward = fraction of positions right"),
     "sort": Task("sort", _make_sort, _positional_reward,
                  description="sort 3-5 numbers; reward = fraction of positions right"),
-    "math": Task("math", make_word_problem, _math_task_reward,
+    "math": Task("math", _make_math, _math_task_reward,
                  description="generated GSM8K-style word problems; reward 1 when the extracted number is right"),
     "emit-token": Task("emit-token", _make_emit, _emit_reward, chat=False,
                        description="tiny models: reward = share of completion tokens that are the word 'the'"),

@@ -45,9 +45,9 @@ from detinfer.distributed.layers import (
     use_chunk_tree,
     weight_bytes,
 )
-from detinfer.distributed.worker import WorkerSpec, step_message, worker_main
 from detinfer.engine.config import EngineConfig
 from detinfer.engine.model_runner import ModelRunner
+from detinfer.engine.tp_worker import WorkerSpec, step_message, worker_main
 from detinfer.models.config import ModelConfig
 from detinfer.models.transformer import Transformer
 from detinfer.models.weight_sources import build_full_model
@@ -76,7 +76,7 @@ def make_runner(model: Transformer | None, model_config: ModelConfig, config: En
 # Imported once by the fork server; each worker is forked from it (no re-import of torch per worker and per
 # engine). The server is a fresh single-threaded process that never touches CUDA, so forking it is safe
 # (unlike forking the engine's own process).
-_WORKER_PRELOAD = ["detinfer.distributed.worker", "detinfer.distributed.layers", "detinfer.engine.model_runner"]
+_WORKER_PRELOAD = ["detinfer.engine.tp_worker", "detinfer.distributed.layers", "detinfer.engine.model_runner"]
 
 
 def _process_context():
