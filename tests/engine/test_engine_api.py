@@ -212,12 +212,12 @@ def test_stop_strings_cut_the_text(stories_dir):
 
 
 def test_generate_cli(stories_dir, capsys):
-    assert generate_main(["--model", stories_dir, "--prompt", "Once upon a time", "--max-tokens", "12",
+    assert generate_main(["--model", str(stories_dir), "--prompt", "Once upon a time", "--max-tokens", "12",
                           "--mode", "fast", "--show-ids"]) == 0
     out = capsys.readouterr()
     assert out.out.startswith(", there was a little girl named Lily.")
     assert "token ids: [432, 383, 286" in out.out and "finish_reason=length" in out.err
-    assert generate_main(["--model", stories_dir, "--prompt", "", "--mode", "fast"]) == 2
+    assert generate_main(["--model", str(stories_dir), "--prompt", "", "--mode", "fast"]) == 2
     assert "prompt is empty" in capsys.readouterr().err
 
 

@@ -139,6 +139,31 @@ def test_a_stalled_header_on_a_keep_alive_connection_is_disconnected(srv):
     assert status == 408 and body["error"]["code"] == "request_timeout", body
 
 
+def test_bare_line_breaks_do_not_keep_a_connection_open(srv):
+    """The parser skips empty lines between requests; they still count as the next request's start (each
+    byte cancels uvicorn's keep-alive timer, so without this a client could trickle CRLFs forever)."""
+    with _connect(srv) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        first = bytearray()
+        while not first.endswith(b"}"):
+            first += sock.recv(65536)
+        sock.settimeout(0.2)
+        answer, deadline = bytearray(), time.monotonic() + DISCONNECT_BOUND_S
+        while time.monotonic() < deadline:
+            try:
+                sock.sendall(b"\r\n")
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            if not chunk:
+                break
+            answer += chunk
+    status, body = _status_and_json(bytes(answer))
+    assert status == 408 and body["error"]["code"] == "request_timeout", body
+
+
 def test_an_answer_slower_than_the_header_timeout_is_unaffected(srv):
     srv.gate.hold_after(0)  # the engine core holds before its next step: the answer waits
     try:

@@ -7,7 +7,8 @@ or make the server buffer megabytes of one header line. `guarded_protocol` retur
 `HttpToolsProtocol` with three additions:
 
 * header-read timeout: from the moment a connection opens (or the first byte of a later request on a
-  keep-alive connection) the request line and headers must be complete within `header_timeout` seconds;
+  keep-alive connection, even a bare CRLF) the request line and headers must be complete within
+  `header_timeout` seconds;
   otherwise the connection is closed (after a 408 if part of a request had arrived). Bodies have their own
   limit (`--body-timeout`, checked where the body is read).
 * header size: the request target plus every `name: value` line (with its separator and CRLF) may total at
@@ -23,6 +24,7 @@ which uvicorn answers through `send_400_response`: that method sends our refusal
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -57,12 +59,16 @@ class HeaderGuardedProtocol(HttpToolsProtocol):
     max_header_field_bytes: int
     header_timeout: float
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._refusal: tuple[int, str] | None = None
+        self._request_begun = False  # the parser has seen the start of the current request
+        self._start_header_section()
+
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        self._refusal: tuple[int, str] | None = None
-        self._request_begun = False  # some byte of the current request's header section has arrived
-        self._start_header_section()
-        self._arm_header_timer()
+        self._arm_header_timer()  # a connection that never sends a request is closed too
 
     def connection_lost(self, exc) -> None:
         self._disarm_header_timer()
@@ -74,6 +80,9 @@ class HeaderGuardedProtocol(HttpToolsProtocol):
         counted = self._in_header_section  # a read that began inside a header section counts whole
         if counted:
             self._header_read_bytes += len(data)
+            # Any byte starts the next request's clock (also bare CRLFs, which the parser skips silently;
+            # uvicorn has just cancelled its keep-alive timer).
+            self._arm_header_timer()
         super().data_received(data)
         if (counted and self._in_header_section and self._refusal is None
                 and self._header_read_bytes > self.max_header_bytes and not self.transport.is_closing()):
@@ -83,7 +92,7 @@ class HeaderGuardedProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._request_begun = True
-        self._arm_header_timer()  # a later request on a keep-alive connection: its own time limit
+        self._arm_header_timer()  # (already armed unless the request began in a read that began in a body)
 
     def on_url(self, url: bytes) -> None:
         self._count_header_bytes(len(url))
@@ -147,11 +156,11 @@ class HeaderGuardedProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def _arm_header_timer(self) -> None:
-        if getattr(self, "_header_timer", None) is None:
+        if self._header_timer is None:
             self._header_timer = self.loop.call_later(self.header_timeout, self._header_timed_out)
 
     def _disarm_header_timer(self) -> None:
-        timer, self._header_timer = getattr(self, "_header_timer", None), None
+        timer, self._header_timer = self._header_timer, None
         if timer is not None:
             timer.cancel()
 
