@@ -8,9 +8,8 @@ or make the server buffer megabytes of one header line. `guarded_protocol` retur
 
 * header-read timeout: from the moment a connection opens (or the first byte of a later request on a
   keep-alive connection, even a bare CRLF) the request line and headers must be complete within
-  `header_timeout` seconds;
-  otherwise the connection is closed (after a 408 if part of a request had arrived). Bodies have their own
-  limit (`--body-timeout`, checked where the body is read).
+  `header_timeout` seconds; otherwise the connection is closed (after a 408 if part of a request had
+  arrived). Bodies have their own limit (`--body-timeout`, checked where the body is read).
 * header size: the request target plus every `name: value` line (with its separator and CRLF) may total at
   most `max_header_bytes`, and one header's name and value at most `max_header_field_bytes`; beyond either
   the request gets 431 with the server's JSON error body, and the connection is closed (what follows the
