@@ -6,7 +6,7 @@ machine that slows down or speeds up during the run weighs on both alike; one un
 first. Reports every time, each side's median and the ratio of the medians (mode / stock), with the
 machine's load average before and after (shared cores show up there).
 
-    PYTHONPATH=src python bench/hf_dropin_cpu.py --model ../shared/models/stories260k   # the tests' tiny model
+    PYTHONPATH=src python bench/hf_dropin_cpu.py --model tests/data/stories260k   # the tests' tiny model
     PYTHONPATH=src python bench/hf_dropin_cpu.py --random-llama    # a small random LlamaConfig model instead
 """
 

@@ -5,9 +5,15 @@
 * `@pytest.mark.gpu` tests are skipped (and reported as skipped) when CUDA is not available.
 * Hypothesis profiles: "ci" (default, small example counts for the 2-core CPU CI) and "gpu" (more
   examples; select with HYPOTHESIS_PROFILE=gpu).
+* `stories_dir`: the tiny real model the CPU tests run on (Karpathy's stories260k, 1.1 MB), shipped in
+  tests/data/stories260k (its SOURCE.md says where it came from and how it was converted). Should it be
+  missing, its tests skip, unless DETINFER_REQUIRE_TEST_MODELS=1 (CI sets it) makes that a failure.
 """
 
+import ast
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,6 +61,43 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+TEST_DATA = Path(__file__).resolve().parent / "data"
+REQUIRE_TEST_MODELS_ENV = "DETINFER_REQUIRE_TEST_MODELS"
+
+
+def repository_test_model(name: str) -> Path:
+    """tests/data/<name>, a model directory shipped with the repository. Missing (a partial checkout): skip
+    the test, or fail it when DETINFER_REQUIRE_TEST_MODELS=1, so that CI cannot pass by skipping."""
+    path = TEST_DATA / name
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        return path
+    message = f"test model {name!r} not found at {path} (it ships with the repository in tests/data/{name})"
+    if os.environ.get(REQUIRE_TEST_MODELS_ENV, "") not in ("", "0"):
+        pytest.fail(f"{message}; {REQUIRE_TEST_MODELS_ENV} is set, so a missing test model is a failure",
+                    pytrace=False)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    """The real trained stories260k checkpoint (fp32, 5 layers, hidden 64, vocab 512)."""
+    return repository_test_model("stories260k")
+
+
+@pytest.fixture(scope="session")
+def stories_expected(stories_dir) -> dict:
+    """What SOURCE.md records for greedy decoding from "Once upon a time": prompt ids, the 40 new ids,
+    and the text."""
+    source = (stories_dir / "SOURCE.md").read_text(encoding="utf-8")
+    prompt = re.search(r"The prompt ids are (\[[\d, ]+\])", source)
+    new = re.search(r"New token ids: (\[[\d, ]+\])", source)
+    text = re.search(r"\n    (Once upon a time.*)\n", source)
+    if not (prompt and new and text):
+        pytest.fail(f"could not find the prompt ids, new token ids and text in {stories_dir / 'SOURCE.md'}")
+    return {"prompt_ids": ast.literal_eval(prompt.group(1)), "new_ids": ast.literal_eval(new.group(1)),
+            "text": text.group(1)}
 
 
 @pytest.fixture

@@ -29,7 +29,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-STORIES = ROOT.parent / "shared" / "models" / "stories260k"
 README_SERVER_URL = "http://127.0.0.1:8000/v1"  # the address the README's client block uses
 README_SERVED_NAME = "smollm2-135m-instruct"  # the model name the README's client block requests
 BLOCK_TIMEOUT_S = 600
@@ -39,9 +38,9 @@ def fenced_blocks(text: str, lang: str) -> list[str]:
     return re.findall(rf"^```{lang}\n(.*?)^```", text, flags=re.S | re.M)
 
 
-def substitutions(server_url: str | None) -> dict[str, str]:
+def substitutions(model_dir: Path, server_url: str | None) -> dict[str, str]:
     """Placeholder -> what the test puts there. The placeholders are the quoted strings as they appear."""
-    subs = {'"path/to/hf-model-dir"': repr(str(STORIES)), '"path/to/model"': repr(str(STORIES))}
+    subs = {'"path/to/hf-model-dir"': repr(str(model_dir)), '"path/to/model"': repr(str(model_dir))}
     if server_url is not None:
         subs[f'"{README_SERVER_URL}"'] = repr(f"{server_url}/v1")
     return subs
@@ -89,19 +88,12 @@ def _load_server_helpers():
 
 
 @pytest.fixture(scope="module")
-def stories():
-    if not (STORIES / "config.json").is_file():
-        pytest.skip(f"stories260k checkpoint not found at {STORIES} (expected <repo>/../shared/models/stories260k)")
-    return STORIES
-
-
-@pytest.fixture(scope="module")
-def readme_server(stories, tmp_path_factory):
+def readme_server(stories_dir, tmp_path_factory):
     """`detinfer serve` on stories260k plus a ChatML template, named as the README's client block asks."""
     from detinfer.models.testing import CHATML_TEMPLATE
 
     model = tmp_path_factory.mktemp("readme-model") / "stories260k-chat"
-    shutil.copytree(stories, model)
+    shutil.copytree(stories_dir, model)
     cfg_path = model / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
     cfg["chat_template"] = CHATML_TEMPLATE
@@ -120,9 +112,9 @@ def test_readme_has_the_blocks_this_module_runs():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=[_block_id(b) for b in PYTHON_BLOCKS])
-def test_python_block_runs_as_written(block, stories, request, tmp_path):
+def test_python_block_runs_as_written(block, stories_dir, request, tmp_path):
     url = request.getfixturevalue("readme_server").url if _needs_server(block) else None
-    result = run_block(apply_substitutions(block, substitutions(url)), tmp_path)
+    result = run_block(apply_substitutions(block, substitutions(stories_dir, url)), tmp_path)
     assert result.returncode == 0, f"README block failed:\n{block}\n--- stderr ---\n{result.stderr[-4000:]}"
     assert result.stdout.strip() or "print(" not in block, "the block prints nothing"
 

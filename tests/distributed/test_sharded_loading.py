@@ -7,7 +7,6 @@ tp_invariant_reduction, TP=1's. CPU, gloo, 2 and 4 processes.
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +21,6 @@ from detinfer.models.testing import expected_shard_numel, write_tiny_checkpoint
 from detinfer.models.weight_sources import RandomWeights
 from detinfer.repro.random_model import preset_config
 
-STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260k"
 ENGINE = dict(max_num_batched_tokens=16, max_num_seqs=4, block_size=4, num_kv_blocks=64, max_model_len=64,
               tp_invariant_reduction=True)
 
@@ -46,13 +44,13 @@ def outputs(engine, vocab):
         engine.close()
 
 
-@pytest.mark.skipif(not (STORIES / "model.safetensors").is_file(), reason=f"stories260k not found at {STORIES}")
-def test_checkpoint_tp2_loads_sharded_and_matches_the_whole_model_path_and_tp1(monkeypatch):
-    cfg = ModelConfig.from_dir(STORIES)
-    whole_model_path = LLMEngine.from_model(*loader.load_model(STORIES), EngineConfig(tensor_parallel_size=2, **ENGINE),
-                                            tokenizer=loader.load_tokenizer(STORIES))  # (outputs carry text)
+def test_checkpoint_tp2_loads_sharded_and_matches_the_whole_model_path_and_tp1(stories_dir, monkeypatch):
+    cfg = ModelConfig.from_dir(stories_dir)
+    whole_model_path = LLMEngine.from_model(*loader.load_model(stories_dir),
+                                            EngineConfig(tensor_parallel_size=2, **ENGINE),
+                                            tokenizer=loader.load_tokenizer(stories_dir))  # (outputs carry text)
     old = outputs(whole_model_path, cfg.vocab_size)
-    tp1 = outputs(LLMEngine(STORIES, EngineConfig(**ENGINE), device="cpu"), cfg.vocab_size)
+    tp1 = outputs(LLMEngine(stories_dir, EngineConfig(**ENGINE), device="cpu"), cfg.vocab_size)
 
     def refuse(*args, **kwargs):
         raise AssertionError("rank 0 built or split the whole model")
@@ -61,7 +59,7 @@ def test_checkpoint_tp2_loads_sharded_and_matches_the_whole_model_path_and_tp1(m
     monkeypatch.setattr(layers, "shard_state", refuse)
     monkeypatch.setattr("detinfer.engine.llm_engine.load_model", refuse)
     monkeypatch.setattr("detinfer.engine.tp_runner.shard_state", refuse)
-    engine = LLMEngine(STORIES, EngineConfig(tensor_parallel_size=2, **ENGINE), device="cpu")
+    engine = LLMEngine(stories_dir, EngineConfig(tensor_parallel_size=2, **ENGINE), device="cpu")
     assert engine.runner.weight_bytes == (expected_shard_bytes(cfg, 2, 4),) * 2
     assert sum(engine.runner.weight_bytes) < 2 * expected_shard_bytes(cfg, 1, 4)  # less than two full copies
     sharded = outputs(engine, cfg.vocab_size)

@@ -12,7 +12,6 @@ a tokenizer, so stop strings and EOS fire on real text).
 """
 
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,16 +23,13 @@ from detinfer.engine import EngineConfig, LLMEngine, SamplingParams
 from detinfer.engine.testing import drive as drive_engine
 from detinfer.models.loader import load_model, load_tokenizer
 
-STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260k"
 STOP_STRINGS = ("Lily", " the", ".", "ball", "!")
 
 
 @pytest.fixture(scope="module")
-def stories():
-    if not (STORIES / "model.safetensors").is_file():
-        pytest.skip(f"stories260k checkpoint not found at {STORIES} (expected <repo>/../shared/models/stories260k)")
-    model, model_config = load_model(STORIES, torch.float32, "cpu", "deterministic")
-    tokenizer = load_tokenizer(STORIES)
+def stories(stories_dir):
+    model, model_config = load_model(stories_dir, torch.float32, "cpu", "deterministic")
+    tokenizer = load_tokenizer(stories_dir)
     # Token ids the model likes to emit after "Once upon a time": stop tokens that actually fire.
     engine = LLMEngine.from_model(model, model_config, EngineConfig(max_model_len=128), tokenizer)
     engine.add_request("probe", "Once upon a time", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))

@@ -1,7 +1,6 @@
 """LLMEngine / LLM API: input validation (clear errors, no lost state), abort (blocks freed, invariants),
 output shapes, n > 1, seeds, stop strings, chat, stats, and the generate CLI."""
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +10,6 @@ from detinfer.engine.generate_cli import main as generate_main
 from detinfer.models import load_model
 from detinfer.models.testing import write_tiny_checkpoint
 
-STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260k"
 CONFIG = EngineConfig(max_num_batched_tokens=32, max_num_seqs=4, block_size=4, num_kv_blocks=48)
 
 
@@ -197,15 +195,8 @@ def test_stats_counters(model_dir):
     assert engine.stats().prefix_cache_hit_tokens == 16  # 4 full blocks of the 20-token prompt
 
 
-@pytest.fixture(scope="module")
-def stories():
-    if not (STORIES / "model.safetensors").is_file():
-        pytest.skip(f"stories260k checkpoint not found at {STORIES} (expected <repo>/../shared/models/stories260k)")
-    return str(STORIES)
-
-
-def test_stop_strings_cut_the_text(stories):
-    llm = LLM(stories, mode="fast", max_num_seqs=4)
+def test_stop_strings_cut_the_text(stories_dir):
+    llm = LLM(stories_dir, mode="fast", max_num_seqs=4)
     plain = llm.generate("Once upon a time", SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)[0]
     text = plain.outputs[0].text
     assert "Lily" in text
@@ -220,13 +211,13 @@ def test_stop_strings_cut_the_text(stories):
     assert eos.finish_reason == "stop" and len(eos.token_ids) == 6
 
 
-def test_generate_cli(stories, capsys):
-    assert generate_main(["--model", stories, "--prompt", "Once upon a time", "--max-tokens", "12",
+def test_generate_cli(stories_dir, capsys):
+    assert generate_main(["--model", str(stories_dir), "--prompt", "Once upon a time", "--max-tokens", "12",
                           "--mode", "fast", "--show-ids"]) == 0
     out = capsys.readouterr()
     assert out.out.startswith(", there was a little girl named Lily.")
     assert "token ids: [432, 383, 286" in out.out and "finish_reason=length" in out.err
-    assert generate_main(["--model", stories, "--prompt", "", "--mode", "fast"]) == 2
+    assert generate_main(["--model", str(stories_dir), "--prompt", "", "--mode", "fast"]) == 2
     assert "prompt is empty" in capsys.readouterr().err
 
 
@@ -255,8 +246,8 @@ def test_failed_forward_aborts_its_batch_and_engine_recovers(model_dir):
     assert drain(engine)["z"].outputs[0].finish_reason == "length"
 
 
-def test_get_tokenizer_and_vllm_prompt_dicts(stories):
-    llm = LLM(stories, mode="deterministic", device="cpu", max_num_seqs=4, max_model_len=128)
+def test_get_tokenizer_and_vllm_prompt_dicts(stories_dir):
+    llm = LLM(stories_dir, mode="deterministic", device="cpu", max_num_seqs=4, max_model_len=128)
     tok = llm.get_tokenizer()
     assert tok is llm.engine.tokenizer
     ids = tok.encode("Once upon a time")

@@ -2,9 +2,6 @@
 attention (logprobs close), the kernel and pure-torch attention backends agree, and the real stories260k
 checkpoint reproduces the 40 greedy token ids recorded in its SOURCE.md, in both modes."""
 
-import ast
-import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +10,6 @@ from detinfer.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from detinfer.models import ReferenceAttention, load_model
 from detinfer.models.testing import write_tiny_checkpoint
 
-STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260k"
 PROMPT = [5, 77, 140, 9, 260, 31, 18, 200, 45, 99, 13, 250, 7, 64, 121, 33, 280, 17, 42]
 NEW_TOKENS = 8
 
@@ -94,27 +90,14 @@ def test_unsupported_kernel_backend_is_refused(checkpoints, tmp_path):
         LLMEngine(checkpoints["llama"], EngineConfig(num_kv_blocks=16), device="cpu", attention_backend="x")
 
 
-@pytest.fixture(scope="module")
-def stories():
-    if not (STORIES / "model.safetensors").is_file():
-        pytest.skip(f"stories260k checkpoint not found at {STORIES} (expected <repo>/../shared/models/stories260k)")
-    source = (STORIES / "SOURCE.md").read_text(encoding="utf-8")
-    prompt = re.search(r"The prompt ids are (\[[\d, ]+\])", source)
-    new = re.search(r"New token ids: (\[[\d, ]+\])", source)
-    text = re.search(r"\n    (Once upon a time.*)\n", source)
-    assert prompt and new and text, "SOURCE.md no longer records the prompt ids, new ids and text"
-    return {"prompt_ids": ast.literal_eval(prompt.group(1)), "new_ids": ast.literal_eval(new.group(1)),
-            "text": text.group(1)}
-
-
 @pytest.mark.parametrize("mode", ["deterministic", "fast"])
-def test_stories260k_once_upon_a_time(stories, mode):
-    llm = LLM(str(STORIES), mode=mode, max_num_batched_tokens=64, max_num_seqs=4)
+def test_stories260k_once_upon_a_time(stories_dir, stories_expected, mode):
+    llm = LLM(str(stories_dir), mode=mode, max_num_batched_tokens=64, max_num_seqs=4)
     # Alongside two other prompts, so the 40 ids come from a shared batch.
     outs = llm.generate(["Once upon a time", "The little dog", "Once upon a time"],
                         SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)
     first, third = outs[0], outs[2]
-    assert list(first.prompt_token_ids) == stories["prompt_ids"]
-    assert list(first.outputs[0].token_ids[:40]) == stories["new_ids"]
-    assert first.prompt + first.outputs[0].text == stories["text"]
+    assert list(first.prompt_token_ids) == stories_expected["prompt_ids"]
+    assert list(first.outputs[0].token_ids[:40]) == stories_expected["new_ids"]
+    assert first.prompt + first.outputs[0].text == stories_expected["text"]
     assert third.outputs[0].token_ids == first.outputs[0].token_ids

@@ -3,7 +3,6 @@ to a row, that untouched rows keep every bit, and that a request gets the same b
 (sampler level on random logits, and engine level on the real stories260k model), asserted with torch.equal /
 exact signatures."""
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +15,6 @@ from detinfer.engine.sampler import sample, sampling_scores
 from detinfer.engine.testing import drive
 from detinfer.models.loader import load_model, load_tokenizer
 
-STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260k"
 NEG_INF = float("-inf")
 
 
@@ -137,13 +135,6 @@ def test_sampler_row_alone_equals_row_in_batch(data):
 
 # --- engine level, real stories260k weights ------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def stories():
-    if not (STORIES / "model.safetensors").is_file():
-        pytest.skip(f"stories260k checkpoint not found at {STORIES} (expected <repo>/../shared/models/stories260k)")
-    return STORIES
-
-
 def stories_engine(path, device="cpu", **config):
     model, model_config = load_model(path, torch.float32, device, "deterministic")
     cfg = EngineConfig(**{"max_model_len": 128, "max_num_seqs": 8, "num_kv_blocks": 64, **config})
@@ -180,15 +171,15 @@ def _alone_equals_batched(path, device, reqs, budget, overlap):
 
 @settings(max_examples=6)
 @given(engine_requests())
-def test_engine_request_alone_equals_inside_a_batch(stories, case):
-    _alone_equals_batched(stories, "cpu", *case)
+def test_engine_request_alone_equals_inside_a_batch(stories_dir, case):
+    _alone_equals_batched(stories_dir, "cpu", *case)
 
 
 @pytest.mark.gpu
 @settings(max_examples=10)
 @given(engine_requests())
-def test_engine_request_alone_equals_inside_a_batch_gpu(stories, case):
-    _alone_equals_batched(stories, "cuda", *case)
+def test_engine_request_alone_equals_inside_a_batch_gpu(stories_dir, case):
+    _alone_equals_batched(stories_dir, "cuda", *case)
 
 
 def run_one(engine, prompt, params):
@@ -196,8 +187,8 @@ def run_one(engine, prompt, params):
 
 
 @pytest.fixture(scope="module")
-def engine(stories):
-    return stories_engine(stories)
+def engine(stories_dir):
+    return stories_engine(stories_dir)
 
 
 def test_engine_bad_words_never_appear(engine):
@@ -259,14 +250,14 @@ def test_engine_refuses_token_ids_outside_the_vocabulary(engine):
         assert not engine.has_unfinished_requests()
 
 
-def test_engine_process_gets_the_same_bits(stories):
+def test_engine_process_gets_the_same_bits(stories_dir):
     """The processors' fields cross to the engine process (pickled SamplingParams) and give the same tokens."""
     from detinfer.engine import LLM
 
     params = SamplingParams(temperature=0.7, seed=5, max_tokens=8, logit_bias={432: -100}, bad_words=["Lily"],
                             min_tokens=3, allowed_token_ids=list(range(250, 512)))
     kw = dict(device="cpu", mode="deterministic", max_model_len=128, max_num_seqs=4)
-    with LLM(str(stories), engine_process=True, **kw) as remote:
+    with LLM(str(stories_dir), engine_process=True, **kw) as remote:
         there = remote.generate({"prompt": "Once upon a time"}, params, use_tqdm=False)[0].outputs[0]
-    here = LLM(str(stories), **kw).generate("Once upon a time", params, use_tqdm=False)[0].outputs[0]
+    here = LLM(str(stories_dir), **kw).generate("Once upon a time", params, use_tqdm=False)[0].outputs[0]
     assert there.token_ids == here.token_ids and all(t >= 250 for t in here.token_ids)

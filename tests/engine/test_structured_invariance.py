@@ -8,7 +8,6 @@ with overlapped scheduling on or off. Its grammar mask is a function of its own 
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -19,7 +18,6 @@ from detinfer.engine import EngineConfig
 from detinfer.engine.testing import drive
 
 pytest.importorskip("llguidance")
-STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260k"
 PROMPTS = ["Once upon a time", "Lily", "The dog said", "One day, Tom went to the park and saw a big"]
 CONSTRAINTS = [
     StructuredOutputs(json_object=True),
@@ -34,19 +32,12 @@ ALONE = dict(max_num_batched_tokens=512, max_num_seqs=8, block_size=16, num_kv_b
 
 
 @pytest.fixture(scope="module")
-def stories():
-    if not (STORIES / "model.safetensors").is_file():
-        pytest.skip(f"stories260k checkpoint not found at {STORIES} (expected <repo>/../shared/models/stories260k)")
-    return str(STORIES)
-
-
-@pytest.fixture(scope="module")
-def alone(stories):
+def alone(stories_dir):
     cache = {}
 
     def get(prompt, params):
         if (prompt, params) not in cache:
-            engine = LLMEngine(stories, EngineConfig(**ALONE), device="cpu")
+            engine = LLMEngine(stories_dir, EngineConfig(**ALONE), device="cpu")
             cache[prompt, params] = drive(engine, [(0, "alone", prompt, params)])["alone"]
         return cache[prompt, params]
 
@@ -79,14 +70,14 @@ def _check_matches(constraint: StructuredOutputs, text: str) -> None:
 @settings(max_examples=8)
 @given(target=request, others=st.lists(request, max_size=4), budget=st.sampled_from([16, 64, 512]),
        overlap=st.booleans())
-def test_structured_request_alone_equals_in_a_batch(stories, alone, target, others, budget, overlap):
+def test_structured_request_alone_equals_in_a_batch(stories_dir, alone, target, others, budget, overlap):
     step, prompt, constraint, temperature, seed = target
     constraint = constraint if constraint is not None else 2
     params = _params(constraint, temperature, seed)
     requests = [(step, "target", prompt, params)]
     requests += [(s, f"o{i}", p, _params(c, t, sd, logprobs=None, max_tokens=12))
                  for i, (s, p, c, t, sd) in enumerate(others)]
-    engine = LLMEngine(stories, EngineConfig(max_num_batched_tokens=budget, max_num_seqs=8, block_size=16,
+    engine = LLMEngine(stories_dir, EngineConfig(max_num_batched_tokens=budget, max_num_seqs=8, block_size=16,
                                              num_kv_blocks=96, async_scheduling=overlap), device="cpu")
     batched = drive(engine, requests, after_step=lambda e: e.scheduler.check_invariants())
     assert batched["target"] == alone(prompt, params)

@@ -8,7 +8,6 @@ import pickle
 import random
 import re
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +27,6 @@ from detinfer.engine.testing import drive
 from detinfer.models.tokenizer import Tokenizer
 
 pytest.importorskip("llguidance")
-STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260k"
 EOS = 2
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -37,15 +35,8 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 
 @pytest.fixture(scope="module")
-def stories():
-    if not (STORIES / "model.safetensors").is_file():
-        pytest.skip(f"stories260k checkpoint not found at {STORIES} (expected <repo>/../shared/models/stories260k)")
-    return str(STORIES)
-
-
-@pytest.fixture(scope="module")
-def engine(stories):
-    return LLMEngine(stories, EngineConfig(max_num_seqs=8, num_kv_blocks=96, block_size=16), device="cpu")
+def engine(stories_dir):
+    return LLMEngine(stories_dir, EngineConfig(max_num_seqs=8, num_kv_blocks=96, block_size=16), device="cpu")
 
 
 def run(engine, requests):
@@ -101,11 +92,11 @@ def test_gbnf_and_lark_grammars_compile():
     check_structured_outputs(StructuredOutputs(grammar='start: "yes" | "no"'))
 
 
-def test_missing_llguidance_is_a_clear_error(stories, monkeypatch):
+def test_missing_llguidance_is_a_clear_error(stories_dir, monkeypatch):
     monkeypatch.setitem(sys.modules, "llguidance", None)  # import llguidance now raises ImportError
     with pytest.raises(ValueError, match=re.escape(INSTALL_HINT)):
         compile_grammar("regex", "never-compiled-before-[0-9]")
-    fresh = LLMEngine(stories, EngineConfig(max_num_seqs=2, num_kv_blocks=16, block_size=16), device="cpu")
+    fresh = LLMEngine(stories_dir, EngineConfig(max_num_seqs=2, num_kv_blocks=16, block_size=16), device="cpu")
     with pytest.raises(ValueError, match=re.escape("pip install 'detinfer[structured]'")):
         fresh.add_request("r", "Once", SamplingParams(structured_outputs=StructuredOutputs(regex="a")))
     fresh.add_request("free", "Once", SamplingParams(temperature=0, max_tokens=3))  # others are unaffected
@@ -131,10 +122,9 @@ class _Seq:
         self.seq_id, self.num_pending_tokens, self.output_token_ids = seq_id, 0, []
 
 
-def _walk(masks, so, seed, max_steps=600):
+def _walk(masks, tok, so, seed, max_steps=600):
     """A random walk through the grammar (punctuation-heavy, so JSON closes): the tokens, and whether the
     grammar completed."""
-    tok = masks_tokenizer()
     masks.add([seed], so)
     seq, rng = _Seq(seed), random.Random(seed)
     try:
@@ -151,32 +141,26 @@ def _walk(masks, so, seed, max_steps=600):
         masks.release(seed)
 
 
-_TOKENIZER = []
-
-
-def masks_tokenizer():
-    if not _TOKENIZER:
-        if not (STORIES / "tokenizer.json").is_file():
-            pytest.skip("stories260k tokenizer not found")
-        _TOKENIZER.append(Tokenizer.from_dir(STORIES))
-    return _TOKENIZER[0]
+@pytest.fixture(scope="module")
+def masks_tokenizer(stories_dir):
+    return Tokenizer.from_dir(stories_dir)
 
 
 @settings(max_examples=20)
 @given(st.integers(0, 10_000))
-def test_random_walks_through_json_grammars_end_in_valid_json(seed):
-    masks = GrammarMasks(masks_tokenizer(), 512, [EOS])
-    ids, done = _walk(masks, StructuredOutputs(json_object=True), seed)
+def test_random_walks_through_json_grammars_end_in_valid_json(masks_tokenizer, seed):
+    masks = GrammarMasks(masks_tokenizer, 512, [EOS])
+    ids, done = _walk(masks, masks_tokenizer, StructuredOutputs(json_object=True), seed)
     assert done and EOS not in ids
-    assert isinstance(json.loads(masks_tokenizer().decode(ids)), dict)
-    ids, done = _walk(masks, StructuredOutputs(json=PERSON), seed)
-    person = json.loads(masks_tokenizer().decode(ids))
+    assert isinstance(json.loads(masks_tokenizer.decode(ids)), dict)
+    ids, done = _walk(masks, masks_tokenizer, StructuredOutputs(json=PERSON), seed)
+    person = json.loads(masks_tokenizer.decode(ids))
     assert done and set(person) == {"name", "age", "pet"} and person["pet"] in ("cat", "dog")
     assert 0 <= person["age"] <= 99 and len(person["name"]) <= 6
 
 
-def test_masks_leave_other_rows_and_the_input_alone():
-    masks = GrammarMasks(masks_tokenizer(), 512, [EOS])
+def test_masks_leave_other_rows_and_the_input_alone(masks_tokenizer):
+    masks = GrammarMasks(masks_tokenizer, 512, [EOS])
     masks.add([7], StructuredOutputs(choice=["happy", "sad"]))
     logits = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
     before = logits.clone()
@@ -184,8 +168,8 @@ def test_masks_leave_other_rows_and_the_input_alone():
     assert torch.equal(logits, before)
     assert torch.equal(out[0], before[0]) and torch.equal(out[1], before[1])
     allowed = torch.isfinite(out[2]).nonzero().flatten().tolist()
-    assert allowed and all("happy".startswith(masks_tokenizer().decode([t]).strip() or "\0")
-                           or "sad".startswith(masks_tokenizer().decode([t]).strip() or "\0") for t in allowed)
+    assert allowed and all("happy".startswith(masks_tokenizer.decode([t]).strip() or "\0")
+                           or "sad".startswith(masks_tokenizer.decode([t]).strip() or "\0") for t in allowed)
     assert torch.equal(out[2][allowed], before[2][allowed])
 
 
@@ -232,21 +216,21 @@ def test_each_sample_has_its_own_grammar_state(engine):
         assert re.fullmatch(r"[a-z]{1,4}( [a-z]{1,4}){2}", c.text) and c.finish_reason == "stop"
 
 
-def test_bad_constraints_and_a_missing_tokenizer_are_refused(engine, stories):
+def test_bad_constraints_and_a_missing_tokenizer_are_refused(engine, stories_dir):
     with pytest.raises(ValueError, match="(?s)regex: .*unclosed group"):
         engine.add_request("bad", "Once", SamplingParams(structured_outputs=StructuredOutputs(regex="(abc")))
     assert engine.get_num_unfinished_requests() == 0
     from detinfer.models.loader import load_model
 
-    model, cfg = load_model(stories, torch.float32, torch.device("cpu"), "deterministic")
+    model, cfg = load_model(stories_dir, torch.float32, torch.device("cpu"), "deterministic")
     bare = LLMEngine.from_model(model, cfg, EngineConfig(max_num_seqs=2, num_kv_blocks=16, block_size=16))
     with pytest.raises(ValueError, match="needs the model's tokenizer"):
         bare.add_request("r", [1, 2, 3], SamplingParams(structured_outputs=StructuredOutputs(regex="a")))
 
 
-def test_ids_past_the_tokenizer_are_never_allowed():
+def test_ids_past_the_tokenizer_are_never_allowed(masks_tokenizer):
     """A model vocab padded past the tokenizer's (600 > 512): the padding ids are never allowed."""
-    masks = GrammarMasks(masks_tokenizer(), 600, [EOS])
+    masks = GrammarMasks(masks_tokenizer, 600, [EOS])
     masks.add([1], StructuredOutputs(json_object=True))
     seq = _Seq(1)
     for _ in range(4):
@@ -255,10 +239,10 @@ def test_ids_past_the_tokenizer_are_never_allowed():
         seq.output_token_ids.append(int(allowed.nonzero()[-1]))
 
 
-def test_offline_llm_generate_with_structured_outputs(stories):
+def test_offline_llm_generate_with_structured_outputs(stories_dir):
     from detinfer import LLM
 
-    llm = LLM(stories, max_num_seqs=4, num_kv_blocks=32, block_size=16, device="cpu")
+    llm = LLM(stories_dir, max_num_seqs=4, num_kv_blocks=32, block_size=16, device="cpu")
     choice = SamplingParams(temperature=0, max_tokens=10, structured_outputs=StructuredOutputs(choice=["x", "yz"]))
     free = SamplingParams(temperature=0, max_tokens=5)
     a, b = llm.generate(["Lily", "Lily"], [choice, free], use_tqdm=False)
@@ -266,14 +250,14 @@ def test_offline_llm_generate_with_structured_outputs(stories):
     assert len(b.outputs[0].token_ids) == 5
 
 
-def test_a_grammar_failure_ends_that_request_alone(stories):
+def test_a_grammar_failure_ends_that_request_alone(stories_dir):
     """A matcher in error (at mask time) and a refused token (when read back) each abort their own request
     with the error; the free request next to them gets exactly what it gets alone."""
     free = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
     so = StructuredOutputs(regex="x+")
     config = EngineConfig(max_num_seqs=4, num_kv_blocks=32, block_size=16)
-    alone = drive(LLMEngine(stories, config, device="cpu"), [(0, "free", "Once", free)])["free"]
-    engine = LLMEngine(stories, config, device="cpu")
+    alone = drive(LLMEngine(stories_dir, config, device="cpu"), [(0, "free", "Once", free)])["free"]
+    engine = LLMEngine(stories_dir, config, device="cpu")
     engine.add_request("broken", "Lily", SamplingParams(temperature=0, max_tokens=8, structured_outputs=so))
     engine.add_request("refused", "Lily", SamplingParams(temperature=0, max_tokens=8, structured_outputs=so))
     engine.add_request("free", "Once", free)

@@ -1,16 +1,11 @@
-"""Shared fixtures for model tests: tiny HF-format checkpoints (written once per session) and the real
-stories260k checkpoint, found next to the repository."""
+"""Shared fixtures for model tests: tiny HF-format checkpoints (written once per session); the real
+stories260k checkpoint is tests/conftest.py's `stories_dir`."""
 
-import ast
-import re
 from pathlib import Path
 
 import pytest
 
 from detinfer.models.testing import write_tiny_checkpoint
-
-REPO = Path(__file__).resolve().parents[2]
-STORIES = REPO.parent / "shared" / "models" / "stories260k"
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
@@ -55,24 +50,3 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny_ckpts")
     return {name: write_tiny_checkpoint(root / name, arch, seed=i, **kw)
             for i, (name, (arch, kw)) in enumerate(VARIANTS.items())}
-
-
-@pytest.fixture(scope="session")
-def stories_dir() -> Path:
-    if not (STORIES / "model.safetensors").is_file():
-        pytest.skip(f"stories260k checkpoint not found at {STORIES} (expected <repo>/../shared/models/stories260k)")
-    return STORIES
-
-
-@pytest.fixture(scope="session")
-def stories_expected(stories_dir) -> dict:
-    """What SOURCE.md records for greedy decoding from "Once upon a time": prompt ids, the 40 new ids,
-    and the text."""
-    source = (stories_dir / "SOURCE.md").read_text(encoding="utf-8")
-    prompt = re.search(r"The prompt ids are (\[[\d, ]+\])", source)
-    new = re.search(r"New token ids: (\[[\d, ]+\])", source)
-    text = re.search(r"\n    (Once upon a time.*)\n", source)
-    if not (prompt and new and text):
-        pytest.fail(f"could not find the prompt ids, new token ids and text in {stories_dir / 'SOURCE.md'}")
-    return {"prompt_ids": ast.literal_eval(prompt.group(1)), "new_ids": ast.literal_eval(new.group(1)),
-            "text": text.group(1)}

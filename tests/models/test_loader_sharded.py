@@ -10,7 +10,6 @@ Mixtral checkpoints in two files (experts split in contiguous blocks). Errors na
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,8 +26,6 @@ from detinfer.models.sharding import shard_spec, take_shard
 from detinfer.models.testing import expected_shard_numel, write_tiny_checkpoint
 from detinfer.repro.random_model import build_random_model, preset_config
 
-STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260k"
-
 LLAMA = dict(vocab_size=322, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=1,
              head_dim=8, attention_bias=True, mlp_bias=True)
 MOE = {"Qwen3MoeForCausalLM": dict(extra=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
@@ -37,9 +34,10 @@ MOE = {"Qwen3MoeForCausalLM": dict(extra=dict(num_experts=4, num_experts_per_tok
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
+def checkpoints(tmp_path_factory, stories_dir):
     root = tmp_path_factory.mktemp("sharded")
-    dirs = {"stories260k": STORIES, "llama": write_tiny_checkpoint(root / "llama", "LlamaForCausalLM", seed=3, **LLAMA)}
+    dirs = {"stories260k": stories_dir,
+            "llama": write_tiny_checkpoint(root / "llama", "LlamaForCausalLM", seed=3, **LLAMA)}
     for arch, kw in MOE.items():
         dirs[arch] = write_tiny_checkpoint(root / arch, arch, seed=4, num_shards=2, **kw)
     return dirs
@@ -48,8 +46,6 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("name", ["stories260k", "llama", "Qwen3MoeForCausalLM", "MixtralForCausalLM"])
 @pytest.mark.parametrize("size", [2, 4])
 def test_each_rank_reads_exactly_its_in_memory_shard(checkpoints, name, size, monkeypatch):
-    if name == "stories260k" and not STORIES.is_dir():
-        pytest.skip(f"stories260k checkpoint not found at {STORIES}")
     model_dir = checkpoints[name]
     full, cfg = load_model(model_dir, torch.bfloat16)
     read = []

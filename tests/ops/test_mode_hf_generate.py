@@ -8,9 +8,6 @@ Each invariance test has a negative control: the same batches through stock kern
 logits must differ from its prompt alone, so that the invariance assertion is known to be able to fail.
 """
 
-import ast
-import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +16,6 @@ import detinfer
 
 transformers = pytest.importorskip("transformers")
 
-STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260k"
 PAD = 0
 
 
@@ -135,23 +131,15 @@ def test_eager_patch_is_restored():
     assert ml.eager_attention_forward is orig
 
 
-def _recorded_greedy_ids():
-    """The 40 greedy ids after "Once upon a time" recorded in SOURCE.md (HF generate, cross-checked there
-    against an independent port of llama2.c's run.c)."""
-    found = re.search(r"New token ids: (\[[\d, ]+\])", (STORIES / "SOURCE.md").read_text(encoding="utf-8"))
-    assert found, f"no 'New token ids' line in {STORIES / 'SOURCE.md'}"
-    return ast.literal_eval(found.group(1))
-
-
-@pytest.mark.skipif(not STORIES.exists(), reason=f"real model not found at {STORIES}")
-def test_generate_stories260k_left_padded():
-    model = transformers.AutoModelForCausalLM.from_pretrained(STORIES, attn_implementation="sdpa").eval()
-    tok = transformers.AutoTokenizer.from_pretrained(STORIES)
+def test_generate_stories260k_left_padded(stories_dir, stories_expected):
+    model = transformers.AutoModelForCausalLM.from_pretrained(stories_dir, attn_implementation="sdpa").eval()
+    tok = transformers.AutoTokenizer.from_pretrained(stories_dir)
     texts = ["Once upon a time", "The little dog", "One day, Lily went to the park and"]
     prompts = [tok(t).input_ids for t in texts]
     seqs = _check_rows_equal_alone(model, prompts, "left", new_tokens=12)
     # and the invariant numerics still compute this model: the first prompt continues as recorded
-    assert seqs[0].tolist() == _recorded_greedy_ids()[:12]
+    # (the 40 greedy ids SOURCE.md records: HF generate, cross-checked there against a port of llama2.c's run.c)
+    assert seqs[0].tolist() == stories_expected["new_ids"][:12]
 
 
 @pytest.mark.gpu

@@ -158,12 +158,9 @@ def test_audit_sigint_summarises_the_finished_scenarios(tmp_path):
     assert "Traceback" not in err
 
 
-def test_rl_sigint_checkpoints_and_reports_the_finished_steps(tmp_path):
-    stories = REPO.parent / "shared" / "models" / "stories260k"
-    if not (stories / "model.safetensors").is_file():
-        pytest.skip(f"stories260k checkpoint not found at {stories}")
+def test_rl_sigint_checkpoints_and_reports_the_finished_steps(stories_dir, tmp_path):
     out = tmp_path / "rl"
-    run = Watched(["rl", str(stories), "--task", "emit-token", "--steps", "100000", "--prompts-per-step", "2",
+    run = Watched(["rl", str(stories_dir), "--task", "emit-token", "--steps", "100000", "--prompts-per-step", "2",
                    "--n-samples", "2", "--max-tokens", "4", "--max-model-len", "64", "--device", "cpu",
                    "--no-progress", "--out", str(out)])
     run.wait_for(lambda text: "[deterministic] step 1  reward" in text)  # step 1 finished

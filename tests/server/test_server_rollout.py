@@ -208,15 +208,11 @@ def test_engine_thread_loads_weights_with_the_same_bits(start_server, keyed, per
         assert _post(keyed, "/admin/load_weights", {"path": str(tiny_model_dir)}).status_code == 200
 
 
-STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260k"
-
-
-@pytest.mark.skipif(not STORIES.is_dir(), reason="needs the stories260k model directory next to the repository")
-def test_example_rollout_trainer_runs_on_stories260k():
+def test_example_rollout_trainer_runs_on_stories260k(stories_dir):
     """examples/rollout_trainer.py end to end (it asserts each step: changed samples, restored bits)."""
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root / "src")}
-    done = subprocess.run([sys.executable, str(root / "examples" / "rollout_trainer.py"), str(STORIES)],
+    done = subprocess.run([sys.executable, str(root / "examples" / "rollout_trainer.py"), str(stories_dir)],
                           capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "came back bit for bit" in done.stdout

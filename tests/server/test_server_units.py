@@ -261,7 +261,9 @@ def test_uvicorn_uses_the_fast_parser_with_timeouts_and_a_connection_limit():
 
     cfg = uvicorn_config(app, ServerConfig(timeout_keep_alive=3.0, limit_concurrency=77))
     cfg.load()
-    assert cfg.http_protocol_class.__name__ == "HttpToolsProtocol"
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    assert issubclass(cfg.http_protocol_class, HttpToolsProtocol)  # with our header limits (http_guard)
     assert cfg.timeout_keep_alive == 3.0 and cfg.limit_concurrency == 77
 
 

@@ -1,14 +1,12 @@
-"""Fixtures for training tests: the real stories260k checkpoint and tiny random Llama / Qwen3 checkpoints
-(head_dim 64, so the engine runs its Triton attention kernel, in Triton's interpreter on CPU)."""
+"""Fixtures for training tests: `model_dirs`, by name, tiny random Llama / Qwen3 checkpoints (head_dim 64, so
+the engine runs its Triton attention kernel, in Triton's interpreter on CPU) and the real stories260k
+checkpoint (tests/conftest.py's `stories_dir`)."""
 
 from pathlib import Path
 
 import pytest
 
 from detinfer.models.testing import write_tiny_checkpoint
-
-REPO = Path(__file__).resolve().parents[2]
-STORIES = REPO.parent / "shared" / "models" / "stories260k"
 
 TINY = {
     # GQA, attention + MLP biases, tied embeddings (the embedding gets gradients from two places)
@@ -23,10 +21,9 @@ TINY = {
 
 
 @pytest.fixture(scope="session")
-def model_dirs(tmp_path_factory) -> dict[str, Path]:
+def model_dirs(tmp_path_factory, stories_dir) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("train_ckpts")
     dirs = {name: write_tiny_checkpoint(root / name, arch, seed=i + 11, **kw)
             for i, (name, (arch, kw)) in enumerate(TINY.items())}
-    if (STORIES / "model.safetensors").is_file():
-        dirs["stories260k"] = STORIES
+    dirs["stories260k"] = stories_dir
     return dirs

@@ -15,13 +15,6 @@ from detinfer.train.functions import LogprobFn
 from detinfer.train.logprobs import LogprobHead, chunked_logprobs
 
 
-@pytest.fixture(scope="module")
-def stories(model_dirs):
-    if "stories260k" not in model_dirs:
-        pytest.skip("stories260k checkpoint not found next to the repository")
-    return model_dirs["stories260k"]
-
-
 def _unchunked(hidden, weight, targets, rows, base, temperature=1.0):
     """The path chunking replaced: logits of all the rows at once (LinearFn), divided by the temperature
     (autograd's division; none at 1.0, as score() did before temperatures), then LogprobFn."""
@@ -125,9 +118,9 @@ def _batch(lengths):
 @given(dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        lengths=st.one_of(st.just([70, 3, 72]), st.lists(st.integers(1, 90), min_size=1, max_size=4)),
        chunk_rows=st.sampled_from([64, 128, 512]))
-def test_score_gradients_equal_the_unchunked_path_bitwise(stories, dtype, lengths, chunk_rows):
+def test_score_gradients_equal_the_unchunked_path_bitwise(stories_dir, dtype, lengths, chunk_rows):
     """The whole model (tied embeddings: the output layer's dW meets the embedding's), every gradient."""
-    model, _ = load_model(stories, dtype, "cpu", "deterministic")
+    model, _ = load_model(stories_dir, dtype, "cpu", "deterministic")
     trainer = TrainableModel(model, logprob_chunk_rows=chunk_rows)
     ids, cu = _batch(lengths)  # e.g. 145 rows: three 64-row chunks, the last partial
     weights = torch.linspace(-1, 1, ids.shape[0])
@@ -143,12 +136,12 @@ def test_score_gradients_equal_the_unchunked_path_bitwise(stories, dtype, length
 @settings(max_examples=4, deadline=None)
 @given(dtype=st.sampled_from([torch.float32, torch.bfloat16]), temperature=st.sampled_from([0.6, 1.7]),
        lengths=st.lists(st.integers(1, 70), min_size=1, max_size=3), data=st.data())
-def test_tempered_scored_positions_equal_the_unchunked_tempered_path_bitwise(stories, dtype, temperature,
+def test_tempered_scored_positions_equal_the_unchunked_tempered_path_bitwise(stories_dir, dtype, temperature,
                                                                             lengths, data):
     """score(positions=, temperature=) (the RL update's call) == the unchunked path over the same rows:
     their logits at once (LinearFn), `/ T`, LogprobFn; the logprobs and every gradient. (Against the full
     score only the logprobs match: d W_out sums over other rows there, in other token blocks.)"""
-    model, _ = load_model(stories, dtype, "cpu", "deterministic")
+    model, _ = load_model(stories_dir, dtype, "cpu", "deterministic")
     trainer = TrainableModel(model, logprob_chunk_rows=64)
     ids, cu = _batch(lengths)
     ends = {b - 1 for b in cu[1:]}
@@ -168,8 +161,8 @@ def test_tempered_scored_positions_equal_the_unchunked_tempered_path_bitwise(sto
 
 @settings(max_examples=4, deadline=None)
 @given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4), data=st.data())
-def test_scored_positions_equal_the_full_score(stories, lengths, data):
-    model, _ = load_model(stories, torch.float32, "cpu", "deterministic")
+def test_scored_positions_equal_the_full_score(stories_dir, lengths, data):
+    model, _ = load_model(stories_dir, torch.float32, "cpu", "deterministic")
     trainer = TrainableModel(model, logprob_chunk_rows=64)
     ids, cu = _batch(lengths)
     picked = data.draw(st.lists(st.booleans(), min_size=len(ids), max_size=len(ids)))
@@ -183,8 +176,8 @@ def test_scored_positions_equal_the_full_score(stories, lengths, data):
         assert all(torch.isfinite(p.grad).all() for p in trainer.parameters() if p.grad is not None)
 
 
-def test_positions_are_validated(stories):
-    model, _ = load_model(stories, torch.float32, "cpu", "deterministic")
+def test_positions_are_validated(stories_dir):
+    model, _ = load_model(stories_dir, torch.float32, "cpu", "deterministic")
     trainer = TrainableModel(model)
     ids, cu = _batch([5, 4])
     assert trainer.score(ids, cu, positions=[]).shape == (0,)
@@ -212,8 +205,8 @@ def _saved_bytes(fn) -> int:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_activation_checkpointing_gives_the_same_gradients_with_less_saved(stories, dtype):
-    model, _ = load_model(stories, dtype, "cpu", "deterministic")
+def test_activation_checkpointing_gives_the_same_gradients_with_less_saved(stories_dir, dtype):
+    model, _ = load_model(stories_dir, dtype, "cpu", "deterministic")
     ids, cu = _batch([40, 30])
     weights = torch.linspace(-1, 1, ids.shape[0])
     results = []

@@ -102,21 +102,14 @@ def test_varlen_causal_keywords_follow_the_installed_signature():
     assert _varlen_causal_kwargs(no_scale) is None
 
 
-@pytest.fixture(scope="module")
-def stories_model(model_dirs):
-    if "stories260k" not in model_dirs:
-        pytest.skip("stories260k checkpoint not found next to the repository")
-    return model_dirs["stories260k"]
-
-
 def _batch():
     seqs = [[1, 5, 9, 33, 100, 7, 8], [1, 44, 55], [1], [1, 12, 300, 301, 302, 303, 17, 18, 19]]
     return torch.tensor([t for s in seqs for t in s]), [0, 7, 10, 11, 20]
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
-def test_fast_mode_batched_scores_equal_per_sequence_scores(stories_model, dtype, atol):
-    model, _ = load_model(stories_model, dtype, "cpu", "fast")
+def test_fast_mode_batched_scores_equal_per_sequence_scores(stories_dir, dtype, atol):
+    model, _ = load_model(stories_dir, dtype, "cpu", "fast")
     ids, cu = _batch()
     results = {}
     for impl in ("auto", "per-sequence"):
@@ -134,19 +127,19 @@ def test_fast_mode_batched_scores_equal_per_sequence_scores(stories_model, dtype
         torch.testing.assert_close(gb, gs, atol=atol * 10, rtol=atol * 10)
 
 
-def test_deterministic_mode_rejects_a_fast_attention_choice(stories_model):
-    model, _ = load_model(stories_model, torch.float32, "cpu", "deterministic")
+def test_deterministic_mode_rejects_a_fast_attention_choice(stories_dir):
+    model, _ = load_model(stories_dir, torch.float32, "cpu", "deterministic")
     with pytest.raises(ValueError, match="deterministic mode always runs the engine's paged attention"):
         TrainableModel(model, fast_attention="padded-sdpa")
     assert TrainableModel(model).fast_attention is None
 
 
 @pytest.mark.parametrize("arm", ["fast", "fast-tis"])
-def test_fast_rl_arms_train_with_batched_attention(stories_model, arm):
+def test_fast_rl_arms_train_with_batched_attention(stories_dir, arm):
     from detinfer.rl import GRPOTrainer, RLConfig
 
     config = RLConfig(task="emit-token", prompts_per_step=2, n_samples=2, max_tokens=4)
-    t = GRPOTrainer(stories_model, config, arm, device="cpu", max_model_len=64)
+    t = GRPOTrainer(stories_dir, config, arm, device="cpu", max_model_len=64)
     try:
         assert t.trainer.fast_attention == "padded-sdpa"  # the strongest the CPU has: one call per batch
     finally:

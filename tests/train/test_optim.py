@@ -8,15 +8,8 @@ from detinfer.train import TrainableModel
 from detinfer.train.optim import adamw, state_bytes_per_param
 
 
-@pytest.fixture(scope="module")
-def stories(model_dirs):
-    if "stories260k" not in model_dirs:
-        pytest.skip("stories260k checkpoint not found next to the repository")
-    return model_dirs["stories260k"]
-
-
-def _run(stories, steps=3):
-    model, _ = load_model(stories, torch.bfloat16, "cpu", "deterministic")
+def _run(stories_dir, steps=3):
+    model, _ = load_model(stories_dir, torch.bfloat16, "cpu", "deterministic")
     trainer = TrainableModel(model)  # fp32 masters
     opt = adamw(trainer.parameters(), lr=0.01, weight_decay=0.1)
     ids = torch.tensor([1, 5, 9, 33, 100, 7, 8, 1, 44, 55, 66])
@@ -30,11 +23,11 @@ def _run(stories, steps=3):
         [t.clone() for s in opt.state.values() for t in s.values()]
 
 
-def test_adamw_on_cpu_is_single_tensor_and_two_runs_are_bitwise_equal(stories):
-    opt, weights, state = _run(stories)
+def test_adamw_on_cpu_is_single_tensor_and_two_runs_are_bitwise_equal(stories_dir):
+    opt, weights, state = _run(stories_dir)
     group = opt.param_groups[0]
     assert group["foreach"] is False and not group["fused"]
-    _, weights2, state2 = _run(stories)
+    _, weights2, state2 = _run(stories_dir)
     assert len(state) == 3 * len(weights) and len(weights) > 5  # step, exp_avg, exp_avg_sq per parameter
     assert all(torch.equal(a, b) for a, b in zip(weights, weights2))
     assert all(torch.equal(a, b) for a, b in zip(state, state2))
@@ -79,13 +72,13 @@ def test_adamw_on_cuda_is_fused_and_deterministic():
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
-def test_offloaded_adamw_equals_adamw_on_cpu(stories):
+def test_offloaded_adamw_equals_adamw_on_cpu(stories_dir):
     """The host-memory AdamW steps like the CPU one, bit for bit, and sees device-side rewrites."""
     from detinfer.train.optim import OffloadedAdamW
 
     runs = []
     for optimizer in (adamw, OffloadedAdamW):
-        model, _ = load_model(stories, torch.bfloat16, "cpu", "deterministic")
+        model, _ = load_model(stories_dir, torch.bfloat16, "cpu", "deterministic")
         trainer = TrainableModel(model)
         opt = optimizer(trainer.parameters(), lr=0.01, weight_decay=0.1)
         ids, cu = torch.tensor([1, 5, 9, 33, 100, 7, 8, 1, 44, 55, 66]), [0, 7, 11]

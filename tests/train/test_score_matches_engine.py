@@ -69,8 +69,6 @@ def _packed(seqs):
 
 @pytest.fixture(scope="module", params=MODELS)
 def sampled(request, model_dirs):
-    if request.param not in model_dirs:
-        pytest.skip("stories260k checkpoint not found next to the repository")
     # The second engine configuration only for stories260k (pure-torch attention, fast on CPU): the
     # Triton-interpreter models would double the test time for a property the engine's tests cover.
     names = list(ENGINES) if request.param == "stories260k" else ["budget16"]
@@ -150,8 +148,6 @@ def test_rl_loop_trainer_still_matches_sampler_after_updates(model_dirs):
     """sample -> score -> step -> push_weights -> sample again: the new samples' logprobs equal the
     trainer's under the new weights. push_weights drops the engine's prefix cache (KV of the old weights);
     without that, requests hitting the cache report stale logprobs (checked last)."""
-    if "stories260k" not in model_dirs:
-        pytest.skip("stories260k checkpoint not found next to the repository")
     llm = LLM(str(model_dirs["stories260k"]), device="cpu", mode="deterministic", max_model_len=128,
               **ENGINES["budget16"])
     trainer = TrainableModel(llm)

@@ -10,21 +10,14 @@ from detinfer.models.loader import load_model
 from detinfer.train import TrainableModel, pack_padded
 
 
-@pytest.fixture(scope="module")
-def stories_model(model_dirs):
-    if "stories260k" not in model_dirs:
-        pytest.skip("stories260k checkpoint not found next to the repository")
-    return model_dirs["stories260k"]
-
-
 def _batch():
     seqs = [[1, 5, 9, 33, 100, 7, 8], [1, 44, 55], [1, 12, 300, 301, 302, 303]]
     ids = torch.tensor([t for s in seqs for t in s])
     return ids, [0, 7, 10, 16]
 
 
-def test_fp32_optimizer_step_changes_the_engine_weights(stories_model):
-    model, _ = load_model(stories_model, torch.float32, "cpu", "deterministic")
+def test_fp32_optimizer_step_changes_the_engine_weights(stories_dir):
+    model, _ = load_model(stories_dir, torch.float32, "cpu", "deterministic")
     trainer = TrainableModel(model)
     assert not trainer.master_weights
     params = list(trainer.parameters())
@@ -40,8 +33,8 @@ def test_fp32_optimizer_step_changes_the_engine_weights(stories_model):
         assert trainer.score(ids, cu).sum() > -loss  # one step up the logprob
 
 
-def test_bf16_master_weights_get_fp32_grads_and_push_into_the_engine(stories_model):
-    model, _ = load_model(stories_model, torch.bfloat16, "cpu", "deterministic")
+def test_bf16_master_weights_get_fp32_grads_and_push_into_the_engine(stories_dir):
+    model, _ = load_model(stories_dir, torch.bfloat16, "cpu", "deterministic")
     trainer = TrainableModel(model)
     assert trainer.master_weights
     masters = list(trainer.parameters())
@@ -64,8 +57,8 @@ def test_bf16_master_weights_get_fp32_grads_and_push_into_the_engine(stories_mod
     assert not torch.equal(before, model.norm.weight)
 
 
-def test_fast_mode_is_close_to_deterministic_and_differentiable(stories_model):
-    model, _ = load_model(stories_model, torch.float32, "cpu", "deterministic")
+def test_fast_mode_is_close_to_deterministic_and_differentiable(stories_dir):
+    model, _ = load_model(stories_dir, torch.float32, "cpu", "deterministic")
     ids, cu = _batch()
     det = TrainableModel(model).score(ids, cu)
     fast_trainer = TrainableModel(model, mode="fast")
@@ -76,8 +69,8 @@ def test_fast_mode_is_close_to_deterministic_and_differentiable(stories_model):
     assert model.ops.mode == "deterministic"  # the swap is undone
 
 
-def test_bad_inputs_are_rejected_with_clear_errors(stories_model):
-    model, _ = load_model(stories_model, torch.float32, "cpu", "deterministic")
+def test_bad_inputs_are_rejected_with_clear_errors(stories_dir):
+    model, _ = load_model(stories_dir, torch.float32, "cpu", "deterministic")
     trainer = TrainableModel(model)
     ids, cu = _batch()
     with pytest.raises(ValueError, match="mode must be one of"):
@@ -96,8 +89,8 @@ def test_bad_inputs_are_rejected_with_clear_errors(stories_model):
         TrainableModel(object())
 
 
-def test_explicit_targets_score_those_tokens(stories_model):
-    model, _ = load_model(stories_model, torch.float32, "cpu", "deterministic")
+def test_explicit_targets_score_those_tokens(stories_dir):
+    model, _ = load_model(stories_dir, torch.float32, "cpu", "deterministic")
     trainer = TrainableModel(model)
     ids, cu = _batch()
     with torch.no_grad():
@@ -110,8 +103,8 @@ def test_explicit_targets_score_those_tokens(stories_model):
     assert torch.equal(nxt[keep], explicit[keep])
 
 
-def test_a_second_trainer_takes_over_the_gradients(stories_model):
-    model, _ = load_model(stories_model, torch.bfloat16, "cpu", "deterministic")
+def test_a_second_trainer_takes_over_the_gradients(stories_dir):
+    model, _ = load_model(stories_dir, torch.bfloat16, "cpu", "deterministic")
     first = TrainableModel(model)
     second = TrainableModel(model, mode="fast")
     ids, cu = _batch()
@@ -124,8 +117,6 @@ def test_a_second_trainer_takes_over_the_gradients(stories_model):
 def test_whole_model_gradients_match_fp64_autograd(model_dirs, name):
     """Every parameter's gradient from the deterministic fp32 backward against stock fp64 autograd of the
     same module (fast mode in float64)."""
-    if name not in model_dirs:
-        pytest.skip("stories260k checkpoint not found next to the repository")
     m32, _ = load_model(model_dirs[name], torch.float32, "cpu", "deterministic")
     m64, _ = load_model(model_dirs[name], torch.float64, "cpu", "deterministic")
     ids, cu = _batch()
@@ -142,8 +133,8 @@ def test_whole_model_gradients_match_fp64_autograd(model_dirs, name):
 
 
 @pytest.fixture(scope="module")
-def stories_trainer(stories_model):
-    model, _ = load_model(stories_model, torch.float32, "cpu", "deterministic")
+def stories_trainer(stories_dir):
+    model, _ = load_model(stories_dir, torch.float32, "cpu", "deterministic")
     return TrainableModel(model)
 
 

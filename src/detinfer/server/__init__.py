@@ -4,7 +4,8 @@
 * `app`: the FastAPI app factory and the small routes; `completions` and `chat`: the generation handlers,
   `handling`: what they share; `context`: the state they read (`ServerState`, `ServedModel`).
 * `sampling`: a request's sampling fields -> `SamplingParams`; `prompts`: prompts -> checked token ids.
-* `request_io`: reading bodies and the door guards (Content-Type, Host, API key).
+* `request_io`: reading bodies and the door guards (Content-Type, Host, API key); `http_guard`: the
+  request-header limits (size, read timeout) in uvicorn's protocol.
 * `async_engine`: the engine loop thread and the per-request asyncio streams; `generation`: the engine
   requests behind one HTTP request.
 * `protocol`: OpenAI-shaped request/response models and errors; `logprobs`: logprob formatting.

@@ -42,6 +42,14 @@ class ServerConfig:
     max_request_bytes: int = field(default=4 << 20, metadata={"help": "Largest request body, in bytes (413)."})
     body_timeout: float = field(default=30.0, metadata={
         "help": "Seconds a client may take to send a request body (408 after that)."})
+    header_timeout: float = field(default=30.0, metadata={
+        "help": "Seconds a client may take to send a request's line and headers, counted from when the connection "
+                "opens (or from a later request's first byte); then the connection is closed (408 if part of a "
+                "request arrived)."})
+    max_header_bytes: int = field(default=64 << 10, metadata={
+        "help": "Largest request header section (request target plus all header lines), in bytes (431)."})
+    max_header_field_bytes: int = field(default=16 << 10, metadata={
+        "help": "Largest single header (name plus value), in bytes (431)."})
     timeout_keep_alive: float = field(default=5.0, metadata={
         "help": "Seconds an idle keep-alive connection stays open."})
     limit_concurrency: int = field(default=4096, metadata={
@@ -81,6 +89,12 @@ class ServerConfig:
         check_float("max_temperature", self.max_temperature, minimum=0.0, maximum=1e4)
         check_int("max_request_bytes", self.max_request_bytes, minimum=1024)
         check_float("body_timeout", self.body_timeout, minimum=0.0, min_exclusive=True)
+        check_float("header_timeout", self.header_timeout, minimum=0.0, min_exclusive=True)
+        check_int("max_header_bytes", self.max_header_bytes, minimum=1024)
+        check_int("max_header_field_bytes", self.max_header_field_bytes, minimum=256)
+        if self.max_header_field_bytes > self.max_header_bytes:
+            raise ValueError(f"max_header_field_bytes ({self.max_header_field_bytes}) must not exceed "
+                             f"max_header_bytes ({self.max_header_bytes}): one header is part of the header section")
         check_float("timeout_keep_alive", self.timeout_keep_alive, minimum=0.0, min_exclusive=True)
         check_int("limit_concurrency", self.limit_concurrency, minimum=1)
         check_float("timeout_graceful_shutdown", self.timeout_graceful_shutdown, minimum=0.0)

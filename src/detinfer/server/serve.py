@@ -143,13 +143,20 @@ def _load_engine(model_dir: Path, engine_config: EngineConfig, server_config: Se
 
 
 def uvicorn_config(app, server_config: ServerConfig):
-    """uvicorn's settings: its fast parser and loop when installed (the `server` extra brings httptools and
-    uvloop), keep-alive timeout, connection limit, and a shutdown timeout longer than our drain."""
+    """uvicorn's settings: its httptools parser with our header limits (`http_guard`; the `server` extra brings
+    httptools), its fast loop when installed (uvloop), keep-alive timeout, connection limit, and a shutdown
+    timeout longer than our drain."""
     import uvicorn
 
+    try:
+        from detinfer.server.http_guard import guarded_protocol
+    except ImportError as e:  # httptools missing: uvicorn's h11 fallback has no header timeout
+        raise CLIError(f"the server needs httptools ({e}); install it with pip install 'detinfer[server]'") from None
+    http = guarded_protocol(server_config.max_header_bytes, server_config.max_header_field_bytes,
+                            server_config.header_timeout)
     # uvicorn cancels whatever still runs after its own timeout; ours (the drain) must fire first so that
     # aborted streams still get their final "abort" chunk and [DONE] out before the sockets close.
-    return uvicorn.Config(app, log_level=server_config.uvicorn_log_level, http="auto", loop="auto",
+    return uvicorn.Config(app, log_level=server_config.uvicorn_log_level, http=http, loop="auto",
                           timeout_graceful_shutdown=server_config.timeout_graceful_shutdown + SHUTDOWN_MARGIN_S,
                           timeout_keep_alive=server_config.timeout_keep_alive,
                           limit_concurrency=server_config.limit_concurrency)
