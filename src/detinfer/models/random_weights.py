@@ -23,7 +23,9 @@ import zlib
 
 import torch
 
+from detinfer.kernels.fp8_quant import quantize_weight_rows
 from detinfer.models.config import ModelConfig
+from detinfer.models.fp8 import SCALE_SUFFIX, fp8_parameters
 
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # odd, < 2^31: a uint32 times it fits an int64
@@ -99,10 +101,19 @@ def random_state(config: ModelConfig, *, seed: int, dtype: torch.dtype, device: 
     from detinfer.models.loader import full_parameter_shapes
 
     device = torch.device(device)
+    shapes = full_parameter_shapes(config)
+    fp8_params = set(fp8_parameters(shapes))
+    if fp8_params and size > 1:
+        raise ValueError("FP8 random models are built at tensor_parallel_size 1 only (FP8 has no tensor-parallel "
+                         "layers yet)")
     state = {}
-    for name, shape in full_parameter_shapes(config).items():
+    for name, shape in shapes.items():
+        if name.removesuffix(SCALE_SUFFIX) in fp8_params and name.endswith(SCALE_SUFFIX):
+            continue  # made with its weight below
         spec = shard_spec(name, shape, config, rank, size)
         state[name] = _draw_slice(parameter_key(seed, name), name, shape, spec, dtype, device)
+        if name in fp8_params:  # the drawn `dtype` weight, quantized in 128 x 128 blocks
+            state[name], state[name + SCALE_SUFFIX] = quantize_weight_rows(state[name])
     return state
 
 

@@ -197,6 +197,18 @@ class Ops:
         mm = _kernels("matmul")
         return (mm.linear if self._kernel(x, weight, bias) else mm.linear_ref)(x, weight, bias)
 
+    def linear_fp8(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] @ dequant(weight)^T for a block-scaled fp8 weight [N, K] with per-row block scales
+        [N, ceil(K/128)] (kernels/fp8_linear.py), activations quantized per token per 128-group.
+        Deterministic: the Triton kernel on CUDA, else the exact-block-dot ref (CPU); fast: the stock path
+        (torch's blockwise scaled_mm where it runs, else dequantize + F.linear)."""
+        fp8 = _kernels("fp8_linear")
+        if not self.deterministic:
+            return fp8.linear_fp8_stock(x, weight, weight_scale, bias)
+        return (fp8.linear_fp8 if self.device.type == "cuda" and x.is_cuda else fp8.linear_fp8_ref)(
+            x, weight, weight_scale, bias)
+
     def linear_tree(self, x: torch.Tensor, weight: torch.Tensor, num_chunks: int) -> torch.Tensor:
         """x [..., K] @ weight[N, K]^T as `num_chunks` fp32 K-chunk partials added in a fixed pairwise tree ->
         fp32 [..., N] (kernels/chunked_linear.py: how row-parallel layers give the same bits at any TP size).
@@ -345,6 +357,18 @@ class Ops:
         else:
             fn = moe.fused_moe if kernel else moe.fused_moe_ref
         return fn(x, router_weight, w_gate_up, w_down, top_k, renormalize)
+
+    def moe_fp8(self, x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor, s_gate_up: torch.Tensor,
+                w_down: torch.Tensor, s_down: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+        """`moe` over block-scaled fp8 experts (per-row block scales s_* beside them): this backend's routing
+        and combine, each hit expert through `linear_fp8` + `silu_mul` (kernels/fp8_moe.py)."""
+        from detinfer.kernels import fp8_moe
+
+        if x.shape[0] == 0:
+            return x.new_zeros(x.shape)
+        weights, ids = self.moe_route(x, router_weight, top_k, renormalize)
+        y = fp8_moe.expert_outputs_fp8(x, ids, w_gate_up, s_gate_up, w_down, s_down, self.linear_fp8, self.silu_mul)
+        return self.moe_combine(weights, y, x.dtype)
 
     # The MoE layer in parts, for expert parallelism (distributed/layers.py): deterministic mode runs the
     # functions `moe` fuses, chosen by the same rule, so route -> slot outputs -> combine gives `moe`'s bits.
