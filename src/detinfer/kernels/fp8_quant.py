@@ -51,10 +51,11 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() != 2:
         raise ValueError(f"quantize_activations: expected x [M, K], got shape {tuple(x.shape)}")
     m, k = x.shape
-    xp = _pad_last(x.float(), BLOCK, 1).reshape(m, -1, BLOCK)  # [M, KB, 128]
+    kb = num_blocks(k)
+    xp = _pad_last(x.float(), BLOCK, 1).reshape(m, kb, BLOCK)
     amax = xp.abs().amax(-1, keepdim=True)
     q, scale = _quantize_groups(xp, amax)
-    return q.reshape(m, -1)[:, :k], scale[..., 0]
+    return q.reshape(m, kb * BLOCK)[:, :k], scale[..., 0]
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
