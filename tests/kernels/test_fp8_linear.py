@@ -9,8 +9,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from detinfer.kernels.fp8_linear import check_fp8_linear, linear_fp8_ref, linear_fp8_stock
-from detinfer.kernels.fp8_quant import (BLOCK, FP8_DTYPE, FP8_MAX, dequantize_weight, expand_block_rows,
-                                        quantize_activations, quantize_weight, quantize_weight_rows)
+from detinfer.kernels.fp8_quant import (
+    BLOCK,
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize_weight,
+    expand_block_rows,
+    quantize_activations,
+    quantize_weight,
+    quantize_weight_rows,
+)
 from detinfer.ops import Ops
 
 E4M3_REL = 2.0 ** -4  # half an ulp of a 4-significant-bit value, relative

@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 
 from detinfer.dtypes import resolve_dtype
-from detinfer.models import fp8
 from detinfer.engine.config import EngineConfig
 from detinfer.engine.device_step import LaunchedStep, SampledIds, launch_step
 from detinfer.engine.logits_processors import prepare_processors
@@ -43,6 +42,7 @@ from detinfer.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from detinfer.engine.sampling_params import SamplingParams
 from detinfer.engine.scheduler import ScheduledBatch, ScheduledSequence, Scheduler
 from detinfer.engine.sequence import Sequence
+from detinfer.models import fp8
 from detinfer.models.config import ModelConfig
 from detinfer.models.hub import resolve_model_path
 from detinfer.models.loader import load_model, load_tokenizer
