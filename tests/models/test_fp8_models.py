@@ -195,3 +195,20 @@ def test_engine_config_and_parallelism_errors(checkpoints):
         EngineConfig(quantization="int4")
     with pytest.raises(ValueError, match="tensor_parallel_size 1"):
         LLMEngine(checkpoints["llama"][1], EngineConfig(tp_invariant_reduction=True, **ENGINE), device="cpu")
+
+
+def test_weight_reload_into_an_fp8_engine_is_refused(checkpoints):
+    from detinfer.engine.admin import load_weights
+
+    src, fp8_dir = checkpoints["llama"]
+    engine = LLMEngine(fp8_dir, EngineConfig(**ENGINE), device="cpu")
+    with pytest.raises(ValueError, match="running fp8 engine is not supported"):
+        load_weights(engine, src)
+
+
+def test_training_an_fp8_model_is_refused(checkpoints):
+    from detinfer.train.model import TrainableModel
+
+    model, _ = load_model(checkpoints["llama"][1])
+    with pytest.raises(ValueError, match=r"training runs on 16/32-bit weights only.*\(fp8\)"):
+        TrainableModel(model)
