@@ -212,3 +212,37 @@ def test_training_an_fp8_model_is_refused(checkpoints):
     model, _ = load_model(checkpoints["llama"][1])
     with pytest.raises(ValueError, match=r"training runs on 16/32-bit weights only.*\(fp8\)"):
         TrainableModel(model)
+
+
+# -- tensor-parallel sharding of FP8 scales (the loader's slices; the engine itself runs FP8 at TP=1) ---------
+TP_SHAPES = dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=64, vocab_size=320)
+
+
+@pytest.mark.parametrize("arch,extra", [("Qwen3ForCausalLM", {}),
+                                        ("Qwen3MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2,
+                                                                     moe_intermediate_size=64))])
+def test_sharded_fp8_load_slices_scales_with_their_weights(tmp_path, arch, extra):
+    from detinfer.distributed.layers import shard_spec, take_shard
+
+    src = write_tiny_checkpoint(tmp_path / "src", arch, seed=1, dtype="bfloat16", extra=extra, **TP_SHAPES)
+    fp8_dir = write_fp8_checkpoint(src, tmp_path / "fp8")
+    config = ModelConfig.from_dir(fp8_dir)
+    full = load_state(fp8_dir, config, torch.bfloat16, "cpu")
+    for rank in range(2):
+        shard = load_state(fp8_dir, config, torch.bfloat16, "cpu", rank=rank, size=2)
+        for name, t in full.items():
+            want = take_shard(t, shard_spec(name, tuple(t.shape), config, rank, 2))
+            got = shard[name]
+            as_bits = (lambda v: v.view(torch.uint8)) if t.dtype == FP8_DTYPE else (lambda v: v)
+            assert got.shape == want.shape and torch.equal(as_bits(got), as_bits(want)), (rank, name)
+    # row-parallel scales are sliced by whole 128-column blocks: o_proj's K = 256 splits into 2 x 128
+    assert shard["layers.0.self_attn.o_proj.weight_scale"].shape == (256, 1)
+
+
+def test_row_parallel_scale_shards_must_hold_whole_blocks():
+    from detinfer.distributed.layers import shard_spec
+
+    cfg = dataclasses.replace(ModelConfig.from_dict(tiny_config_dict("LlamaForCausalLM")), quantization="fp8")
+    with pytest.raises(ValueError, match=r"whole 128-column scale blocks"):
+        shard_spec("layers.0.mlp.down_proj.weight_scale", (64, 1), cfg, 0, 2)

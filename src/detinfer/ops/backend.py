@@ -37,6 +37,11 @@ Selection rule (`Ops.__post_init__`, from mode, device, dtype, head_dim and two 
 - The SwiGLU MLP's gate_up projection + SiLU*mul (`linear_silu_mul`), deterministic mode: one launch with
   the same bits as the two (kernels/linear_silu_mul.py) for 16-bit decode-sized batches where the kernels
   run; otherwise (and in fast mode) `linear` then `silu_mul` as above.
+- Block-scaled FP8 linears (`linear_fp8`, `moe_fp8`; kernels/fp8_linear.py, docs/fp8.md): deterministic mode
+  runs the Triton fp8 kernel on CUDA and the exact-block-dot ref elsewhere (the same numerics up to the
+  tensor cores' accumulation; each batch-invariant); fast mode runs torch's blockwise scaled_mm where it
+  runs, else dequantize + F.linear. The FP8 MoE is this backend's routing and combine around per-expert
+  `linear_fp8` calls.
 - RoPE, and the sampler's reductions (`fold_sum`, `cumsum`), are the same in both modes: elementwise or
   fixed-order, so batch-invariant on any device.
 
