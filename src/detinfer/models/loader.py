@@ -3,9 +3,9 @@ model.safetensors.index.json.
 
 Everything is checked before any weight is read: tensor names against what the config implies (missing,
 unexpected), shapes, and stored dtypes (floating point only: integer or other quantized checkpoints are
-refused, not silently cast; block-scaled FP8 ones load as FP8, see models/fp8.py and docs/fp8.md). A file that is not a complete safetensors file (a truncated download) and a weight that
-holds NaN or Inf (after the cast to the target dtype) are refused too, each error naming the file and the
-tensor.
+refused, not silently cast; block-scaled FP8 ones load as FP8, see models/fp8.py and docs/fp8.md). A file
+that is not a complete safetensors file (a truncated download) and a weight that holds NaN or Inf (after the
+cast to the target dtype) are refused too, each error naming the file and the tensor.
 """
 
 from __future__ import annotations
