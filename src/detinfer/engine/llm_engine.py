@@ -146,7 +146,6 @@ class LLMEngine:
             self._setup(build_full_model(weights, model_config, ops), model_config, config, tokenizer)
 
     def _setup(self, model, model_config, config, tokenizer, *, weights=None, ops=None) -> None:
-        fp8.check_parallelism(model_config, config.tensor_parallel_size, config.tp_invariant_reduction)
         if config.quantization != "auto" and model_config.quantization != config.quantization:
             raise ValueError(f"quantization {config.quantization!r} was asked for but the model was built "
                              f"with quantization {model_config.quantization!r}")

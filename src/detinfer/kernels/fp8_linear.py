@@ -57,9 +57,10 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
-def linear_fp8_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The pure-torch definition (see the module doc): x [..., K] -> [..., N] in x's dtype."""
+def linear_fp8_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The pure-torch definition (see the module doc): x [..., K] -> [..., N] in `out_dtype` (default x's;
+    fp32: the accumulator itself, what tensor-parallel partial sums add)."""
     check_fp8_linear("linear_fp8_ref", x, w_q, w_scale, bias)
     n, k = w_q.shape
     x2 = _flat(x)
@@ -71,7 +72,7 @@ def linear_fp8_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
         acc += (exact.float() * sx[:, kb:kb + 1]) * w_scale[:, kb][None, :]
     if bias is not None:
         acc += bias.float()
-    return acc.to(x.dtype).reshape(tuple(x.shape[:-1]) + (n,))
+    return acc.to(out_dtype or x.dtype).reshape(tuple(x.shape[:-1]) + (n,))
 
 
 def linear_fp8_stock(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
@@ -156,9 +157,10 @@ def _kernel():
     return triton, _linear_fp8_kernel
 
 
-def linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The Triton path (CUDA, fp8 tensor cores: Hopper or newer): x [..., K] -> [..., N] in x's dtype."""
+def linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The Triton path (CUDA, fp8 tensor cores: Hopper or newer): x [..., K] -> [..., N] in `out_dtype`
+    (default x's)."""
     check_fp8_linear("linear_fp8", x, w_q, w_scale, bias)
     if not (x.is_cuda and w_q.is_cuda and w_scale.is_cuda):
         raise ValueError("linear_fp8: the Triton kernel runs on CUDA tensors only (use linear_fp8_ref on CPU)")
@@ -166,7 +168,7 @@ def linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     x2 = _flat(x)
     x_q, sx = quantize_activations(x2)  # row-wise torch ops: the ref's exact bits
     w_q, w_scale = w_q.contiguous(), w_scale.contiguous()
-    y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    y = torch.empty((x2.shape[0], n), dtype=out_dtype or x.dtype, device=x.device)
     if x2.shape[0] and n:
         triton, kernel = _kernel()
         cfg = kernel_config(n, k)

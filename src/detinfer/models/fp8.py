@@ -95,10 +95,3 @@ def with_quantization(config, quantization: str):
         raise ValueError(f"quantization must be 'auto' or one of {QUANTIZATIONS}, got {quantization!r}")
     return dataclasses.replace(config, quantization=quantization)
 
-
-def check_parallelism(config, tensor_parallel_size: int, tp_invariant_reduction: bool) -> None:
-    """FP8 has no tensor-parallel (nor chunk-tree) linear layers yet: refuse them by name."""
-    if config.quantization is not None and (tensor_parallel_size > 1 or tp_invariant_reduction):
-        raise ValueError(f"quantization {config.quantization!r} runs with tensor_parallel_size 1 and without "
-                         f"tp_invariant_reduction only (got tensor_parallel_size={tensor_parallel_size}, "
-                         f"tp_invariant_reduction={tp_invariant_reduction})")

@@ -39,7 +39,7 @@ from detinfer.ops import Ops
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _scale_param(*shape: int) -> nn.Parameter:
+def fp8_scale_param(*shape: int) -> nn.Parameter:
     """An FP8 weight's per-row block scales [..., N, ceil(K / 128)] fp32 (kernels/fp8_quant.py's layout)."""
     *lead, n, k = shape
     return nn.Parameter(torch.empty(*lead, n, -(-k // 128)), requires_grad=False)
@@ -53,7 +53,7 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.weight_scale = _scale_param(out_features, in_features) if fp8 else None
+        self.weight_scale = fp8_scale_param(out_features, in_features) if fp8 else None
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         if self.weight_scale is not None:
@@ -144,8 +144,8 @@ class SparseMoE(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, H, inter), requires_grad=False)
         # FP8: the expert weights are block-scaled float8_e4m3fn, their per-row block scales beside them.
         fp8 = config.quantization == "fp8"
-        self.gate_up_proj_scale = _scale_param(E, 2 * inter, H) if fp8 else None
-        self.down_proj_scale = _scale_param(E, H, inter) if fp8 else None
+        self.gate_up_proj_scale = fp8_scale_param(E, 2 * inter, H) if fp8 else None
+        self.down_proj_scale = fp8_scale_param(E, H, inter) if fp8 else None
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         # one backend op: routing, every expert and the combine (deterministic: batch-invariant as a whole)

@@ -211,8 +211,27 @@ class Ops:
         fp8 = _kernels("fp8_linear")
         if not self.deterministic:
             return fp8.linear_fp8_stock(x, weight, weight_scale, bias)
-        return (fp8.linear_fp8 if self.device.type == "cuda" and x.is_cuda else fp8.linear_fp8_ref)(
-            x, weight, weight_scale, bias)
+        return self._linear_fp8_det(x, weight, weight_scale, bias)
+
+    def _linear_fp8_det(self, x, weight, weight_scale, bias=None, out_dtype=None) -> torch.Tensor:
+        fp8 = _kernels("fp8_linear")
+        fn = fp8.linear_fp8 if self.device.type == "cuda" and x.is_cuda else fp8.linear_fp8_ref
+        return fn(x, weight, weight_scale, bias, out_dtype=out_dtype)
+
+    def linear_fp8_tree(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                        num_chunks: int) -> torch.Tensor:
+        """`linear_tree` for an fp8 weight, deterministic mode: `num_chunks` equal K chunks (each whole 128
+        blocks, so every chunk quantizes the activations in the groups the whole K would) give fp32 partials,
+        added in the fixed pairwise tree -> fp32 [..., N] (row-parallel layers under tensor parallelism)."""
+        k = weight.shape[1]
+        if num_chunks < 1 or k % num_chunks or (k // num_chunks) % 128:
+            raise ValueError(f"linear_fp8_tree: K={k} must split into {num_chunks} equal chunks of whole "
+                             "128-column scale blocks")
+        kc, bc = k // num_chunks, k // num_chunks // 128
+        parts = torch.stack([self._linear_fp8_det(x[..., c * kc:(c + 1) * kc], weight[:, c * kc:(c + 1) * kc],
+                                                  weight_scale[:, c * bc:(c + 1) * bc], out_dtype=torch.float32)
+                             for c in range(num_chunks)])
+        return _kernels("chunked_linear").pairwise_tree_sum(parts)
 
     def linear_tree(self, x: torch.Tensor, weight: torch.Tensor, num_chunks: int) -> torch.Tensor:
         """x [..., K] @ weight[N, K]^T as `num_chunks` fp32 K-chunk partials added in a fixed pairwise tree ->
@@ -374,6 +393,15 @@ class Ops:
         weights, ids = self.moe_route(x, router_weight, top_k, renormalize)
         y = fp8_moe.expert_outputs_fp8(x, ids, w_gate_up, s_gate_up, w_down, s_down, self.linear_fp8, self.silu_mul)
         return self.moe_combine(weights, y, x.dtype)
+
+    def moe_expert_outputs_fp8(self, x: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+                               s_gate_up: torch.Tensor, w_down: torch.Tensor, s_down: torch.Tensor,
+                               first_expert: int) -> torch.Tensor:
+        """`moe_expert_outputs` for fp8 experts [first_expert, +E_local) (expert parallelism)."""
+        from detinfer.kernels import fp8_moe
+
+        return fp8_moe.expert_outputs_fp8(x, ids, w_gate_up, s_gate_up, w_down, s_down, self.linear_fp8,
+                                          self.silu_mul, first_expert)
 
     # The MoE layer in parts, for expert parallelism (distributed/layers.py): deterministic mode runs the
     # functions `moe` fuses, chosen by the same rule, so route -> slot outputs -> combine gives `moe`'s bits.
