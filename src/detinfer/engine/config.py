@@ -128,7 +128,7 @@ class EngineConfig:
     quantization: str = field(default="auto", metadata=_help(
         "Weight quantization; auto: the checkpoint's (FP8 checkpoints run in FP8, others unquantized); fp8: "
         "block-scaled FP8 W8A8 linears (a 16/32-bit checkpoint or random model is quantized at load in "
-        "128x128 blocks). Tensor parallelism 1 only. See docs/fp8.md.", choices=QUANTIZATION_CHOICES))
+        "128x128 blocks). See docs/fp8.md.", choices=QUANTIZATION_CHOICES))
     enforce_eager: bool = field(default=False, metadata=_help(
         "Never capture CUDA graphs; run every step eagerly."))
     cuda_graph_max_tokens: int = field(default=2048, metadata=_help(
