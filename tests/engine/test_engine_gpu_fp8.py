@@ -24,7 +24,8 @@ def model_dir(request, tmp_path_factory):
                   num_key_value_heads=2, head_dim=128, max_position_embeddings=1024, dtype="bfloat16")
     root = tmp_path_factory.mktemp("engine_gpu_fp8")
     if request.param == "dense":
-        return write_tiny_checkpoint(root / "qwen3", "Qwen3ForCausalLM", intermediate_size=1408, **common)
+        # 2048 / 8 tp_invariant chunks = 256 columns: whole 128-column FP8 scale blocks
+        return write_tiny_checkpoint(root / "qwen3", "Qwen3ForCausalLM", intermediate_size=2048, **common)
     return write_tiny_checkpoint(root / "qwen3moe", "Qwen3MoeForCausalLM", intermediate_size=1408, **common,
                                  extra=dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=384))
 
@@ -67,3 +68,13 @@ def test_fp8_graphs_equal_eager_bitwise(model_dir):
 def test_fp8_fast_mode_runs(model_dir):
     out = _run(model_dir, _requests(4), mode="fast")
     assert all(sig.error is None and len(sig.completions[0].token_ids) == 12 for sig in out.values())
+
+
+def test_fp8_tp2_equals_tp1_with_invariant_reduction(model_dir):
+    """NCCL, 2 GPUs: FP8 row-parallel partials per fixed K chunk give TP=1's bits at TP=2."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"tensor parallelism needs >= 2 GPUs, {torch.cuda.device_count()} visible")
+    reqs = _requests(6)
+    one = _run(model_dir, reqs, tp_invariant_reduction=True)
+    two = _run(model_dir, reqs, tp_invariant_reduction=True, tensor_parallel_size=2)
+    assert one == two
