@@ -190,6 +190,13 @@ def test_fp8_weights_without_a_quantization_config_are_refused(checkpoints, tmp_
         load_model(tmp_path)
 
 
+def test_engine_from_model_checks_the_quantization(checkpoints):
+    model, config = load_model(checkpoints["llama"][0])
+    with pytest.raises(ValueError, match=r"quantization 'fp8' was asked for but the model was built with "
+                                         r"quantization None"):
+        LLMEngine.from_model(model, config, EngineConfig(quantization="fp8", **ENGINE))
+
+
 def test_engine_config_and_parallelism_errors(checkpoints):
     with pytest.raises(ValueError, match=r"quantization must be one of \('auto', 'fp8'\)"):
         EngineConfig(quantization="int4")

@@ -101,15 +101,22 @@ def _scaled_mm_blockwise(x2: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Ten
 
 @functools.cache
 def _scaled_mm_runs(device: torch.device) -> bool:
-    """Whether the blockwise scaled_mm runs here (torch build, cuBLAS and GPU generation all matter), probed
-    once per device on one block; otherwise fast mode dequantizes."""
+    """Whether the blockwise scaled_mm runs here and reads the scales as this module lays them out (torch
+    build, cuBLAS and GPU generation all matter): probed once per device on a non-square problem (3 x 2 weight
+    blocks, so transposed scales would show) against the reference; otherwise fast mode dequantizes."""
     if not hasattr(F, "scaled_mm") or not hasattr(F, "ScalingType"):
         return False
+    from detinfer.kernels.fp8_quant import quantize_weight_rows
+
     try:
-        x = torch.ones(BLOCK, BLOCK, device=device, dtype=torch.bfloat16)
-        w = torch.ones(BLOCK, BLOCK, device=device).to(FP8_DTYPE)
-        y = _scaled_mm_blockwise(x, w, torch.ones(BLOCK, 1, device=device), torch.bfloat16)
-        return bool((y.float() == BLOCK).all())
+        g = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(2 * BLOCK, 2 * BLOCK, device=device, generator=g).to(torch.bfloat16)
+        w = torch.randn(3 * BLOCK, 2 * BLOCK, device=device, generator=g)
+        w = w * torch.linspace(0.01, 10.0, 3 * BLOCK, device=device)[:, None]  # distinct block scales
+        q, scales = quantize_weight_rows(w)
+        y = _scaled_mm_blockwise(x, q, scales, torch.bfloat16).float()
+        ref = linear_fp8_ref(x, q, scales, out_dtype=torch.float32)
+        return bool((y - ref).norm() <= 1e-2 * ref.norm())
     except Exception:  # any refusal (unsupported recipe, arch, layout) means: use the dequantizing path
         return False
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from detinfer.kernels.fp8_quant import num_blocks
 from detinfer.models.config import ModelConfig
 from detinfer.models.rope import RotaryEmbedding
 from detinfer.ops import Ops
@@ -42,7 +43,7 @@ AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Te
 def fp8_scale_param(*shape: int) -> nn.Parameter:
     """An FP8 weight's per-row block scales [..., N, ceil(K / 128)] fp32 (kernels/fp8_quant.py's layout)."""
     *lead, n, k = shape
-    return nn.Parameter(torch.empty(*lead, n, -(-k // 128)), requires_grad=False)
+    return nn.Parameter(torch.empty(*lead, n, num_blocks(k)), requires_grad=False)
 
 
 class Linear(nn.Module):
