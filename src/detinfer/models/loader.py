@@ -85,8 +85,13 @@ def safetensors_files(model_dir: str | Path) -> dict[str, Path]:
 
 
 def stored_quantization(model_dir: str | Path) -> str | None:
-    """The checkpoint's own quantization (its config.json's quantization_config): "fp8" or None."""
-    return ModelConfig.from_dir(model_dir).quantization
+    """The checkpoint's own quantization (its config.json's quantization_config): "fp8" or None. A directory
+    without config.json (a bare weights file loaded into a running engine) holds unquantized weights."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    with open(path, encoding="utf-8") as f:
+        return fp8.parse_quantization_config(json.load(f))
 
 
 def _stored_dtype_problem(name: str, dt: str, fp8_names: set[str]) -> str | None:
