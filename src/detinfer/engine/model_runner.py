@@ -142,7 +142,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
         # An MoE layer on a host-syncing path (fast mode's stock loop) cannot be captured: eager steps then.
-        moe_ok = not model_config.num_experts or (ops.moe_graph_safe and model_config.quantization is None)
+        moe_ok = not model_config.num_experts or ops.moe_graph_safe
         self.use_graphs = (self.device.type == "cuda" and not config.enforce_eager and self.backend == "kernel"
                            and moe_ok)
         # Shapes are fixed by the config alone (the CPU padding tests use them with graphs off).

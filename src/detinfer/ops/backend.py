@@ -40,8 +40,8 @@ Selection rule (`Ops.__post_init__`, from mode, device, dtype, head_dim and two 
 - Block-scaled FP8 linears (`linear_fp8`, `moe_fp8`; kernels/fp8_linear.py, docs/fp8.md): deterministic mode
   runs the Triton fp8 kernel on CUDA and the exact-block-dot ref elsewhere (the same numerics up to the
   tensor cores' accumulation; each batch-invariant); fast mode runs torch's blockwise scaled_mm where it
-  runs, else dequantize + F.linear. The FP8 MoE is this backend's routing and combine around per-expert
-  `linear_fp8` calls.
+  runs, else dequantize + F.linear. The FP8 MoE is this backend's routing and combine around the grouped
+  FP8 expert GEMMs (CUDA, both modes) or per-expert `linear_fp8` calls (elsewhere).
 - RoPE, and the sampler's reductions (`fold_sum`, `cumsum`), are the same in both modes: elementwise or
   fixed-order, so batch-invariant on any device.
 
@@ -386,20 +386,23 @@ class Ops:
                 w_down: torch.Tensor, s_down: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
         """`moe` over block-scaled fp8 experts (per-row block scales s_* beside them): this backend's routing
         and combine, each hit expert through `linear_fp8` + `silu_mul` (kernels/fp8_moe.py)."""
-        from detinfer.kernels import fp8_moe
 
         if x.shape[0] == 0:
             return x.new_zeros(x.shape)
         weights, ids = self.moe_route(x, router_weight, top_k, renormalize)
-        y = fp8_moe.expert_outputs_fp8(x, ids, w_gate_up, s_gate_up, w_down, s_down, self.linear_fp8, self.silu_mul)
+        y = self.moe_expert_outputs_fp8(x, ids, w_gate_up, s_gate_up, w_down, s_down)
         return self.moe_combine(weights, y, x.dtype)
 
     def moe_expert_outputs_fp8(self, x: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
                                s_gate_up: torch.Tensor, w_down: torch.Tensor, s_down: torch.Tensor,
-                               first_expert: int) -> torch.Tensor:
-        """`moe_expert_outputs` for fp8 experts [first_expert, +E_local) (expert parallelism)."""
+                               first_expert: int | None = None) -> torch.Tensor:
+        """`moe_expert_outputs` for fp8 experts [first_expert, +E_local): on CUDA (both modes) the grouped
+        FP8 Triton GEMMs (no host sync); elsewhere a loop over the hit experts through `linear_fp8` +
+        `silu_mul` (kernels/fp8_moe.py)."""
         from detinfer.kernels import fp8_moe
 
+        if self.device.type == "cuda" and x.is_cuda:
+            return fp8_moe.expert_outputs_fp8_grouped(x, ids, w_gate_up, s_gate_up, w_down, s_down, first_expert)
         return fp8_moe.expert_outputs_fp8(x, ids, w_gate_up, s_gate_up, w_down, s_down, self.linear_fp8,
                                           self.silu_mul, first_expert)
 
