@@ -204,3 +204,17 @@ def test_ops_deterministic_uses_the_kernel_on_cuda_and_fast_mode_runs():
     fast = Ops("fast", "cuda", torch.bfloat16).linear_fp8(x, q, s).float()
     ref = linear_fp8_ref(x.cpu(), q.cpu(), s.cpu()).float().cuda()
     assert float((fast - ref).norm() / ref.norm()) < 0.06
+
+
+# -- the chunk tree (row-parallel layers) -------------------------------------------------------------------
+def test_chunk_tree_one_chunk_is_the_fp32_accumulator_and_chunks_add_in_the_tree():
+    x, _, q, s = _operands(9, 48, 512, seed=4)
+    ops = Ops("deterministic", "cpu", torch.bfloat16)
+    one = ops.linear_fp8_tree(x, q, s, 1)
+    assert one.dtype == torch.float32 and torch.equal(one, linear_fp8_ref(x, q, s, out_dtype=torch.float32))
+    parts = [linear_fp8_ref(x[:, c * 128:(c + 1) * 128], q[:, c * 128:(c + 1) * 128], s[:, c:c + 1],
+                            out_dtype=torch.float32) for c in range(4)]
+    assert torch.equal(ops.linear_fp8_tree(x, q, s, 4), (parts[0] + parts[1]) + (parts[2] + parts[3]))
+    assert torch.equal(ops.linear_fp8_tree(x, q, s, 4)[2:5], ops.linear_fp8_tree(x[2:5], q, s, 4))
+    with pytest.raises(ValueError, match="whole 128-column scale blocks"):
+        ops.linear_fp8_tree(x, q, s, 8)  # chunks of 64 columns

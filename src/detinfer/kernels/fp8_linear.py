@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from detinfer.kernels.fp8_quant import BLOCK, FP8_DTYPE, dequantize_weight, num_blocks, quantize_activations
 
-__all__ = ["linear_fp8", "linear_fp8_ref", "linear_fp8_stock", "check_fp8_linear"]
+__all__ = ["linear_fp8", "linear_fp8_ref", "linear_fp8_stock", "linear_fp8_tree", "check_fp8_linear"]
 
 
 def check_fp8_linear(op: str, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
@@ -73,6 +73,23 @@ def linear_fp8_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bi
     if bias is not None:
         acc += bias.float()
     return acc.to(out_dtype or x.dtype).reshape(tuple(x.shape[:-1]) + (n,))
+
+
+def linear_fp8_tree(linear, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                    num_chunks: int) -> torch.Tensor:
+    """x [..., K] -> fp32 [..., N]: `linear(x_c, w_c, s_c, out_dtype=float32)` over `num_chunks` equal K chunks,
+    added in kernels/chunked_linear.py's fixed pairwise tree. Each chunk must be whole 128-column blocks, so
+    every chunk quantizes the activations in exactly the groups the whole K would."""
+    from detinfer.kernels.chunked_linear import pairwise_tree_sum
+
+    k = w_q.shape[1]
+    if num_chunks < 1 or k % num_chunks or (k // num_chunks) % BLOCK:
+        raise ValueError(f"linear_fp8_tree: K={k} must split into {num_chunks} equal chunks of whole "
+                         f"{BLOCK}-column scale blocks")
+    kc, bc = k // num_chunks, k // num_chunks // BLOCK
+    return pairwise_tree_sum(torch.stack([
+        linear(x[..., c * kc:(c + 1) * kc], w_q[:, c * kc:(c + 1) * kc], w_scale[:, c * bc:(c + 1) * bc],
+               out_dtype=torch.float32) for c in range(num_chunks)]))
 
 
 def linear_fp8_stock(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,

@@ -220,18 +220,9 @@ class Ops:
 
     def linear_fp8_tree(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                         num_chunks: int) -> torch.Tensor:
-        """`linear_tree` for an fp8 weight, deterministic mode: `num_chunks` equal K chunks (each whole 128
-        blocks, so every chunk quantizes the activations in the groups the whole K would) give fp32 partials,
-        added in the fixed pairwise tree -> fp32 [..., N] (row-parallel layers under tensor parallelism)."""
-        k = weight.shape[1]
-        if num_chunks < 1 or k % num_chunks or (k // num_chunks) % 128:
-            raise ValueError(f"linear_fp8_tree: K={k} must split into {num_chunks} equal chunks of whole "
-                             "128-column scale blocks")
-        kc, bc = k // num_chunks, k // num_chunks // 128
-        parts = torch.stack([self._linear_fp8_det(x[..., c * kc:(c + 1) * kc], weight[:, c * kc:(c + 1) * kc],
-                                                  weight_scale[:, c * bc:(c + 1) * bc], out_dtype=torch.float32)
-                             for c in range(num_chunks)])
-        return _kernels("chunked_linear").pairwise_tree_sum(parts)
+        """`linear_tree` for an fp8 weight (deterministic mode; row-parallel layers under tensor parallelism):
+        fp32 partials of `num_chunks` K chunks of whole scale blocks, added in the fixed pairwise tree."""
+        return _kernels("fp8_linear").linear_fp8_tree(self._linear_fp8_det, x, weight, weight_scale, num_chunks)
 
     def linear_tree(self, x: torch.Tensor, weight: torch.Tensor, num_chunks: int) -> torch.Tensor:
         """x [..., K] @ weight[N, K]^T as `num_chunks` fp32 K-chunk partials added in a fixed pairwise tree ->
