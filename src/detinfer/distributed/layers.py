@@ -46,7 +46,7 @@ from torch import nn
 from detinfer.distributed.group import TPGroup
 from detinfer.models.config import ModelConfig
 from detinfer.models.sharding import expert_block, shard_spec, take_shard, vocab_shard_size
-from detinfer.models.transformer import MLP, Transformer
+from detinfer.models.transformer import MLP, Transformer, fp8_scale_param
 from detinfer.ops import Ops
 
 # The most ranks the chunk tree is built for: one 8-GPU node, the usual limit of tensor parallelism (beyond
@@ -83,12 +83,28 @@ def _tp_problem(config: ModelConfig, size: int, invariant: bool) -> str | None:
     if invariant and tp_invariant_chunks(config) % size:
         return (f"with tp_invariant_reduction it must divide this model's {tp_invariant_chunks(config)} "
                 "reduction chunks")
+    return _fp8_tp_problem(config, size, invariant)
+
+
+def _fp8_tp_problem(config: ModelConfig, size: int, invariant: bool) -> str | None:
+    """FP8 row-parallel layers quantize activations in 128-column groups and hold scales per 128 columns, so
+    each rank's (or, with tp_invariant_reduction, each chunk's) K slice must be whole 128-column blocks."""
+    pieces = tp_invariant_chunks(config) if invariant else size
+    if config.quantization is None or pieces == 1:
+        return None
+    dims = [("the attention's q size", config.q_size)]
+    if _has_dense_mlp(config):
+        dims.append(("intermediate_size", config.intermediate_size))
+    for what, k in dims:
+        if (k // pieces) % 128:
+            return (f"FP8 needs whole 128-column scale blocks per row-parallel slice, but {what}={k} splits into "
+                    f"{pieces} slices of {k // pieces}")
     return None
 
 
 def check_tp_config(config: ModelConfig, size: int, invariant: bool = False) -> None:
     """Raise a ValueError naming the problem and the TP sizes this model allows."""
-    problem = _tp_problem(config, size, invariant) if size > 1 else None
+    problem = _tp_problem(config, size, invariant) if size > 1 else _fp8_tp_problem(config, 1, invariant)
     if problem is not None:
         allowed = [p for p in range(1, config.num_attention_heads + 1) if _tp_problem(config, p, invariant) is None]
         raise ValueError(f"tensor_parallel_size={size} does not fit {config.architecture}: {problem}; "
@@ -124,18 +140,23 @@ class RowParallelLinear(nn.Module):
     TP=1 running the chunk tree (tp_invariant_reduction). `chunks`: this rank's K chunks (None: one)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group: TPGroup | None,
-                 chunks: int | None):
+                 chunks: int | None, fp8: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.weight_scale = fp8_scale_param(out_features, in_features) if fp8 else None  # FP8 (models/fp8.py)
         self.group, self.chunks = group, chunks
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        g = self.group
+        g, scale = self.group, self.weight_scale
         if g is not None and not ops.deterministic:
-            y = g.all_reduce_sum(ops.linear(x, self.weight))  # fast mode: the library's order
+            y = ops.linear(x, self.weight) if scale is None else ops.linear_fp8(x, self.weight, scale)
+            y = g.all_reduce_sum(y)  # fast mode: the library's order
             return y if self.bias is None else y + self.bias
-        y = ops.linear_tree(x, self.weight, self.chunks or 1)  # fp32 [T, N]: this rank's subtree
+        if scale is None:
+            y = ops.linear_tree(x, self.weight, self.chunks or 1)  # fp32 [T, N]: this rank's subtree
+        else:
+            y = ops.linear_fp8_tree(x, self.weight, scale, self.chunks or 1)
         if g is not None:
             y = g.exact_sum(y)  # the tree's top levels, in rank order, on every rank (all-reduce at P=2)
         if self.bias is not None:
@@ -156,13 +177,20 @@ class ExpertParallelMoE(nn.Module):
         self.router = nn.Parameter(torch.empty(E, H), requires_grad=False)
         self.gate_up_proj = nn.Parameter(torch.empty(len(block), 2 * inter, H), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(len(block), H, inter), requires_grad=False)
+        fp8 = config.quantization == "fp8"  # FP8 experts: their per-row block scales beside them
+        self.gate_up_proj_scale = fp8_scale_param(len(block), 2 * inter, H) if fp8 else None
+        self.down_proj_scale = fp8_scale_param(len(block), H, inter) if fp8 else None
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         if x.shape[0] == 0:  # every rank has the same tokens, so all skip the collective together
             return x.new_zeros(x.shape)
         weights, ids = ops.moe_route(x, self.router, self.top_k, self.renormalize)
-        y = ops.moe_expert_outputs(x, ids, self.gate_up_proj, self.down_proj, self.first_expert,
-                                   self.num_experts)  # [T, k, H]: this rank's slots, zeros elsewhere
+        if self.gate_up_proj_scale is not None:
+            y = ops.moe_expert_outputs_fp8(x, ids, self.gate_up_proj, self.gate_up_proj_scale, self.down_proj,
+                                           self.down_proj_scale, self.first_expert)
+        else:
+            y = ops.moe_expert_outputs(x, ids, self.gate_up_proj, self.down_proj, self.first_expert,
+                                       self.num_experts)  # [T, k, H]: this rank's slots, zeros elsewhere
         if not ops.deterministic:
             return self.group.all_reduce_sum(ops.moe_combine(weights, y, x.dtype))
         y = pick_slot_owners(self.group.all_gather(y), ids, self.experts_per_rank)
@@ -225,7 +253,7 @@ def build_local_model(config: ModelConfig, size: int, ops: Ops, group: TPGroup, 
         for owner, name in _row_parallel_layers(model):
             old = getattr(owner, name)
             setattr(owner, name, RowParallelLinear(old.weight.shape[1], old.weight.shape[0], old.bias is not None,
-                                                   group, chunks))
+                                                   group, chunks, fp8=old.weight_scale is not None))
         for layer in _moe_layers(model):
             layer.mlp = ExpertParallelMoE(config, group, size)
         per = vocab_shard_size(config.vocab_size, size)
@@ -241,7 +269,7 @@ def build_local_model(config: ModelConfig, size: int, ops: Ops, group: TPGroup, 
 
 def use_chunk_tree(model: Transformer, config: ModelConfig) -> Transformer:
     """TP=1 with tp_invariant_reduction: o_proj / down_proj compute the C-chunk tree (same weights, in place)."""
-    check_tp_config(config, 1)
+    check_tp_config(config, 1, invariant=True)
     chunks = tp_invariant_chunks(config)
     for owner, name in _row_parallel_layers(model):
         old = getattr(owner, name)
@@ -250,5 +278,6 @@ def use_chunk_tree(model: Transformer, config: ModelConfig) -> Transformer:
         new = RowParallelLinear.__new__(RowParallelLinear)
         nn.Module.__init__(new)
         new.weight, new.bias, new.group, new.chunks = old.weight, old.bias, None, chunks
+        new.weight_scale = old.weight_scale
         setattr(owner, name, new)
     return model

@@ -99,6 +99,9 @@ def load_weights(engine: Any, path: Any) -> dict[str, Any]:
     import torch
 
     model = _model_of(engine)
+    if engine.model_config.quantization is not None:  # a 16-bit tensor copied into an fp8 one loses its scales
+        raise ValueError(f"loading weights into a running {engine.model_config.quantization} engine is not "
+                         "supported; start a new engine on the checkpoint")
     state = read_weights(path, model, engine.model_config, engine.dtype, engine.device)
     with torch.no_grad():
         params = dict(model.named_parameters())

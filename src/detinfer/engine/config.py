@@ -21,6 +21,7 @@ from typing import Any
 
 ENGINE_MODES = ("deterministic", "fast")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+QUANTIZATION_CHOICES = ("auto", "fp8")  # auto: the checkpoint's; models/fp8.py says what fp8 accepts
 MAX_SEED = (1 << 63) - 1  # seeds travel as int64 (the sampler hashes them with int64 tensor ops)
 MAX_TENSOR_PARALLEL = 64  # a sanity bound; the model's head counts decide what actually divides
 
@@ -124,6 +125,10 @@ class EngineConfig:
         choices=ENGINE_MODES))
     dtype: str = field(default="auto", metadata=_help(
         "Weight/activation dtype; auto: the checkpoint's dtype.", choices=DTYPES))
+    quantization: str = field(default="auto", metadata=_help(
+        "Weight quantization; auto: the checkpoint's (FP8 checkpoints run in FP8, others unquantized); fp8: "
+        "block-scaled FP8 W8A8 linears (a 16/32-bit checkpoint or random model is quantized at load in "
+        "128x128 blocks). See docs/fp8.md.", choices=QUANTIZATION_CHOICES))
     enforce_eager: bool = field(default=False, metadata=_help(
         "Never capture CUDA graphs; run every step eagerly."))
     cuda_graph_max_tokens: int = field(default=2048, metadata=_help(
@@ -163,6 +168,7 @@ class EngineConfig:
         check_int("cuda_graph_max_tokens", self.cuda_graph_max_tokens, minimum=0)
         check_choice("mode", self.mode, ENGINE_MODES)
         check_choice("dtype", self.dtype, DTYPES)
+        check_choice("quantization", self.quantization, QUANTIZATION_CHOICES)
         check_int("seed", self.seed, minimum=0, maximum=MAX_SEED, optional=True)
         check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1, maximum=MAX_TENSOR_PARALLEL)
         if not isinstance(self.tp_invariant_reduction, bool):

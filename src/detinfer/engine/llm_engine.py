@@ -42,6 +42,7 @@ from detinfer.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from detinfer.engine.sampling_params import SamplingParams
 from detinfer.engine.scheduler import ScheduledBatch, ScheduledSequence, Scheduler
 from detinfer.engine.sequence import Sequence
+from detinfer.models import fp8
 from detinfer.models.config import ModelConfig
 from detinfer.models.hub import resolve_model_path
 from detinfer.models.loader import load_model, load_tokenizer
@@ -94,7 +95,8 @@ class LLMEngine:
         model_dir = resolve_model_path(model_dir)  # a directory, or a hub id -> its cached snapshot
         dtype = resolve_dtype(config.dtype, ModelConfig.from_dir(model_dir).dtype, device)
         try:
-            if config.tensor_parallel_size > 1:  # every rank reads only its own slices (no full copy anywhere)
+            if config.tensor_parallel_size > 1 or config.quantization != "auto":
+                # every rank reads only its own slices (no full copy anywhere); FP8 models are built here too
                 model_config = ModelConfig.from_dir(model_dir)
                 self._setup_sharded(CheckpointWeights(str(model_dir), dtype), model_config, config, device,
                                     load_tokenizer(model_dir), attention_backend)
@@ -134,6 +136,7 @@ class LLMEngine:
         return engine
 
     def _setup_sharded(self, weights, model_config, config, device, tokenizer, attention_backend) -> None:
+        model_config = fp8.with_quantization(model_config, config.quantization)
         if device.type == "cuda" and device.index is None:  # rank 0's GPU, as a loaded model's tensors say it
             device = torch.device("cuda", torch.cuda.current_device())
         ops = Ops(config.mode, device, weights.dtype, head_dim=model_config.head_dim, attention=attention_backend)
@@ -143,6 +146,9 @@ class LLMEngine:
             self._setup(build_full_model(weights, model_config, ops), model_config, config, tokenizer)
 
     def _setup(self, model, model_config, config, tokenizer, *, weights=None, ops=None) -> None:
+        if config.quantization != "auto" and model_config.quantization != config.quantization:
+            raise ValueError(f"quantization {config.quantization!r} was asked for but the model was built "
+                             f"with quantization {model_config.quantization!r}")
         limit = model_config.max_position_embeddings
         max_len = limit if config.max_model_len is None else config.max_model_len
         if max_len > limit:

@@ -21,6 +21,7 @@ import torch
 
 from detinfer.dtypes import DTYPES
 from detinfer.models.families import ModelFamily, family_for_architecture, supported_architectures
+from detinfer.models.fp8 import QUANTIZATIONS, parse_quantization_config
 
 # Rotary variants whose frequencies are a fixed function of the config. "dynamic" NTK scaling is left out on
 # purpose: its frequencies depend on the current sequence length, so a token's result would depend on how
@@ -85,6 +86,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     pad_token_id: int | None = None
     torch_dtype: str | None = None  # the dtype the checkpoint was saved in, if config.json says
+    # "fp8": linear weights are block-scaled float8_e4m3fn (models/fp8.py); None: all in the model dtype.
+    quantization: str | None = None
 
     def __post_init__(self):
         family_for_architecture(self.architecture)  # raises, naming the supported ones
@@ -116,6 +119,8 @@ class ModelConfig:
                 isinstance(i, int) and 0 <= i < self.vocab_size for i in self.eos_token_ids):
             raise ValueError(f"eos_token_ids must be a tuple of ids in [0, {self.vocab_size}), "
                              f"got {self.eos_token_ids!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.torch_dtype is not None and self.torch_dtype not in DTYPES:
             raise ValueError(f"torch_dtype must be one of {sorted(DTYPES)} or None, got {self.torch_dtype!r}")
 
@@ -215,6 +220,7 @@ class ModelConfig:
             eos_token_ids=tuple(eos),
             pad_token_id=cfg.get("pad_token_id"),
             torch_dtype=dtype,
+            quantization=parse_quantization_config(cfg),
         )
 
     @classmethod

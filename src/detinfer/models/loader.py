@@ -2,10 +2,10 @@
 model.safetensors.index.json.
 
 Everything is checked before any weight is read: tensor names against what the config implies (missing,
-unexpected), shapes, and stored dtypes (floating point only: quantized or integer checkpoints are refused,
-not silently cast). A file that is not a complete safetensors file (a truncated download) and a weight that
-holds NaN or Inf (after the cast to the target dtype) are refused too, each error naming the file and the
-tensor.
+unexpected), shapes, and stored dtypes (floating point only: integer or other quantized checkpoints are
+refused, not silently cast; block-scaled FP8 ones load as FP8, see models/fp8.py and docs/fp8.md). A file
+that is not a complete safetensors file (a truncated download) and a weight that holds NaN or Inf (after the
+cast to the target dtype) are refused too, each error naming the file and the tensor.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import torch
 from safetensors import safe_open
 
 from detinfer.dtypes import resolve_dtype
+from detinfer.kernels.fp8_quant import FP8_DTYPE, expand_block_rows, num_blocks, quantize_weight_rows
+from detinfer.models import fp8
 from detinfer.models.config import ModelConfig
 from detinfer.models.sharding import ShardSpec, shard_spec
 from detinfer.models.transformer import Transformer
@@ -49,7 +51,7 @@ def _read_tensor(f, path: Path, name: str, device: torch.device, dtype: torch.dt
     except Exception as e:
         raise ValueError(f"{who}{path}: cannot read tensor {name} ({e}); the file may be truncated or "
                          "corrupt") from None
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+    if t.is_floating_point() and not bool(torch.isfinite(t.float() if t.dtype == FP8_DTYPE else t).all()):
         bad = "NaN" if bool(torch.isnan(t).any()) else "Inf"
         raise ValueError(f"{who}{path}: tensor {name} holds {bad} values (as {str(dtype).removeprefix('torch.')}); "
                          "the checkpoint is corrupt or does not fit this dtype")
@@ -83,11 +85,61 @@ def safetensors_files(model_dir: str | Path) -> dict[str, Path]:
     raise FileNotFoundError(f"no model.safetensors or {INDEX_FILE} in {model_dir}{hint}")
 
 
+def stored_quantization(model_dir: str | Path) -> str | None:
+    """The checkpoint's own quantization (its config.json's quantization_config): "fp8" or None. A directory
+    without config.json (a bare weights file loaded into a running engine) holds unquantized weights."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    with open(path, encoding="utf-8") as f:
+        return fp8.parse_quantization_config(json.load(f))
+
+
+def _stored_dtype_problem(name: str, dt: str, fp8_names: set[str]) -> str | None:
+    """Why tensor `name` stored as `dt` cannot be loaded (None: it can)."""
+    if name in fp8_names:
+        if dt == "F8_E5M2":
+            return (f"{name} is stored as F8_E5M2; FP8 weights must be float8_e4m3fn (F8_E4M3): e5m2 "
+                    "checkpoints are not supported")
+        return None if dt == fp8.STORED_FP8 else (f"{name} is stored as {dt}; quantization_config says fp8, "
+                                                 f"so it must be {fp8.STORED_FP8}")
+    if name.endswith(fp8.HF_SCALE_SUFFIX):
+        return None if dt in fp8.SCALE_STORED_DTYPES else (f"{name} is stored as {dt}; block scales must be "
+                                                          f"one of {', '.join(fp8.SCALE_STORED_DTYPES)}")
+    if dt not in STORED_FLOAT_DTYPES:
+        return (f"{name} is stored as {dt}; supported stored dtypes: {', '.join(STORED_FLOAT_DTYPES)} (quantized "
+                "weights only with a quantization_config of quant_method 'fp8')")
+    return None
+
+
+def _fp8_layout(config: ModelConfig, stored_fp8: bool) -> tuple[dict, set[str], dict[str, tuple[int, ...]]]:
+    """(model parameter -> HFSource, including FP8 scales; the HF weights that are FP8; HF name -> shape as
+    stored, scales included when the checkpoint stores them)."""
+    expected = config.family.hf_weight_shapes(config)
+    sources = config.family.hf_sources(config) if config.family.hf_sources is not None else {}
+    if config.quantization != "fp8":
+        return sources, set(), expected
+    if config.family.hf_sources is None:
+        raise ValueError(f"the {config.family.model_type} family has no hf_sources layout: no FP8 support")
+    shapes = full_parameter_shapes(config)
+    sources = fp8.add_scale_sources(sources, shapes)
+    fp8_names = fp8.fp8_hf_weights(sources, shapes)
+    if stored_fp8:
+        for n in fp8_names:
+            expected[fp8.hf_scale_name(n)] = (num_blocks(expected[n][0]), num_blocks(expected[n][1]))
+    return sources, fp8_names, expected
+
+
 def check_checkpoint(model_dir: str | Path, config: ModelConfig) -> dict[str, Path]:
     """Validate names, shapes and stored dtypes against the config; returns {name: file} of the tensors to
     load. Raises ValueError listing every problem found."""
     files = safetensors_files(model_dir)
-    expected = config.family.hf_weight_shapes(config)
+    stored_fp8 = stored_quantization(model_dir) == "fp8"
+    if stored_fp8 and config.quantization != "fp8":
+        raise ValueError(f"{model_dir} holds an FP8 checkpoint (quantization_config); it loads with "
+                         "quantization 'fp8' only")
+    _, fp8_names, expected = _fp8_layout(config, stored_fp8)
+    fp8_names = fp8_names if stored_fp8 else set()
     ignorable = {n for n in files if n.endswith(_IGNORABLE_SUFFIXES)}
     if config.tie_word_embeddings:
         ignorable.add("lm_head.weight")  # some exporters store the tied copy; the embedding is used
@@ -114,9 +166,9 @@ def check_checkpoint(model_dir: str | Path, config: ModelConfig) -> dict[str, Pa
                 if shape != expected[name]:
                     problems.append(f"{name} has shape {list(shape)}, config implies {list(expected[name])} "
                                     f"(in {path.name})")
-                if dt not in STORED_FLOAT_DTYPES:
-                    problems.append(f"{name} is stored as {dt} (in {path.name}); supported stored dtypes: "
-                                    f"{', '.join(STORED_FLOAT_DTYPES)} (quantized checkpoints are not)")
+                problem = _stored_dtype_problem(name, dt, fp8_names)
+                if problem:
+                    problems.append(f"{problem} (in {path.name})")
     if problems:
         raise ValueError(f"checkpoint in {model_dir} does not match its config.json "
                          f"({config.architecture}):\n  " + "\n  ".join(problems))
@@ -162,30 +214,67 @@ def load_state(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype, d
     who = f"rank {rank} of {size}: " if size > 1 else ""
     try:
         to_load = check_checkpoint(model_dir, config)
+        stored_fp8 = stored_quantization(model_dir) == "fp8"
+        sources, fp8_names, expected = _fp8_layout(config, stored_fp8)
     except ValueError as e:
         raise ValueError(f"{who}{e}") from None
     if config.family.hf_sources is None and size > 1:
         raise ValueError(f"{who}the {config.family.model_type} family has no hf_sources layout, so its checkpoints "
                          "cannot be loaded sharded; load the whole model and use LLMEngine.from_model")
-    expected = config.family.hf_weight_shapes(config)
     device = torch.device(device)
     state = {}
     with contextlib.ExitStack() as stack:
         handles: dict[Path, object] = {}
 
-        def read(name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        def read_as(name: str, as_dtype: torch.dtype, index: tuple[slice, ...] | None = None) -> torch.Tensor:
             path = to_load[name]
             if path not in handles:
                 handles[path] = stack.enter_context(_open(path))
-            return _read_tensor(handles[path], path, name, device, dtype, index, who)
+            return _read_tensor(handles[path], path, name, device, as_dtype, index, who)
+
+        fp8_reader = _Fp8Reader(read_as, fp8_names, expected, stored_fp8)
+
+        def read(name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+            if fp8_names and (name in fp8_names or name.endswith(fp8.HF_SCALE_SUFFIX)):
+                return fp8_reader.read(name, index)
+            return read_as(name, dtype, index)
 
         if config.family.hf_sources is None:  # whole tensors, fused by the family's own state_dict_from_hf
             return config.family.state_dict_from_hf(config, {name: read(name) for name in to_load})
-        sources = config.family.hf_sources(config)
+        # `expected` gives the concatenation offsets: a scale tensor's rows are its weight's (expanded).
+        rows = {**expected, **{fp8.hf_scale_name(n): expected[n] for n in fp8_names}}
         for name, shape in full_parameter_shapes(config).items():
             spec = shard_spec(name, shape, config, rank, size)
-            state[name] = _read_source(sources[name], spec, expected, read, shape, dtype, device)
+            state[name] = _read_source(sources[name], spec, rows, read, shape, dtype, device)
     return state
+
+
+class _Fp8Reader:
+    """Reads an FP8 parameter's HF parts: the fp8 weight and its block scales expanded per row
+    (kernels/fp8_quant.py). From an FP8 checkpoint: as stored (weights read sliced; the small block scales
+    whole, then expanded and sliced). From a 16/32-bit one (`--quantization fp8`): each HF weight quantized
+    whole in its own 128 x 128 blocks, exactly what an FP8 checkpoint of it would store, so the scales
+    never straddle two fused parts; its scales are kept until read, right after the weight."""
+
+    def __init__(self, read_as, fp8_names: set[str], expected: dict, stored_fp8: bool):
+        self.read_as, self.fp8_names, self.expected, self.stored = read_as, fp8_names, expected, stored_fp8
+        self.pending: dict[str, torch.Tensor] = {}  # HF scale name -> row scales of a weight quantized here
+
+    def read(self, name: str, index: tuple[slice, ...] | None) -> torch.Tensor:
+        if name in self.fp8_names:
+            if self.stored:
+                return self.read_as(name, FP8_DTYPE, index)
+            q, scales = quantize_weight_rows(self.read_as(name, torch.float32))
+            self.pending[fp8.hf_scale_name(name)] = scales
+            return q if index is None else q[index]
+        weight = name.removesuffix(fp8.HF_SCALE_SUFFIX)
+        if self.stored:
+            scales = expand_block_rows(self.read_as(name, torch.float32), self.expected[weight][0])
+        else:
+            scales = self.pending.pop(name, None)
+            if scales is None:
+                scales = quantize_weight_rows(self.read_as(weight, torch.float32))[1]
+        return scales if index is None else scales[index]
 
 
 def _read_source(source, spec, expected: dict[str, tuple[int, ...]], read, shape: tuple[int, ...],

@@ -23,7 +23,9 @@ import zlib
 
 import torch
 
+from detinfer.kernels.fp8_quant import quantize_weight_rows
 from detinfer.models.config import ModelConfig
+from detinfer.models.fp8 import SCALE_SUFFIX, fp8_parameters
 from detinfer.models.sharding import shard_spec
 
 _M32 = 0xFFFFFFFF
@@ -99,11 +101,37 @@ def random_state(config: ModelConfig, *, seed: int, dtype: torch.dtype, device: 
     from detinfer.models.loader import full_parameter_shapes
 
     device = torch.device(device)
+    shapes = full_parameter_shapes(config)
+    fp8_params = set(fp8_parameters(shapes))
     state = {}
-    for name, shape in full_parameter_shapes(config).items():
+    for name, shape in shapes.items():
+        if name.removesuffix(SCALE_SUFFIX) in fp8_params and name.endswith(SCALE_SUFFIX):
+            continue  # made with its weight below
         spec = shard_spec(name, shape, config, rank, size)
-        state[name] = _draw_slice(parameter_key(seed, name), name, shape, spec, dtype, device)
+        if name in fp8_params:
+            state[name], state[name + SCALE_SUFFIX] = _draw_fp8_slice(parameter_key(seed, name), name, shape, spec,
+                                                                      dtype, device)
+        else:
+            state[name] = _draw_slice(parameter_key(seed, name), name, shape, spec, dtype, device)
     return state
+
+
+def _draw_fp8_slice(key: int, name: str, shape: tuple[int, ...], spec, dtype, device):
+    """An FP8 parameter's slice: the `dtype` weight quantized in 128 x 128 blocks of the full (TP=1) parameter,
+    and its per-row scales. A row-sharded 2-D slice is drawn out to whole 128-row blocks (then trimmed) so its
+    scales are the full tensor's; column slices start on block edges (shard_spec checks) and stacked experts
+    are quantized expert by expert, so those draw exactly their slice."""
+    from detinfer.models.sharding import ShardSpec
+
+    if spec.dim != 0 or len(shape) != 2:
+        return quantize_weight_rows(_draw_slice(key, name, shape, spec, dtype, device))
+    qs, ss = [], []
+    for a, b in spec.ranges:
+        a0, b0 = a // 128 * 128, min(shape[0], -(-b // 128) * 128)
+        q, s = quantize_weight_rows(_draw_slice(key, name, shape, ShardSpec(0, ((a0, b0),)), dtype, device))
+        qs.append(q[a - a0:b - a0])
+        ss.append(s[a - a0:b - a0])
+    return torch.cat(qs), torch.cat(ss)
 
 
 def _draw_slice(key: int, name: str, shape: tuple[int, ...], spec, dtype, device) -> torch.Tensor:

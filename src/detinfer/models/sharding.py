@@ -76,6 +76,12 @@ def shard_spec(name: str, shape: tuple[int, ...], config: ModelConfig, rank: int
     if ".gate_up_proj." in name:
         inter, per = config.intermediate_size, config.intermediate_size // size
         return ShardSpec(0, ((rank * per, (rank + 1) * per), (inter + rank * per, inter + (rank + 1) * per)))
+    if name.endswith(("o_proj.weight_scale", "down_proj.weight_scale")):  # FP8: the K blocks of the K columns
+        cols = shard_spec(name.removesuffix("_scale"), shape, config, rank, size)
+        if any(a % 128 or b % 128 for a, b in cols.ranges):
+            raise ValueError(f"{name}: an FP8 row-parallel shard must hold whole 128-column scale blocks, got "
+                             f"columns {cols.ranges} at tensor_parallel_size {size}")
+        return ShardSpec(1, tuple((a // 128, b // 128) for a, b in cols.ranges))
     if name.endswith("o_proj.weight"):
         return ShardSpec(1, ((rank * hq * d, (rank + 1) * hq * d),))
     if name.endswith("down_proj.weight"):

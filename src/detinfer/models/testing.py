@@ -188,3 +188,43 @@ def _write_json(path: Path, data: dict) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2, ensure_ascii=False)
         f.write("\n")
+
+
+def write_fp8_checkpoint(src_dir: str | Path, out_dir: str | Path, *, quantization_config: dict | None = None,
+                         skip: tuple[str, ...] = ()) -> Path:
+    """Copy the model directory `src_dir` (config, tokenizer, weights) to `out_dir` as a HF block-scaled FP8
+    checkpoint: each linear weight of the attention and MLP / experts stored as float8_e4m3fn with its
+    128 x 128 block scales in `<name>_scale_inv`, config.json given `quantization_config` (default:
+    `fp8.quantization_config_json()`). `skip`: HF tensor names to leave out (tests of missing tensors)."""
+    import dataclasses
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from detinfer.kernels.fp8_quant import quantize_weight
+    from detinfer.models import fp8
+    from detinfer.models.loader import full_parameter_shapes, safetensors_files
+
+    src, out = Path(src_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, out / f.name)
+    config = dataclasses.replace(ModelConfig.from_dir(src), quantization="fp8")
+    shapes = full_parameter_shapes(config)
+    fp8_names = fp8.fp8_hf_weights(config.family.hf_sources(config), shapes)
+    weights = {}
+    for path in sorted(set(safetensors_files(src).values())):
+        weights.update(load_file(str(path)))
+    stored = {}
+    for name, t in weights.items():
+        if name in fp8_names:
+            stored[name], stored[fp8.hf_scale_name(name)] = quantize_weight(t)
+        else:
+            stored[name] = t
+    stored = {n: t.contiguous() for n, t in stored.items() if n not in skip}
+    cfg = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    cfg["quantization_config"] = quantization_config or fp8.quantization_config_json()
+    _write_json(out / "config.json", cfg)
+    _save_weights(out, stored, 1)
+    return out

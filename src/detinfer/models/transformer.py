@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from detinfer.kernels.fp8_quant import num_blocks
 from detinfer.models.config import ModelConfig
 from detinfer.models.rope import RotaryEmbedding
 from detinfer.ops import Ops
@@ -39,15 +40,25 @@ from detinfer.ops import Ops
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class Linear(nn.Module):
-    """weight [out, in] (+ bias [out]); forward goes through `ops.linear`, never F.linear."""
+def fp8_scale_param(*shape: int) -> nn.Parameter:
+    """An FP8 weight's per-row block scales [..., N, ceil(K / 128)] fp32 (kernels/fp8_quant.py's layout)."""
+    *lead, n, k = shape
+    return nn.Parameter(torch.empty(*lead, n, num_blocks(k)), requires_grad=False)
 
-    def __init__(self, in_features: int, out_features: int, bias: bool):
+
+class Linear(nn.Module):
+    """weight [out, in] (+ bias [out]); forward goes through `ops.linear`, never F.linear. `fp8`: the weight is
+    block-scaled float8_e4m3fn with `weight_scale` beside it, and forward is `ops.linear_fp8`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, fp8: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.weight_scale = fp8_scale_param(out_features, in_features) if fp8 else None
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        if self.weight_scale is not None:
+            return ops.linear_fp8(x, self.weight, self.weight_scale, self.bias)
         return ops.linear(x, self.weight, self.bias)
 
 
@@ -70,8 +81,9 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = (config.num_attention_heads,
                                                         config.num_key_value_heads, config.head_dim)
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_bias)
+        fp8 = config.quantization == "fp8"
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, fp8)
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_bias, fp8)
         # Qwen3 normalises each head's q and k over head_dim before rotary.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -104,12 +116,14 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias)
+        fp8 = config.quantization == "fp8"
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, fp8)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, fp8)
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         proj = self.gate_up_proj
-        if proj._forward_hooks or proj._forward_pre_hooks:  # someone records gate_up's output (repro audit)
+        # FP8 (no fused gate_up + SiLU*mul launch for it yet) or someone records gate_up's output (repro audit)
+        if proj.weight_scale is not None or proj._forward_hooks or proj._forward_pre_hooks:
             gate, up = proj(x, ops).split(self.intermediate_size, dim=-1)  # [T, I] each
             return self.down_proj(ops.silu_mul(gate, up), ops)
         # One backend op: gate_up_proj, split into [T, I] halves, silu_mul (via ops: stock CPU SiLU rounds
@@ -129,9 +143,16 @@ class SparseMoE(nn.Module):
         self.router = nn.Parameter(torch.empty(E, H), requires_grad=False)
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inter, H), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(E, H, inter), requires_grad=False)
+        # FP8: the expert weights are block-scaled float8_e4m3fn, their per-row block scales beside them.
+        fp8 = config.quantization == "fp8"
+        self.gate_up_proj_scale = fp8_scale_param(E, 2 * inter, H) if fp8 else None
+        self.down_proj_scale = fp8_scale_param(E, H, inter) if fp8 else None
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         # one backend op: routing, every expert and the combine (deterministic: batch-invariant as a whole)
+        if self.gate_up_proj_scale is not None:
+            return ops.moe_fp8(x, self.router, self.gate_up_proj, self.gate_up_proj_scale, self.down_proj,
+                               self.down_proj_scale, self.top_k, self.renormalize)
         return ops.moe(x, self.router, self.gate_up_proj, self.down_proj, self.top_k, self.renormalize)
 
 

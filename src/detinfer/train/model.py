@@ -114,6 +114,9 @@ class TrainableModel:
         self.model, self.runner, self._engine = _resolve(source)
         self.mode, self.block_size = mode, block_size
         cfg = self.model.config
+        if cfg.quantization is not None:  # fp8 weights have no gradient path (docs/fp8.md)
+            raise ValueError(f"training runs on 16/32-bit weights only; this model is quantized "
+                             f"({cfg.quantization}): train on the unquantized checkpoint")
         self.scale = cfg.softmax_scale
         if mode == "deterministic":
             base = self.model.ops.replace(mode="deterministic")  # the same device/dtype rule as the engine

@@ -1,0 +1,94 @@
+"""Block-scaled FP8 (e4m3) quantization: the format of Hugging Face FP8 checkpoints (Qwen3-*-FP8,
+DeepSeek-V3) and of `--quantization fp8`, shared by the loader, the random-model builder and `fp8_linear`.
+
+- Weights [..., N, K]: one fp32 scale per 128 x 128 block (HF's `weight_scale_inv`): the dequantized weight
+  is `fp8 value * scale of its block`. Inside the model the block scales are kept expanded along the rows,
+  `[..., N, ceil(K / 128)]` (row n holds its block's scales): fusing q/k/v or gate/up along the rows and
+  sharding rows for tensor parallelism then slice the scales exactly as they slice the weight, even where a
+  part's row count is not a multiple of 128 (1/32 of the fp8 weight's bytes).
+- Activations [M, K] ("dynamic" scheme): one scale per token per 128-wide group along K, computed from that
+  row alone, so quantizing a row never looks at another row (batch-invariant).
+
+A group's scale is amax / 448 (448: e4m3's largest finite value) and its values are `fp8(x / scale)`,
+clamped to +-448 before the cast (a quotient may round a hair above 448). Only elementwise torch ops and a
+max (exact in any order), so CPU and GPU give the same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+BLOCK = 128  # the scale block along both N and K (weights) and the activation group along K
+# amax below this counts as this: an all-zero group gets a finite scale (its values quantize to 0).
+AMAX_FLOOR = 1e-12
+
+
+def num_blocks(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+def _quantize_groups(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x fp32 and its group amax (broadcastable) -> (fp8 values, fp32 scales of amax's shape)."""
+    scale = amax.clamp(min=AMAX_FLOOR) / FP8_MAX
+    return (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def _pad_last(x: torch.Tensor, multiple: int, dim: int) -> torch.Tensor:
+    """Zero-pad `dim` up to a multiple (zeros change no amax and quantize to zero)."""
+    n = x.shape[dim]
+    extra = num_blocks(n) * multiple - n
+    if not extra:
+        return x
+    shape = list(x.shape)
+    shape[dim] = extra
+    return torch.cat((x, x.new_zeros(shape)), dim=dim)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (any float) -> (x_q [M, K] fp8, scales [M, ceil(K / 128)] fp32), per token per 128-group."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize_activations: expected x [M, K], got shape {tuple(x.shape)}")
+    m, k = x.shape
+    kb = num_blocks(k)
+    xp = _pad_last(x.float(), BLOCK, 1).reshape(m, kb, BLOCK)
+    amax = xp.abs().amax(-1, keepdim=True)
+    q, scale = _quantize_groups(xp, amax)
+    return q.reshape(m, kb * BLOCK)[:, :k], scale[..., 0]
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] (any float) -> (w_q [..., N, K] fp8, block scales [..., ceil(N/128), ceil(K/128)] fp32):
+    each 128 x 128 block scaled by its own amax / 448 (what FP8 checkpoints store as weight_scale_inv)."""
+    if w.dim() < 2:
+        raise ValueError(f"quantize_weight: expected a weight [..., N, K], got shape {tuple(w.shape)}")
+    n, k = w.shape[-2:]
+    lead = w.shape[:-2]
+    wp = _pad_last(_pad_last(w.float(), BLOCK, -1), BLOCK, -2)
+    nb, kb = wp.shape[-2] // BLOCK, wp.shape[-1] // BLOCK
+    blocks = wp.reshape(*lead, nb, BLOCK, kb, BLOCK)
+    amax = blocks.abs().amax(dim=(-3, -1), keepdim=True)  # [..., NB, 1, KB, 1]
+    q, scale = _quantize_groups(blocks, amax)
+    q = q.reshape(*lead, nb * BLOCK, kb * BLOCK)[..., :n, :k]
+    return q.contiguous(), scale.reshape(*lead, nb, kb)
+
+
+def expand_block_rows(scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """Block scales [..., ceil(rows/128), KB] -> per-row scales [..., rows, KB] (the model's layout)."""
+    if scale.shape[-2] != num_blocks(rows):
+        raise ValueError(f"weight scales have {scale.shape[-2]} row blocks, a weight of {rows} rows needs "
+                         f"{num_blocks(rows)} (blocks of {BLOCK})")
+    return scale.repeat_interleave(BLOCK, dim=-2)[..., :rows, :].contiguous()
+
+
+def quantize_weight_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_weight` with the scales expanded to the model's per-row layout [..., N, KB]."""
+    q, scale = quantize_weight(w)
+    return q, expand_block_rows(scale, w.shape[-2])
+
+
+def dequantize_weight(w_q: torch.Tensor, row_scales: torch.Tensor) -> torch.Tensor:
+    """fp8 w_q [..., N, K] with per-row block scales [..., N, KB] -> fp32 [..., N, K]."""
+    k = w_q.shape[-1]
+    return w_q.float() * row_scales.repeat_interleave(BLOCK, dim=-1)[..., :k]

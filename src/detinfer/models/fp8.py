@@ -1,0 +1,97 @@
+"""FP8 models: which checkpoints are accepted, which parameters are FP8, and how their scales are named.
+
+Accepted: Hugging Face's block-scaled FP8 format (Qwen3-*-FP8, DeepSeek-V3 style), config.json
+`quantization_config` = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme":
+"dynamic", optional "fmt": "e4m3"}: every linear weight of the attention and MLP / experts stored as
+float8_e4m3fn with a `<name>_scale_inv` fp32 tensor of one scale per 128 x 128 block beside it. Embeddings,
+norms, routers and lm_head stay in the model dtype. Anything else is refused, naming the field.
+
+In the model an FP8 parameter `p` (qkv_proj.weight, o_proj.weight, gate_up_proj.weight, down_proj.weight,
+the stacked experts mlp.gate_up_proj / mlp.down_proj) has its scales in `p + "_scale"`, expanded per row
+(kernels/fp8_quant.py): the fused parameter's scales are the concatenation of its parts' scales, exactly
+as the weight is the concatenation of its parts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+QUANTIZATIONS = ("fp8",)
+SCALE_SUFFIX = "_scale"  # model parameter p -> its scales p + SCALE_SUFFIX
+HF_SCALE_SUFFIX = "_scale_inv"  # HF tensor "x.weight" -> its block scales "x.weight_scale_inv"
+STORED_FP8 = "F8_E4M3"  # safetensors dtype code of float8_e4m3fn
+SCALE_STORED_DTYPES = ("F32", "BF16", "F16")
+WEIGHT_BLOCK = [128, 128]
+
+
+def parse_quantization_config(cfg: Mapping[str, Any]) -> str | None:
+    """config.json's `quantization_config` -> "fp8" or None (absent); anything unsupported raises a
+    ValueError naming the field and what is allowed."""
+    q = cfg.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, Mapping):
+        raise ValueError(f"quantization_config must be an object, got {type(q).__name__}")
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise ValueError(f"quantization_config.quant_method {method!r} is not supported; detinfer loads "
+                         "quant_method 'fp8' (block-scaled float8_e4m3fn weights) only")
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"quantization_config.fmt {fmt!r} is not supported; FP8 weights must be 'e4m3' "
+                         "(float8_e4m3fn)")
+    block = q.get("weight_block_size")
+    if list(block or []) != WEIGHT_BLOCK:
+        raise ValueError(f"quantization_config.weight_block_size {block!r} is not supported; only "
+                         f"{WEIGHT_BLOCK} block scales are (per-tensor or per-channel FP8 is not)")
+    scheme = q.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ValueError(f"quantization_config.activation_scheme {scheme!r} is not supported; only 'dynamic' "
+                         "(activations quantized per token per 128-group at run time) is")
+    return "fp8"
+
+
+def quantization_config_json() -> dict[str, Any]:
+    """The `quantization_config` this package writes for FP8 checkpoints (tests, exports)."""
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": list(WEIGHT_BLOCK)}
+
+
+def fp8_parameters(param_shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """The model's FP8 parameters: those with a scales parameter beside them."""
+    return [p for p in param_shapes if p + SCALE_SUFFIX in param_shapes]
+
+
+def hf_scale_name(hf_weight: str) -> str:
+    return hf_weight + HF_SCALE_SUFFIX
+
+
+def add_scale_sources(sources: dict, param_shapes: Mapping[str, tuple[int, ...]]) -> dict:
+    """`sources` (model parameter -> dense_decoder.HFSource) plus each FP8 parameter's scales, made of its
+    HF tensors' `_scale_inv` tensors in the same order (so fusing and expert stacking match the weight's)."""
+    from detinfer.models.families.dense_decoder import HFSource
+
+    out = dict(sources)
+    for p in fp8_parameters(param_shapes):
+        src = sources[p]
+        out[p + SCALE_SUFFIX] = HFSource(tuple(hf_scale_name(n) for n in src.names), src.per_expert)
+    return out
+
+
+def fp8_hf_weights(sources: Mapping, param_shapes: Mapping[str, tuple[int, ...]]) -> set[str]:
+    """The HF tensor names stored (or to be quantized) as FP8."""
+    return {n for p in fp8_parameters(param_shapes) for n in sources[p].names}
+
+
+def with_quantization(config, quantization: str):
+    """The ModelConfig to build for EngineConfig.quantization: "auto" keeps the checkpoint's, "fp8" makes
+    every linear FP8 (quantized at load where the checkpoint is not FP8 already)."""
+    import dataclasses
+
+    if quantization == "auto" or config.quantization == quantization:
+        return config
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be 'auto' or one of {QUANTIZATIONS}, got {quantization!r}")
+    return dataclasses.replace(config, quantization=quantization)
+

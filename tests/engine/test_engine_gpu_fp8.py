@@ -1,0 +1,80 @@
+"""FP8 engine on the GPU (Hopper: fp8 tensor cores): a request's outputs are the same bits alone and among
+others (deterministic mode, the Triton FP8 kernel), with CUDA graphs on and off, for a dense and an MoE
+model quantized at load (`quantization="fp8"`); fast mode runs. Skipped (shown as skipped) without CUDA."""
+
+import gc
+
+import pytest
+import torch
+
+from detinfer.engine import EngineConfig, LLMEngine, SamplingParams
+from detinfer.engine.testing import drive
+from detinfer.models.testing import write_tiny_checkpoint
+
+pytestmark = pytest.mark.gpu
+VOCAB = 2048
+ENGINE = dict(max_num_batched_tokens=512, max_num_seqs=16, block_size=16, num_kv_blocks=256, quantization="fp8")
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def model_dir(request, tmp_path_factory):
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 tl.dot needs sm89+")
+    common = dict(seed=13, vocab_size=VOCAB, hidden_size=512, num_hidden_layers=3, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=128, max_position_embeddings=1024, dtype="bfloat16")
+    root = tmp_path_factory.mktemp("engine_gpu_fp8")
+    if request.param == "dense":
+        # 2048 / 8 tp_invariant chunks = 256 columns: whole 128-column FP8 scale blocks
+        return write_tiny_checkpoint(root / "qwen3", "Qwen3ForCausalLM", intermediate_size=2048, **common)
+    return write_tiny_checkpoint(root / "qwen3moe", "Qwen3MoeForCausalLM", intermediate_size=1408, **common,
+                                 extra=dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=384))
+
+
+def _requests(n=12):
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(4, 300, (1,), generator=g))
+        prompt = torch.randint(3, VOCAB, (length,), generator=g).tolist()
+        params = SamplingParams(max_tokens=12, temperature=0.0 if i % 2 else 0.7, seed=i, logprobs=3,
+                                ignore_eos=True)
+        out.append((i // 3, f"r{i}", prompt, params))
+    return out
+
+
+def _run(model_dir, requests, **kw):
+    gc.collect()
+    engine = LLMEngine(model_dir, EngineConfig(**{**ENGINE, **kw}), device="cuda")
+    try:
+        return drive(engine, requests, max_steps=5000)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_fp8_alone_equals_batched_bitwise(model_dir, enforce_eager):
+    reqs = _requests()
+    batched = _run(model_dir, reqs, enforce_eager=enforce_eager)
+    for _, rid, prompt, params in reqs[:4]:
+        alone = _run(model_dir, [(0, rid, prompt, params)], enforce_eager=enforce_eager)
+        assert alone[rid] == batched[rid], rid
+
+
+def test_fp8_graphs_equal_eager_bitwise(model_dir):
+    reqs = _requests(6)
+    assert _run(model_dir, reqs, enforce_eager=True) == _run(model_dir, reqs, enforce_eager=False)
+
+
+def test_fp8_fast_mode_runs(model_dir):
+    out = _run(model_dir, _requests(4), mode="fast")
+    assert all(sig.error is None and len(sig.completions[0].token_ids) == 12 for sig in out.values())
+
+
+def test_fp8_tp2_equals_tp1_with_invariant_reduction(model_dir):
+    """NCCL, 2 GPUs: FP8 row-parallel partials per fixed K chunk give TP=1's bits at TP=2."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"tensor parallelism needs >= 2 GPUs, {torch.cuda.device_count()} visible")
+    reqs = _requests(6)
+    one = _run(model_dir, reqs, tp_invariant_reduction=True)
+    two = _run(model_dir, reqs, tp_invariant_reduction=True, tensor_parallel_size=2)
+    assert one == two

@@ -1,0 +1,220 @@
+"""Block-scaled FP8 linear: quantization round trips, the CPU reference against float64, its batch
+invariance (bitwise), the backend's choice, and (GPU only) the Triton kernel."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from detinfer.kernels.fp8_linear import check_fp8_linear, linear_fp8_ref, linear_fp8_stock
+from detinfer.kernels.fp8_quant import (
+    BLOCK,
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize_weight,
+    expand_block_rows,
+    quantize_activations,
+    quantize_weight,
+    quantize_weight_rows,
+)
+from detinfer.ops import Ops
+
+E4M3_REL = 2.0 ** -4  # half an ulp of a 4-significant-bit value, relative
+
+
+def _operands(m, n, k, seed, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=g) * 3).to(dtype)
+    w = torch.randn(n, k, generator=g) / math.sqrt(k)
+    q, s = quantize_weight_rows(w)
+    return x, w, q, s
+
+
+def _float64_of_quantized(x, q, s):
+    """The same quantized operands, combined in float64: sum over K blocks of dot * sx * sw."""
+    x_q, sx = quantize_activations(x.reshape(-1, x.shape[-1]))
+    xd = x_q.double() * sx.double().repeat_interleave(BLOCK, -1)[:, :x.shape[-1]]
+    return xd @ dequantize_weight(q, s).double().t()
+
+
+# -- quantization ------------------------------------------------------------------------------------------
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 300), k=st.integers(1, 300), seed=st.integers(0, 2 ** 16))
+def test_weight_round_trip_within_half_an_fp8_step(n, k, seed):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 5
+    q, scales = quantize_weight(w)
+    assert q.dtype == FP8_DTYPE and q.shape == w.shape
+    assert scales.shape == (-(-n // BLOCK), -(-k // BLOCK)) and scales.dtype == torch.float32
+    rows = expand_block_rows(scales, n)
+    back = dequantize_weight(q, rows)
+    step = rows.repeat_interleave(BLOCK, -1)[:, :k]  # the block's scale: values in units of it
+    # e4m3 keeps 4 significant bits: error <= half an ulp of the value (and of the smallest normal 2^-6)
+    bound = torch.maximum(w.abs() * E4M3_REL, step * 2.0 ** -10)
+    assert bool(((back - w).abs() <= bound * (1 + 1e-6)).all())
+    assert float(q.float().abs().max()) <= FP8_MAX  # every block's largest value maps to at most 448
+
+
+def test_quantize_exact_values_round_trip_bitwise():
+    # values already on the e4m3 grid times a power-of-two scale come back exactly
+    grid = torch.tensor([0.0, 1.0, -1.5, 448.0, -448.0, 2.0 ** -6, 3.5, 240.0]).repeat(16, 16)[:, :128]
+    q, s = quantize_weight(grid)
+    assert torch.equal(dequantize_weight(q, expand_block_rows(s, grid.shape[0])), grid)
+
+
+def test_zero_block_quantizes_to_zero_with_a_finite_scale():
+    x = torch.zeros(2, 300)
+    x[1, 200] = 3.0
+    x_q, sx = quantize_activations(x)
+    assert bool(torch.isfinite(sx).all()) and torch.equal(x_q.float()[0], torch.zeros(300))
+    assert float(x_q.float()[1, 200]) * float(sx[1, 1]) == pytest.approx(3.0)
+
+
+@settings(max_examples=20, deadline=None)
+@given(m=st.integers(1, 12), k=st.integers(1, 400), a=st.integers(0, 12), b=st.integers(0, 12),
+       seed=st.integers(0, 2 ** 16))
+def test_activation_scales_are_per_row(m, k, a, b, seed):
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    a, b = sorted((min(a, m), min(b, m)))
+    q, s = quantize_activations(x)
+    q2, s2 = quantize_activations(x[a:b])
+    assert torch.equal(q[a:b].view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s[a:b], s2)
+
+
+# -- the reference --------------------------------------------------------------------------------------
+@settings(max_examples=20, deadline=None)
+@given(m=st.integers(1, 9), n=st.integers(1, 200), k=st.integers(1, 520), bias=st.booleans(),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]), seed=st.integers(0, 2 ** 16))
+def test_ref_matches_float64_of_the_quantized_operands(m, n, k, bias, dtype, seed):
+    x, w, q, s = _operands(m, n, k, seed, dtype)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1)).to(dtype) if bias else None
+    y = linear_fp8_ref(x, q, s, b)
+    assert y.dtype == dtype and y.shape == (m, n)
+    exact = _float64_of_quantized(x, q, s) + (0 if b is None else b.double())
+    # fp32 rounding per block partial, per scale multiply and per add: a few fp32 ulps of the sum of
+    # magnitudes of the block terms, plus the final rounding to `dtype`
+    x_q, sx = quantize_activations(x)
+    terms = (x_q.double().abs() * sx.double().repeat_interleave(BLOCK, -1)[:, :k]) @ \
+        dequantize_weight(q, s).double().abs().t()
+    out_eps = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -23
+    bound = (4 * -(-k // BLOCK) + 4) * 2.0 ** -24 * terms + out_eps * exact.abs() + 1e-30
+    assert bool(((y.double() - exact).abs() <= bound).all())
+
+
+def test_ref_is_close_to_the_unquantized_product():
+    x, w, q, s = _operands(16, 96, 512, seed=7, dtype=torch.float32)
+    y = linear_fp8_ref(x, q, s)
+    full = x.double() @ w.double().t()
+    rel = (y.double() - full).norm() / full.norm()
+    assert rel < 0.06  # fp8 of both operands: a few percent, averaged over K
+
+
+@settings(max_examples=20, deadline=None)
+@given(m=st.integers(1, 24), n=st.integers(1, 160), k=st.integers(1, 400), a=st.integers(0, 24),
+       b=st.integers(0, 24), seed=st.integers(0, 2 ** 16))
+def test_ref_slice_invariance_bitwise(m, n, k, a, b, seed):
+    """f(x)[a:b] == f(x[a:b]): a row's result does not depend on the rows around it."""
+    x, _, q, s = _operands(m, n, k, seed)
+    a, b = sorted((min(a, m), min(b, m)))
+    assert torch.equal(linear_fp8_ref(x, q, s)[a:b], linear_fp8_ref(x[a:b], q, s))
+
+
+def test_ref_takes_leading_dims():
+    x, _, q, s = _operands(6, 40, 130, seed=3)
+    assert torch.equal(linear_fp8_ref(x.reshape(2, 3, 130), q, s), linear_fp8_ref(x, q, s).reshape(2, 3, 40))
+
+
+def test_bad_operands_are_named():
+    x, _, q, s = _operands(2, 8, 256, seed=0)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        check_fp8_linear("op", x, q.float(), s, None)
+    with pytest.raises(ValueError, match=r"K=256"):
+        check_fp8_linear("op", x[:, :100], q, s, None)
+    with pytest.raises(ValueError, match="weight scales"):
+        check_fp8_linear("op", x, q, s[:, :1], None)
+    with pytest.raises(ValueError, match="bias"):
+        check_fp8_linear("op", x, q, s, torch.zeros(3))
+
+
+# -- the backend's choice ---------------------------------------------------------------------------------
+def test_ops_picks_the_ref_on_cpu_and_the_stock_path_in_fast_mode():
+    x, _, q, s = _operands(5, 64, 256, seed=2)
+    det = Ops("deterministic", "cpu", torch.bfloat16)
+    assert torch.equal(det.linear_fp8(x, q, s), linear_fp8_ref(x, q, s))
+    fast = Ops("fast", "cpu", torch.bfloat16)
+    stock = fast.linear_fp8(x, q, s)
+    assert torch.equal(stock, linear_fp8_stock(x, q, s))
+    # the stock path skips activation quantization, so it differs from the ref, but only by fp8 noise
+    ref = linear_fp8_ref(x, q, s).float()
+    assert not torch.equal(stock.float(), ref)
+    assert float((stock.float() - ref).norm() / ref.norm()) < 0.06
+
+
+# -- GPU (Hopper): the Triton kernel ------------------------------------------------------------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (fp8 tensor cores)")
+
+
+def _fp8_gpu():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("m,n,k", [(1, 256, 512), (37, 1000, 300), (200, 4096, 2048), (5, 128, 128)])
+def test_kernel_matches_ref(m, n, k):
+    if not _fp8_gpu():
+        pytest.skip("fp8 tl.dot needs sm89+")
+    from detinfer.kernels.fp8_linear import linear_fp8
+
+    x, _, q, s = _operands(m, n, k, seed=m + n + k)
+    bias = torch.randn(n).to(torch.bfloat16)
+    ref = linear_fp8_ref(x, q, s, bias).float()
+    y = linear_fp8(x.cuda(), q.cuda(), s.cuda(), bias.cuda()).float().cpu()
+    # not bitwise: the tensor cores' internal fp8 accumulation order/precision is not the ref's exact dot
+    exact = _float64_of_quantized(x, q, s).float() + bias.float()
+    assert torch.allclose(y, ref, rtol=2e-2, atol=2e-2 * float(exact.abs().max()))
+
+
+@pytest.mark.gpu
+@cuda
+@settings(max_examples=10, deadline=None)
+@given(m=st.integers(1, 300), a=st.integers(0, 300), b=st.integers(0, 300), seed=st.integers(0, 100))
+def test_kernel_slice_invariance_bitwise(m, a, b, seed):
+    if not _fp8_gpu():
+        pytest.skip("fp8 tl.dot needs sm89+")
+    from detinfer.kernels.fp8_linear import linear_fp8
+
+    x, _, q, s = _operands(m, 1024, 768, seed)
+    x, q, s = x.cuda(), q.cuda(), s.cuda()
+    a, b = sorted((min(a, m), min(b, m)))
+    assert torch.equal(linear_fp8(x, q, s)[a:b], linear_fp8(x[a:b], q, s))
+
+
+@pytest.mark.gpu
+@cuda
+def test_ops_deterministic_uses_the_kernel_on_cuda_and_fast_mode_runs():
+    if not _fp8_gpu():
+        pytest.skip("fp8 tl.dot needs sm89+")
+    from detinfer.kernels.fp8_linear import linear_fp8
+
+    x, _, q, s = _operands(33, 512, 512, seed=1)
+    x, q, s = x.cuda(), q.cuda(), s.cuda()
+    assert torch.equal(Ops("deterministic", "cuda", torch.bfloat16).linear_fp8(x, q, s), linear_fp8(x, q, s))
+    fast = Ops("fast", "cuda", torch.bfloat16).linear_fp8(x, q, s).float()
+    ref = linear_fp8_ref(x.cpu(), q.cpu(), s.cpu()).float().cuda()
+    assert float((fast - ref).norm() / ref.norm()) < 0.06
+
+
+# -- the chunk tree (row-parallel layers) -------------------------------------------------------------------
+def test_chunk_tree_one_chunk_is_the_fp32_accumulator_and_chunks_add_in_the_tree():
+    x, _, q, s = _operands(9, 48, 512, seed=4)
+    ops = Ops("deterministic", "cpu", torch.bfloat16)
+    one = ops.linear_fp8_tree(x, q, s, 1)
+    assert one.dtype == torch.float32 and torch.equal(one, linear_fp8_ref(x, q, s, out_dtype=torch.float32))
+    parts = [linear_fp8_ref(x[:, c * 128:(c + 1) * 128], q[:, c * 128:(c + 1) * 128], s[:, c:c + 1],
+                            out_dtype=torch.float32) for c in range(4)]
+    assert torch.equal(ops.linear_fp8_tree(x, q, s, 4), (parts[0] + parts[1]) + (parts[2] + parts[3]))
+    assert torch.equal(ops.linear_fp8_tree(x, q, s, 4)[2:5], ops.linear_fp8_tree(x[2:5], q, s, 4))
+    with pytest.raises(ValueError, match="whole 128-column scale blocks"):
+        ops.linear_fp8_tree(x, q, s, 8)  # chunks of 64 columns
