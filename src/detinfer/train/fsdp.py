@@ -1,0 +1,179 @@
+"""Data-parallel training of a `TrainableModel` with PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`).
+
+    dist.init_process_group("gloo" or "nccl", ...)       # one process per device
+    model, _ = load_model(path, torch.float32, device, "deterministic")
+    sharded = FSDPTrainer(TrainableModel(model))          # default group: torch.distributed's WORLD
+    opt = adamw(sharded.parameters(), lr=1e-5)            # fp32 DTensor shards: each rank steps its shard
+    ids, cu = pack(local_sequences(global_batch, sharded.group))   # each rank scores its own sequences
+    (-(sharded.score(ids, cu) * adv).sum()).backward()   # this rank's share of the global loss sum
+    opt.step()
+
+What is sharded and how the bits stay those of one process:
+  * Parameters: `fully_shard` on every decoder layer and on the trainer's `ScoringModule` (the root:
+    embedding, final norm, output layer). Each rank keeps a dim-0 shard of every fp32 tensor (the master
+    weights: the optimizer steps the shards), and FSDP all-gathers a layer's full tensors just before its
+    forward (and again before its backward). An all-gather is a data move, so the forward computes with
+    exactly the single-process weights: logprobs are bit for bit one process's (and the sampler's).
+  * Gradients: FSDP reduce-scatters each layer's gradients after its backward. Its default collective
+    (the library's reduce-scatter) adds the ranks' contributions in an order the library picks (ring or
+    tree, by message size, on NCCL). `FixedOrderReduceScatter` replaces it: an all-to-all (a data move: rank
+    r receives every rank's gradient of its shard) followed by a sum in rank order, g_0 + g_1 + ... +
+    g_{P-1}, on every rank, for every message size. That is the order in which one process accumulates
+    the same micro-batches' gradients (`.grad +=` per backward, micro-batch r = rank r's), so the reduced
+    gradient equals one-process gradient accumulation bit for bit, at any world size. (At P = 2 any
+    reduce-scatter gives these bits: one IEEE addition of two values is commutative. Beyond 2 ranks the
+    order matters, hence the fixed order.) FSDP's averaging is switched off (divide factor 1, SUM only):
+    the loss each rank backpropagates is its share of the global sum, and dividing by P would be one more
+    rounding for non-power-of-two P.
+  * Optimizer: AdamW (`optim.adamw`, single-tensor on CPU, fused on CUDA) updates each element from its
+    own values, so stepping shards equals stepping full tensors.
+
+Not bit-identical: the gradient of one packed global batch in a single backward. Its weight gradient
+reduces all tokens in one accumulator (blocks of 64 tokens in order), while data parallelism sums per-rank
+partial gradients; the two differ by float rounding (tests/train/test_fsdp.py bounds it).
+
+Limits: fp32 parameters only (the trainer must train the module's own fp32 tensors, master_weights=False;
+16-bit compute with fp32 shards would need FSDP's mixed precision, whose unsharded 16-bit parameters get
+16-bit gradients: not done); dense models only (MoE layers have no backward); no tensor parallelism;
+`fully_shard` replaces the model's parameters with shards, so an engine on the same model cannot sample
+until the full weights are copied back (`full_state_dict`); `TrainableModel.distributions` is not
+available on the sharded trainer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.tensor import DTensor
+
+from detinfer.models.transformer import SparseMoE
+from detinfer.train.model import TrainableModel
+
+__all__ = ["FSDPTrainer", "FixedOrderReduceScatter", "local_sequences"]
+
+
+class FixedOrderReduceScatter(ReduceScatter):
+    """FSDP's reduce-scatter as an all-to-all plus a sum in rank order (see the module doc). The input is
+    FSDP's flat [P * shard] buffer whose r-th block is destined for rank r."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op, async_op: bool = False):
+        if op != dist.ReduceOp.SUM:
+            raise ValueError(f"FixedOrderReduceScatter sums only (FSDP's averaging must be off), got {op}")
+        received = torch.empty_like(input_tensor)
+        dist.all_to_all_single(received, input_tensor, group=group)  # block r: rank r's gradient of my shard
+        parts = received.view(group.size(), -1)
+        output_tensor.copy_(parts[0])
+        for r in range(1, group.size()):
+            output_tensor.add_(parts[r])  # rank order: the order of one-process gradient accumulation
+        return None
+
+
+def _check_group(group, device: torch.device) -> dist.ProcessGroup:
+    if not dist.is_initialized():
+        raise RuntimeError("FSDPTrainer needs torch.distributed initialized (dist.init_process_group with "
+                           "'gloo' for CPU models or 'nccl' for CUDA models) in every rank's process")
+    group = dist.group.WORLD if group is None else group
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"group must be a torch.distributed ProcessGroup this rank belongs to, got {group!r}")
+    if dist.get_rank(group) < 0:
+        raise ValueError("this process is not a member of the given process group; pass a group that "
+                         "contains every data-parallel rank, this one included")
+    backend = dist.get_backend(group)
+    wanted = "nccl" if device.type == "cuda" else "gloo"
+    if backend != wanted:
+        raise ValueError(f"the model is on {device.type}, which takes a {wanted!r} process group; the group's "
+                         f"backend is {backend!r}")
+    return group
+
+
+def _check_trainer(trainer) -> None:
+    if not isinstance(trainer, TrainableModel):
+        raise TypeError(f"FSDPTrainer wraps a detinfer.train.TrainableModel, got {type(trainer).__name__}")
+    if trainer.master_weights:
+        raise ValueError("FSDPTrainer shards the module's own fp32 parameters (they are the master weights); "
+                         "this trainer keeps separate fp32 masters of 16-bit weights. Load the model in "
+                         "float32 (master_weights=False)")
+    params = list(trainer.model.parameters())
+    if any(isinstance(p, DTensor) for p in params):
+        raise ValueError("this model's parameters are already sharded (DTensors): wrap each model once")
+    if any(p.dtype != torch.float32 for p in params):
+        raise ValueError("FSDPTrainer takes float32 parameters, got "
+                         f"{sorted({str(p.dtype) for p in params if p.dtype != torch.float32})}")
+    if any(isinstance(layer.mlp, SparseMoE) for layer in trainer.model.layers):
+        raise ValueError("mixture-of-experts layers are not differentiable yet (the engine's MoE op is "
+                         "inference-only): FSDPTrainer takes dense models")
+
+
+def local_sequences(sequences: Sequence, group: dist.ProcessGroup | None = None) -> list:
+    """This rank's micro-batch of a global batch: the contiguous block `rank * n/P .. (rank + 1) * n/P`,
+    so rank order is sequence order (the order of the fixed gradient sum). n must divide by P."""
+    group = dist.group.WORLD if group is None else group
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    sequences = list(sequences)
+    if len(sequences) % size:
+        raise ValueError(f"a global batch of {len(sequences)} sequences does not split over {size} data-parallel "
+                         f"ranks: give a multiple of {size} sequences (every rank scores the same number)")
+    per = len(sequences) // size
+    return sequences[rank * per:(rank + 1) * per]
+
+
+class FSDPTrainer:
+    """A `TrainableModel` whose parameters are FSDP2 shards over `group` (see the module doc).
+    `reshard_after_forward`: free each layer's gathered weights after its forward and gather again for the
+    backward (less memory, one more all-gather per layer; the bits do not depend on it)."""
+
+    def __init__(self, trainer: TrainableModel, group: dist.ProcessGroup | None = None, *,
+                 reshard_after_forward: bool = True):
+        _check_trainer(trainer)
+        device = trainer.model.embed_tokens.device
+        self.group = _check_group(group, device)
+        self.trainer = trainer
+        mesh = DeviceMesh.from_group(self.group, device.type)
+        comm = FixedOrderReduceScatter()
+        units = [*trainer.model.layers, trainer.scorer]  # the root (embedding, norm, output layer) last
+        for unit in units:
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        for unit in units:
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
+            unit.set_custom_reduce_scatter(comm)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def score(self, *args, **kwargs) -> torch.Tensor:
+        """`TrainableModel.score` on this rank's tokens, with the full weights gathered for the forward."""
+        return self.trainer.score(*args, **kwargs)
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        """The fp32 DTensor shards (what the optimizer steps)."""
+        return self.trainer.model.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        return self.trainer.model.named_parameters()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.trainer.zero_grad(set_to_none)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """{name: the full tensor}, gathered on every rank (a collective: every rank must call it), e.g. to
+        copy into a sampler's engine or to compare with a one-process run."""
+        return {n: p.detach().full_tensor() for n, p in self.named_parameters()}
+
+    def full_grads(self) -> dict[str, torch.Tensor | None]:
+        """{name: the full reduced gradient} (a collective), None where a parameter got no gradient."""
+        return {n: (None if p.grad is None else p.grad.full_tensor()) for n, p in self.named_parameters()}
