@@ -51,6 +51,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.tensor import DTensor
 
+from detinfer.kernels.chunked_linear import forget_rounded_weights
 from detinfer.models.transformer import SparseMoE
 from detinfer.train.model import TrainableModel
 
@@ -146,6 +147,13 @@ class FSDPTrainer:
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
             unit.set_custom_reduce_scatter(comm)
+        # The deterministic CPU linear memoizes each weight's rounded form, keyed by the tensor, its address
+        # and its version counter. FSDP gathers each step's new weights into the same unsharded tensors, at
+        # the same address, with the version counter preserved: the memo would serve last step's weights
+        # (found as logprobs that differed after an optimizer step, at random: it needs the allocator to
+        # give the same address). Forget it at the start of every scoring forward; within one forward and
+        # its backward the gathered weights do not change.
+        trainer.scorer.register_forward_pre_hook(lambda _module, _args: forget_rounded_weights())
 
     @property
     def rank(self) -> int:
