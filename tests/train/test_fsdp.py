@@ -122,7 +122,7 @@ def _sample(ckpt: str):
 def fsdp_run(request, tmp_path_factory):
     cfg = preset_hf_config(request.param)
     ckpt = str(write_tiny_checkpoint(tmp_path_factory.mktemp(request.param), PRESETS[request.param], seed=3,
-                                     **{k: cfg[k] for k in CONFIG_KEYS}))
+                                     **{k: cfg[k] for k in CONFIG_KEYS if k in cfg}))
     seqs, reported, prompt_lens = _sample(ckpt)
     ranks = run_gloo_ranks(_fsdp_job, WORLD, (ckpt, seqs), timeout_s=600)
     return dict(ckpt=ckpt, seqs=seqs, reported=reported, prompt_lens=prompt_lens, ranks=ranks)

@@ -83,9 +83,8 @@ def _check_group(group, device: torch.device) -> dist.ProcessGroup:
         raise RuntimeError("FSDPTrainer needs torch.distributed initialized (dist.init_process_group with "
                            "'gloo' for CPU models or 'nccl' for CUDA models) in every rank's process")
     group = dist.group.WORLD if group is None else group
-    if not isinstance(group, dist.ProcessGroup):
-        raise ValueError(f"group must be a torch.distributed ProcessGroup this rank belongs to, got {group!r}")
-    if dist.get_rank(group) < 0:
+    if group is dist.GroupMember.NON_GROUP_MEMBER or (isinstance(group, dist.ProcessGroup)
+                                                      and dist.get_rank(group) < 0):
         raise ValueError("this process is not a member of the given process group; pass a group that "
                          "contains every data-parallel rank, this one included")
     backend = dist.get_backend(group)
