@@ -28,7 +28,7 @@ from detinfer.rl.metrics import weights_fingerprint
 from detinfer.train import TrainableModel
 from detinfer.train.fsdp import FSDPTrainer, local_sequences
 from detinfer.train.optim import adamw
-from detinfer.train.testing import pack, run_gloo_ranks
+from detinfer.train.testing import pack, run_ranks
 
 WORLD = 2
 STEPS = 3
@@ -40,11 +40,11 @@ CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
 
 def _loss(lp: torch.Tensor) -> torch.Tensor:
     # a weighted sum, so the gradient is not the same for every token
-    return -(lp * torch.linspace(0.5, 1.5, lp.shape[0])).sum()
+    return -(lp * torch.linspace(0.5, 1.5, lp.shape[0], device=lp.device)).sum()
 
 
-def _load(ckpt: str, checkpointing: bool = False) -> TrainableModel:
-    model, _ = load_model(ckpt, torch.float32, "cpu", "deterministic")
+def _load(ckpt: str, checkpointing: bool = False, device: str = "cpu") -> TrainableModel:
+    model, _ = load_model(ckpt, torch.float32, device, "deterministic")
     return TrainableModel(model, activation_checkpointing=checkpointing)
 
 
@@ -106,10 +106,10 @@ def _bad_group_errors(rank: int, ckpt: str, seqs: list) -> dict:
     return errors
 
 
-def _sample(ckpt: str):
+def _sample(ckpt: str, device: str = "cpu"):
     """Sequences the engine sampled in one batch, with the logprobs it reported for their outputs."""
-    llm = LLM(ckpt, device="cpu", mode="deterministic", max_model_len=64, max_num_batched_tokens=16, max_num_seqs=4,
-              block_size=8)
+    llm = LLM(ckpt, device=device, dtype="float32", mode="deterministic", max_model_len=64,
+              max_num_batched_tokens=16, max_num_seqs=4, block_size=8)
     prompts = [[1, 17, 29, 41], [1, 44, 55], [1, 8, 9, 10, 11, 12], [1, 90]]
     params = [SamplingParams(max_tokens=5, temperature=1.0, seed=i, logprobs=0) for i in range(len(prompts))]
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -118,13 +118,17 @@ def _sample(ckpt: str):
     return seqs, reported, [len(o.prompt_token_ids) for o in outs]
 
 
+def _checkpoint(tmp_path_factory, preset: str) -> str:
+    cfg = preset_hf_config(preset)
+    return str(write_tiny_checkpoint(tmp_path_factory.mktemp(preset), PRESETS[preset], seed=3,
+                                     **{k: cfg[k] for k in CONFIG_KEYS if k in cfg}))
+
+
 @pytest.fixture(scope="module", params=sorted(PRESETS))
 def fsdp_run(request, tmp_path_factory):
-    cfg = preset_hf_config(request.param)
-    ckpt = str(write_tiny_checkpoint(tmp_path_factory.mktemp(request.param), PRESETS[request.param], seed=3,
-                                     **{k: cfg[k] for k in CONFIG_KEYS if k in cfg}))
+    ckpt = _checkpoint(tmp_path_factory, request.param)
     seqs, reported, prompt_lens = _sample(ckpt)
-    ranks = run_gloo_ranks(_fsdp_job, WORLD, (ckpt, seqs), timeout_s=600)
+    ranks = run_ranks(_fsdp_job, WORLD, (ckpt, seqs), timeout_s=600)
     return dict(ckpt=ckpt, seqs=seqs, reported=reported, prompt_lens=prompt_lens, ranks=ranks)
 
 
@@ -209,3 +213,40 @@ def test_bad_trainers_are_rejected_before_any_collective():
     dense = Transformer(cfg, Ops("deterministic", torch.device("cpu"), torch.float32, head_dim=cfg.head_dim))
     with pytest.raises(RuntimeError, match="init_process_group"):
         FSDPTrainer(TrainableModel(dense))
+
+
+def _fsdp_gpu_job(rank: int, ckpt: str, seqs: list) -> dict:
+    """The CPU job's bitwise checks on cuda:rank over NCCL (fused AdamW on CUDA)."""
+    device = f"cuda:{rank}"
+    mine = local_sequences(seqs)
+    sharded = FSDPTrainer(_load(ckpt, device=device))
+    out = {"lp": _backward(sharded, mine).cpu(),
+           "grads": {n: g.cpu() for n, g in sharded.full_grads().items()}, "runs": []}
+    for _ in range(2):
+        sharded = FSDPTrainer(_load(ckpt, device=device))
+        _steps(sharded, sharded.parameters(), [mine])
+        out["runs"].append({n: t.cpu() for n, t in sharded.full_state_dict().items()})
+    return out
+
+
+@pytest.mark.gpu
+def test_fsdp_on_two_gpus_over_nccl_is_bitwise_one_process(tmp_path_factory):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    ckpt = _checkpoint(tmp_path_factory, "tiny")
+    seqs, reported, prompt_lens = _sample(ckpt, "cuda:0")
+    ranks = run_ranks(_fsdp_gpu_job, WORLD, (ckpt, seqs), backend="nccl", timeout_s=600)
+    trainer = _load(ckpt, device="cuda:0")
+    lps = [_backward(trainer, mb).cpu() for mb in _micro_batches(seqs)]
+    for r, result in enumerate(ranks):
+        assert torch.equal(result["lp"], lps[r]), f"rank {r}"
+        for name, p in trainer.named_parameters():
+            assert torch.equal(result["grads"][name], p.grad.cpu()), f"rank {r}: {name}"
+    for j, (lp, seq) in enumerate(zip(torch.cat(lps).split([len(s) for s in seqs]), seqs)):
+        assert torch.equal(lp[prompt_lens[j] - 1:len(seq) - 1], reported[j].cpu()), f"sequence {j}"
+    trainer = _load(ckpt, device="cuda:0")
+    _steps(trainer, list(trainer.parameters()), _micro_batches(seqs))
+    for name, p in trainer.named_parameters():
+        for result in ranks:
+            assert torch.equal(result["runs"][0][name], result["runs"][1][name]), name
+            assert torch.equal(result["runs"][0][name], p.detach().cpu()), name

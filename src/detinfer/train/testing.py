@@ -116,11 +116,15 @@ def kl_per_token(logprobs_p: torch.Tensor, logprobs_q: torch.Tensor) -> torch.Te
     return (lp.exp() * (lp - lq)).sum(-1)
 
 
-def run_gloo_ranks(target: Callable, world_size: int, args: tuple = (), *, timeout_s: float = 300.0) -> list:
-    """Run `target(rank, *args)` in `world_size` spawned processes that have joined one gloo default process
-    group; -> the ranks' return values (torch.save-able), in rank order. A rank's exception is re-raised
-    here with its traceback; ranks still running after `timeout_s` are killed (never a hang). The group
-    is always destroyed. `target` must be importable by name (a module-level function)."""
+def run_ranks(target: Callable, world_size: int, args: tuple = (), *, backend: str = "gloo",
+              timeout_s: float = 300.0) -> list:
+    """Run `target(rank, *args)` in `world_size` spawned processes that have joined one default process
+    group (`backend` "gloo", or "nccl" with rank r on cuda:r and the package's NCCL environment defaults);
+    -> the ranks' return values (torch.save-able, moved to the CPU by the caller), in rank order. A rank's
+    exception is re-raised here with its traceback; ranks still running after `timeout_s` are killed (never
+    a hang). The group is always destroyed. `target` must be importable by name (a module-level function)."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     import torch.multiprocessing as mp
 
     from detinfer.distributed.group import master_store
@@ -128,8 +132,8 @@ def run_gloo_ranks(target: Callable, world_size: int, args: tuple = (), *, timeo
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
     with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=_gloo_rank, args=(target, r, world_size, store.port, args, out_dir, errors,
-                                                       timeout_s)) for r in range(world_size)]
+        procs = [ctx.Process(target=_rank_main, args=(target, r, world_size, store.port, args, out_dir, errors,
+                                                       backend, timeout_s)) for r in range(world_size)]
         for proc in procs:
             proc.start()
         deadline = time.monotonic() + timeout_s
@@ -144,16 +148,21 @@ def run_gloo_ranks(target: Callable, world_size: int, args: tuple = (), *, timeo
         while not errors.empty():
             found.append(errors.get())
         if found or hung or any(proc.exitcode != 0 for proc in procs):
-            raise RuntimeError(f"gloo ranks failed (still running after {timeout_s}s: {hung}, exit codes "
+            raise RuntimeError(f"{backend} ranks failed (still running after {timeout_s}s: {hung}, exit codes "
                                f"{[proc.exitcode for proc in procs]}):\n" + "\n".join(found))
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
 
 
-def _gloo_rank(target, rank, world_size, port, args, out_dir, errors, timeout_s) -> None:
+def _rank_main(target, rank, world_size, port, args, out_dir, errors, backend, timeout_s) -> None:
     try:
+        if backend == "nccl":
+            from detinfer.distributed.group import NCCL_ENV_DEFAULTS
+            for key, value in NCCL_ENV_DEFAULTS.items():  # NVLink SHARP off: see distributed/group.py
+                os.environ.setdefault(key, value)
+            torch.cuda.set_device(rank)
         store = dist.TCPStore("127.0.0.1", port, world_size, False,
                               timeout=datetime.timedelta(seconds=timeout_s))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         try:
             result = target(rank, *args)
