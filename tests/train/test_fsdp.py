@@ -26,7 +26,7 @@ from detinfer.models.transformer import Transformer
 from detinfer.ops import Ops
 from detinfer.rl.metrics import weights_fingerprint
 from detinfer.train import TrainableModel
-from detinfer.train.fsdp import FSDPTrainer, local_sequences
+from detinfer.train.fsdp import FixedOrderReduceScatter, FSDPTrainer, local_sequences
 from detinfer.train.optim import adamw
 from detinfer.train.testing import pack, run_ranks
 
@@ -196,6 +196,33 @@ def test_bad_groups_and_batches_are_rejected_with_clear_errors(fsdp_run):
     assert "3 sequences does not split over 2" in errors["uneven"]
     assert "not a member" in errors["not_member"]
     assert "already sharded" in errors["twice"]
+
+
+def _three_rank_job(rank: int, ckpt: str, seqs: list) -> dict:
+    """The fixed-order reduce-scatter on spread-out random values, and FSDP gradients, at 3 ranks (where the
+    order of a sum of 3 values matters; gloo's own reduce-scatter does not add in rank order there)."""
+    world, n = dist.get_world_size(), 1000
+    values = torch.randn(world * n, generator=torch.Generator().manual_seed(rank)) * torch.logspace(-3, 3, world * n)
+    reduced = torch.empty(n)
+    FixedOrderReduceScatter()(reduced, values, dist.group.WORLD, dist.ReduceOp.SUM)
+    sharded = FSDPTrainer(_load(ckpt))
+    _backward(sharded, local_sequences(seqs))
+    return {"values": values, "reduced": reduced, "grads": sharded.full_grads()}
+
+
+def test_three_ranks_sum_in_rank_order_equal_to_one_process_accumulation(tmp_path_factory):
+    ckpt = _checkpoint(tmp_path_factory, "tiny")
+    seqs = [[1, 5, 9, 33, 100, 7], [1, 44, 55], [1, 12, 300, 301], [4, 9, 9, 10], [1, 2, 3, 4, 5], [7, 70, 170]]
+    ranks = run_ranks(_three_rank_job, 3, (ckpt, seqs), timeout_s=600)
+    for r, result in enumerate(ranks):
+        blocks = [other["values"].view(3, -1)[r] for other in ranks]
+        assert torch.equal(result["reduced"], (blocks[0] + blocks[1]) + blocks[2]), f"rank {r}"
+    trainer = _load(ckpt)
+    for r in range(3):
+        _backward(trainer, seqs[2 * r:2 * r + 2])
+    for name, p in trainer.named_parameters():
+        for r, result in enumerate(ranks):
+            assert torch.equal(result["grads"][name], p.grad), f"rank {r}: {name}"
 
 
 def test_bad_trainers_are_rejected_before_any_collective():
