@@ -13,6 +13,8 @@ references. Asserted bitwise (torch.equal):
 and bad input gets clear errors.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -201,13 +203,16 @@ def test_bad_groups_and_batches_are_rejected_with_clear_errors(fsdp_run):
 def _three_rank_job(rank: int, ckpt: str, seqs: list) -> dict:
     """The fixed-order reduce-scatter on spread-out random values, and FSDP gradients, at 3 ranks (where the
     order of a sum of 3 values matters; gloo's own reduce-scatter does not add in rank order there)."""
-    world, n = dist.get_world_size(), 1000
-    values = torch.randn(world * n, generator=torch.Generator().manual_seed(rank)) * torch.logspace(-3, 3, world * n)
-    reduced = torch.empty(n)
-    FixedOrderReduceScatter()(reduced, values, dist.group.WORLD, dist.ReduceOp.SUM)
+    world, comm, sums = dist.get_world_size(), FixedOrderReduceScatter(), []
+    for n in (1, 7, 1000):
+        gen = torch.Generator().manual_seed(rank * 10 + n)
+        values = torch.randn(world * n, generator=gen) * torch.logspace(-3, 3, world * n)  # spread exponents
+        reduced = comm.allocate((n,), dtype=torch.float32, device=torch.device("cpu"))
+        comm(reduced, values, dist.group.WORLD, dist.ReduceOp.SUM)
+        sums.append((values, reduced))
     sharded = FSDPTrainer(_load(ckpt))
     _backward(sharded, local_sequences(seqs))
-    return {"values": values, "reduced": reduced, "grads": sharded.full_grads()}
+    return {"sums": sums, "grads": sharded.full_grads()}
 
 
 def test_three_ranks_sum_in_rank_order_equal_to_one_process_accumulation(tmp_path_factory):
@@ -215,8 +220,9 @@ def test_three_ranks_sum_in_rank_order_equal_to_one_process_accumulation(tmp_pat
     seqs = [[1, 5, 9, 33, 100, 7], [1, 44, 55], [1, 12, 300, 301], [4, 9, 9, 10], [1, 2, 3, 4, 5], [7, 70, 170]]
     ranks = run_ranks(_three_rank_job, 3, (ckpt, seqs), timeout_s=600)
     for r, result in enumerate(ranks):
-        blocks = [other["values"].view(3, -1)[r] for other in ranks]
-        assert torch.equal(result["reduced"], (blocks[0] + blocks[1]) + blocks[2]), f"rank {r}"
+        for i, (_, reduced) in enumerate(result["sums"]):
+            blocks = [other["sums"][i][0].view(3, -1)[r] for other in ranks]
+            assert torch.equal(reduced, (blocks[0] + blocks[1]) + blocks[2]), f"rank {r}, size {reduced.numel()}"
     trainer = _load(ckpt)
     for r in range(3):
         _backward(trainer, seqs[2 * r:2 * r + 2])
@@ -240,6 +246,11 @@ def test_bad_trainers_are_rejected_before_any_collective():
     dense = Transformer(cfg, Ops("deterministic", torch.device("cpu"), torch.float32, head_dim=cfg.head_dim))
     with pytest.raises(RuntimeError, match="init_process_group"):
         FSDPTrainer(TrainableModel(dense))
+    tp_engine = SimpleNamespace(runner=SimpleNamespace(model=dense), config=SimpleNamespace(tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):  # a tensor-parallel engine's model
+        FSDPTrainer(TrainableModel(SimpleNamespace(engine=tp_engine)))
+    with pytest.raises(ValueError, match="sums only"):
+        FixedOrderReduceScatter()(torch.zeros(1), torch.zeros(2), None, dist.ReduceOp.AVG)
 
 
 def _fsdp_gpu_job(rank: int, ckpt: str, seqs: list) -> dict:
