@@ -22,11 +22,19 @@ What is sharded and how the bits stay those of one process:
     the same micro-batches' gradients (`.grad +=` per backward, micro-batch r = rank r's), so the reduced
     gradient equals one-process gradient accumulation bit for bit, at any world size. (At P = 2 any
     reduce-scatter gives these bits: one IEEE addition of two values is commutative. Beyond 2 ranks the
-    order matters, hence the fixed order.) FSDP's averaging is switched off (divide factor 1, SUM only):
+    order matters, hence the fixed order: measured, gloo's reduce-scatter is repeatable but at 3 and 4
+    ranks a quarter to a half of the elements differ from the rank-order sum; docs/training.md.)
+    FSDP's averaging is switched off (divide factor 1, SUM only):
     the loss each rank backpropagates is its share of the global sum, and dividing by P would be one more
     rounding for non-power-of-two P.
   * Optimizer: AdamW (`optim.adamw`, single-tensor on CPU, fused on CUDA) updates each element from its
     own values, so stepping shards equals stepping full tensors.
+  * The deterministic linear's memo of rounded weights is dropped at every scoring forward (see
+    `FSDPTrainer.__init__`: FSDP rewrites gathered weights behind the memo's back).
+
+`FixedOrderReduceScatter` implements FSDP's `ReduceScatter` comm interface, which torch 2.13 defines in
+`torch.distributed.fsdp._fully_shard._fsdp_api` and accepts through the public
+`FSDPModule.set_custom_reduce_scatter`; the class is not re-exported publicly, hence the private import.
 
 Not bit-identical: the gradient of one packed global batch in a single backward. Its weight gradient
 reduces all tokens in one accumulator (blocks of 64 tokens in order), while data parallelism sums per-rank
