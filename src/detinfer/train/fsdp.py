@@ -3,7 +3,7 @@
     dist.init_process_group("gloo" or "nccl", ...)       # one process per device
     model, _ = load_model(path, torch.float32, device, "deterministic")
     sharded = FSDPTrainer(TrainableModel(model))          # default group: torch.distributed's WORLD
-    opt = adamw(sharded.parameters(), lr=1e-5)            # fp32 DTensor shards: each rank steps its shard
+    opt = adamw(sharded.parameters(), lr=1e-5, fused=False, foreach=False)   # each rank steps its fp32 shards
     ids, cu = pack(local_sequences(global_batch, sharded.group))   # each rank scores its own sequences
     (-(sharded.score(ids, cu) * adv).sum()).backward()   # this rank's share of the global loss sum
     opt.step()
@@ -27,8 +27,9 @@ What is sharded and how the bits stay those of one process:
     FSDP's averaging is switched off (divide factor 1, SUM only):
     the loss each rank backpropagates is its share of the global sum, and dividing by P would be one more
     rounding for non-power-of-two P.
-  * Optimizer: AdamW (`optim.adamw`, single-tensor on CPU, fused on CUDA) updates each element from its
-    own values, so stepping shards equals stepping full tensors.
+  * Optimizer: single-tensor AdamW (`optim.adamw(..., fused=False, foreach=False)`, the CPU default)
+    updates each element with elementwise ops, so stepping shards equals stepping full tensors. (Fused
+    AdamW on DTensor shards did not reproduce fused AdamW on full tensors, measured on CPU.)
   * The deterministic linear's memo of rounded weights is dropped at every scoring forward (see
     `FSDPTrainer.__init__`: FSDP rewrites gathered weights behind the memo's back).
 
