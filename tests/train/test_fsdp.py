@@ -77,6 +77,9 @@ def _fsdp_job(rank: int, ckpt: str, seqs: list) -> dict:
     mine = local_sequences(seqs)
     out["lp"] = _backward(sharded, mine)
     out["grads"] = sharded.full_grads()
+    ids, cu = pack(mine)
+    with torch.no_grad():  # only the odd positions: logits for those rows only (the RL path)
+        out["lp_odd"] = sharded.score(ids, cu, positions=list(range(1, cu[-1], 2)))
     checkpointed = FSDPTrainer(_load(ckpt, checkpointing=True))
     out["lp_checkpointed"] = _backward(checkpointed, mine)
     out["grads_checkpointed"] = checkpointed.full_grads()
@@ -152,6 +155,7 @@ def test_fsdp_logprobs_equal_one_process_and_the_sampler(fsdp_run):
     for r, seqs in enumerate(_micro_batches(fsdp_run["seqs"])):  # FSDP rank r == one process
         first, last = cu[r * len(seqs)], cu[(r + 1) * len(seqs)]
         assert torch.equal(fsdp_run["ranks"][r]["lp"], whole[first:last]), f"rank {r}"
+        assert torch.equal(fsdp_run["ranks"][r]["lp_odd"], whole[first:last][1::2]), f"rank {r}"
 
 
 def test_fsdp_gradients_equal_one_process_accumulation_in_rank_order(fsdp_run):
