@@ -56,7 +56,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.tensor import DTensor
 
@@ -107,19 +107,44 @@ def _check_group(group, device: torch.device) -> dist.ProcessGroup:
 def _check_trainer(trainer) -> None:
     if not isinstance(trainer, TrainableModel):
         raise TypeError(f"FSDPTrainer wraps a detinfer.train.TrainableModel, got {type(trainer).__name__}")
-    if trainer.master_weights:
-        raise ValueError("FSDPTrainer shards the module's own fp32 parameters (they are the master weights); "
-                         "this trainer keeps separate fp32 masters of 16-bit weights. Load the model in "
-                         "float32 (master_weights=False)")
     params = list(trainer.model.parameters())
     if any(isinstance(p, DTensor) for p in params):
         raise ValueError("this model's parameters are already sharded (DTensors): wrap each model once")
-    if any(p.dtype != torch.float32 for p in params):
-        raise ValueError("FSDPTrainer takes float32 parameters, got "
-                         f"{sorted({str(p.dtype) for p in params if p.dtype != torch.float32})}")
+    if not trainer.master_weights and any(p.dtype != torch.float32 for p in params):
+        raise ValueError("FSDPTrainer shards fp32 master weights: a 16-bit model needs the trainer's fp32 "
+                         "masters (TrainableModel(..., master_weights=True), the default for 16-bit models), "
+                         f"got {sorted({str(p.dtype) for p in params if p.dtype != torch.float32})} parameters "
+                         "trained directly")
     if any(isinstance(layer.mlp, SparseMoE) for layer in trainer.model.layers):
         raise ValueError("mixture-of-experts layers are not differentiable yet (the engine's MoE op is "
                          "inference-only): FSDPTrainer takes dense models")
+
+
+def _masters_into_module(trainer: TrainableModel) -> torch.dtype | None:
+    """A trainer with fp32 masters of 16-bit weights: put the masters into the module in place of the
+    16-bit tensors (they become the sharded parameters; the 16-bit weights leave the module) and stop the
+    trainer's gradient routing. -> the 16-bit compute dtype, or None for an fp32 model."""
+    if not trainer.master_weights:
+        return None
+    compute = trainer._pairs[0][0].dtype
+    trainer.close()
+    by_id = {id(p): name for name, p in trainer.model.named_parameters()}
+    for p, master in trainer._pairs:
+        *path, leaf = by_id[id(p)].split(".")
+        owner = trainer.model
+        for part in path:
+            owner = getattr(owner, part)
+        setattr(owner, leaf, master)
+    trainer._pairs, trainer.master_weights = [], False  # the module's own parameters are the masters now
+    return compute
+
+
+def _fp32_grads_of_gathered(module: torch.nn.Module, _args) -> None:
+    """Runs after FSDP's pre-forward gather: the gathered 16-bit parameters receive fp32 gradients (as the
+    one-process trainer's 16-bit weights do), so no gradient is rounded to 16 bits before the fp32 sum."""
+    for p in module.parameters():
+        if not isinstance(p, DTensor) and p.dtype != torch.float32:
+            p.grad_dtype = torch.float32
 
 
 def local_sequences(sequences: Sequence, group: dist.ProcessGroup | None = None) -> list:
@@ -146,15 +171,22 @@ class FSDPTrainer:
         device = trainer.model.embed_tokens.device
         self.group = _check_group(group, device)
         self.trainer = trainer
+        self.compute_dtype = _masters_into_module(trainer)
         mesh = DeviceMesh.from_group(self.group, device.type)
         comm = FixedOrderReduceScatter()
+        # 16-bit compute: FSDP rounds each fp32 shard to the compute dtype before the all-gather (round to
+        # nearest even, elementwise: the bits `push_weights` gives the engine), and the gradients stay fp32
+        policy = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32,
+                                      cast_forward_inputs=False)
         units = [*trainer.model.layers, trainer.scorer]  # the root (embedding, norm, output layer) last
         for unit in units:
-            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
         for unit in units:
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
             unit.set_custom_reduce_scatter(comm)
+            if self.compute_dtype is not None:
+                unit.register_forward_pre_hook(_fp32_grads_of_gathered)
         # The deterministic CPU linear memoizes each weight's rounded form, keyed by the tensor, its address
         # and its version counter. FSDP gathers each step's new weights into the same unsharded tensors, at
         # the same address, with the version counter preserved: the memo would serve last step's weights
