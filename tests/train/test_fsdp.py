@@ -46,7 +46,7 @@ def _loss(lp: torch.Tensor) -> torch.Tensor:
 
 
 def _load(ckpt: str, checkpointing: bool = False, device: str = "cpu") -> TrainableModel:
-    model, _ = load_model(ckpt, torch.float32, device, "deterministic")
+    model, _ = load_model(ckpt, None, device, "deterministic")  # the checkpoint's dtype
     return TrainableModel(model, activation_checkpointing=checkpointing)
 
 
@@ -68,6 +68,8 @@ def _steps(trainer, params, micro_batches):
         for seqs in micro_batches:
             _backward(trainer, seqs)
         opt.step()
+        if isinstance(trainer, TrainableModel):
+            trainer.push_weights()  # one process, 16-bit model: the fp32 masters into the weights it computes with
 
 
 def _fsdp_job(rank: int, ckpt: str, seqs: list) -> dict:
@@ -113,9 +115,9 @@ def _bad_group_errors(rank: int, ckpt: str, seqs: list) -> dict:
     return errors
 
 
-def _sample(ckpt: str, device: str = "cpu"):
+def _sample(ckpt: str, dtype: str, device: str = "cpu"):
     """Sequences the engine sampled in one batch, with the logprobs it reported for their outputs."""
-    llm = LLM(ckpt, device=device, dtype="float32", mode="deterministic", max_model_len=64,
+    llm = LLM(ckpt, device=device, dtype=dtype, mode="deterministic", max_model_len=64,
               max_num_batched_tokens=16, max_num_seqs=4, block_size=8)
     prompts = [[1, 17, 29, 41], [1, 44, 55], [1, 8, 9, 10, 11, 12], [1, 90]]
     params = [SamplingParams(max_tokens=5, temperature=1.0, seed=i, logprobs=0) for i in range(len(prompts))]
@@ -125,18 +127,23 @@ def _sample(ckpt: str, device: str = "cpu"):
     return seqs, reported, [len(o.prompt_token_ids) for o in outs]
 
 
-def _checkpoint(tmp_path_factory, preset: str) -> str:
+def _checkpoint(tmp_path_factory, preset: str, dtype: str = "float32") -> str:
     cfg = preset_hf_config(preset)
-    return str(write_tiny_checkpoint(tmp_path_factory.mktemp(preset), PRESETS[preset], seed=3,
+    return str(write_tiny_checkpoint(tmp_path_factory.mktemp(preset), PRESETS[preset], seed=3, dtype=dtype,
                                      **{k: cfg[k] for k in CONFIG_KEYS if k in cfg}))
 
 
-@pytest.fixture(scope="module", params=sorted(PRESETS))
+# (preset, checkpoint dtype): bf16 computes with 16-bit weights gathered from fp32 master shards
+CASES = {"tiny": ("tiny", "float32"), "tiny-llama": ("tiny-llama", "float32"), "tiny-bf16": ("tiny", "bfloat16")}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
 def fsdp_run(request, tmp_path_factory):
-    ckpt = _checkpoint(tmp_path_factory, request.param)
-    seqs, reported, prompt_lens = _sample(ckpt)
+    preset, dtype = CASES[request.param]
+    ckpt = _checkpoint(tmp_path_factory, preset, dtype)
+    seqs, reported, prompt_lens = _sample(ckpt, dtype)
     ranks = run_ranks(_fsdp_job, WORLD, (ckpt, seqs), timeout_s=600)
-    return dict(ckpt=ckpt, seqs=seqs, reported=reported, prompt_lens=prompt_lens, ranks=ranks)
+    return dict(ckpt=ckpt, dtype=dtype, seqs=seqs, reported=reported, prompt_lens=prompt_lens, ranks=ranks)
 
 
 def _micro_batches(seqs):
@@ -168,6 +175,9 @@ def test_fsdp_gradients_equal_one_process_accumulation_in_rank_order(fsdp_run):
         for name, grad in accumulated.items():
             assert torch.equal(result["grads"][name], grad), f"rank {r}: {name}"
     # one backward over the whole batch reduces all tokens in one accumulator: equal up to rounding only
+    # (fp32 models; with 16-bit weights each backward's weight gradient is also rounded to 16 bits)
+    if fsdp_run["dtype"] != "float32":
+        return
     trainer.zero_grad()
     ids, cu = pack(fsdp_run["seqs"])
     lp = trainer.score(ids, cu)
@@ -247,8 +257,8 @@ def test_bad_trainers_are_rejected_before_any_collective():
         FSDPTrainer(TrainableModel(moe))
     cfg = ModelConfig.from_dict(preset_hf_config("tiny"))
     bf16 = Transformer(cfg, Ops("deterministic", torch.device("cpu"), torch.bfloat16, head_dim=cfg.head_dim))
-    with pytest.raises(ValueError, match="float32"):
-        FSDPTrainer(TrainableModel(bf16.to(torch.bfloat16)))  # 16-bit weights with fp32 masters
+    with pytest.raises(ValueError, match="fp32 master"):  # 16-bit weights trained directly
+        FSDPTrainer(TrainableModel(bf16.to(torch.bfloat16), master_weights=False))
     dense = Transformer(cfg, Ops("deterministic", torch.device("cpu"), torch.float32, head_dim=cfg.head_dim))
     with pytest.raises(RuntimeError, match="init_process_group"):
         FSDPTrainer(TrainableModel(dense))
@@ -274,11 +284,12 @@ def _fsdp_gpu_job(rank: int, ckpt: str, seqs: list) -> dict:
 
 
 @pytest.mark.gpu
-def test_fsdp_on_two_gpus_over_nccl_is_bitwise_one_process(tmp_path_factory):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fsdp_on_two_gpus_over_nccl_is_bitwise_one_process(tmp_path_factory, dtype):
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")
-    ckpt = _checkpoint(tmp_path_factory, "tiny")
-    seqs, reported, prompt_lens = _sample(ckpt, "cuda")
+    ckpt = _checkpoint(tmp_path_factory, "tiny", dtype)
+    seqs, reported, prompt_lens = _sample(ckpt, dtype, "cuda")
     ranks = run_ranks(_fsdp_gpu_job, WORLD, (ckpt, seqs), backend="nccl", timeout_s=600)
     trainer = _load(ckpt, device="cuda:0")
     lps = [_backward(trainer, mb).cpu() for mb in _micro_batches(seqs)]
