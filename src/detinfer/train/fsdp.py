@@ -41,9 +41,15 @@ Not bit-identical: the gradient of one packed global batch in a single backward.
 reduces all tokens in one accumulator (blocks of 64 tokens in order), while data parallelism sums per-rank
 partial gradients; the two differ by float rounding (tests/train/test_fsdp.py bounds it).
 
-Limits: fp32 parameters only (the trainer must train the module's own fp32 tensors, master_weights=False;
-16-bit compute with fp32 shards would need FSDP's mixed precision, whose unsharded 16-bit parameters get
-16-bit gradients: not done); dense models only (MoE layers have no backward); no tensor parallelism;
+16-bit models (a trainer with fp32 master weights, the default for them): the masters replace the 16-bit
+weights in the module and are what FSDP shards; FSDP's mixed precision rounds each shard to the compute
+dtype before the all-gather (round to nearest even, elementwise: exactly the weights `push_weights` gives
+a one-process engine), and the gathered 16-bit parameters get fp32 gradients (`grad_dtype`, as the
+one-process trainer's 16-bit weights do), reduced in fp32. So the bits are those of the one-process
+trainer with master weights and `push_weights()` after every step.
+
+Limits: dense models only (MoE layers have no backward); no tensor parallelism; a 16-bit model trained
+without masters (master_weights=False) is refused;
 `fully_shard` replaces the model's parameters with shards, so an engine on the same model cannot sample
 until the full weights are copied back (`full_state_dict`); `TrainableModel.distributions` is not
 available on the sharded trainer.
