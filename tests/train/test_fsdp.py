@@ -7,7 +7,8 @@ references. Asserted bitwise (torch.equal):
   * FSDP logprobs == one-process trainer logprobs == the sampler's (engine's) logprobs;
   * the reduced gradients == one process accumulating the same micro-batches in rank order (the fixed
     rank-order reduce-scatter); the gradient of the whole batch in one backward differs only by rounding;
-  * activation checkpointing under FSDP == without;
+  * activation checkpointing under FSDP == without; keeping the gathered weights from the forward to the
+    backward (reshard_after_forward=False) == gathering them again;
   * two identical 3-step runs == each other == the one-process run, and the weights fingerprint is the
     same on both ranks;
 and bad input gets clear errors.
@@ -85,6 +86,9 @@ def _fsdp_job(rank: int, ckpt: str, seqs: list) -> dict:
     checkpointed = FSDPTrainer(_load(ckpt, checkpointing=True))
     out["lp_checkpointed"] = _backward(checkpointed, mine)
     out["grads_checkpointed"] = checkpointed.full_grads()
+    kept = FSDPTrainer(_load(ckpt), reshard_after_forward=False)  # no second gather for the backward
+    out["lp_kept"] = _backward(kept, mine)
+    out["grads_kept"] = kept.full_grads()
     for run in ("run_a", "run_b"):
         sharded = FSDPTrainer(_load(ckpt))
         _steps(sharded, sharded.parameters(), [mine])
@@ -188,11 +192,12 @@ def test_fsdp_gradients_equal_one_process_accumulation_in_rank_order(fsdp_run):
         torch.testing.assert_close(fsdp_run["ranks"][0]["grads"][name], p.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_activation_checkpointing_under_fsdp_changes_no_bit(fsdp_run):
+@pytest.mark.parametrize("variant", ["checkpointed", "kept"])
+def test_activation_checkpointing_and_keeping_gathered_weights_change_no_bit(fsdp_run, variant):
     for result in fsdp_run["ranks"]:
-        assert torch.equal(result["lp_checkpointed"], result["lp"])
+        assert torch.equal(result["lp_" + variant], result["lp"])
         for name, grad in result["grads"].items():
-            assert torch.equal(result["grads_checkpointed"][name], grad), name
+            assert torch.equal(result["grads_" + variant][name], grad), name
 
 
 def test_two_fsdp_runs_give_identical_weights_equal_to_one_process(fsdp_run):
