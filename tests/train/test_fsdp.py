@@ -1,9 +1,11 @@
-"""FSDP2 data parallelism (`detinfer.train.fsdp.FSDPTrainer`) over 2 gloo processes, CPU, deterministic mode.
+"""FSDP2 data parallelism (`detinfer.train.fsdp.FSDPTrainer`) over 2 (and 3) gloo processes, CPU, deterministic
+mode.
 
-Per model (the dense `tiny` Qwen3 and `tiny-llama` presets; MoE layers have no backward, so no MoE model),
-one 2-rank job (`_fsdp_job`) scores each rank's own micro-batch, backpropagates, repeats with activation
-checkpointing, and runs the same 3 AdamW steps twice; the parent process computes the one-process
-references. Asserted bitwise (torch.equal):
+Per case (the dense `tiny` Qwen3 preset in fp32 and in bf16 from fp32 master shards, `tiny-llama` in fp32;
+MoE layers have no backward, so no MoE model), one 2-rank job (`_fsdp_job`) scores each rank's own
+micro-batch, backpropagates, repeats with activation checkpointing and with the gathered weights kept,
+and runs the same 3 AdamW steps twice; the parent process computes the one-process references (with
+master weights and push_weights for bf16). Asserted bitwise (torch.equal):
   * FSDP logprobs == one-process trainer logprobs == the sampler's (engine's) logprobs;
   * the reduced gradients == one process accumulating the same micro-batches in rank order (the fixed
     rank-order reduce-scatter); the gradient of the whole batch in one backward differs only by rounding;
@@ -11,7 +13,9 @@ references. Asserted bitwise (torch.equal):
     backward (reshard_after_forward=False) == gathering them again;
   * two identical 3-step runs == each other == the one-process run, and the weights fingerprint is the
     same on both ranks;
-and bad input gets clear errors.
+  * at 3 ranks, the fixed-order reduce-scatter == the rank-order sum, and FSDP gradients == one-process
+    accumulation;
+and bad input gets clear errors. A 2-GPU NCCL version (marked gpu) mirrors the bitwise checks.
 """
 
 from types import SimpleNamespace
