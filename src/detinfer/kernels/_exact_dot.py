@@ -85,6 +85,13 @@ def rounded_weight(w: torch.Tensor) -> torch.Tensor | None:
     return q
 
 
+def forget_rounded_weights() -> None:
+    """Drop every memoized rounded weight. For weights rewritten without a version bump or a new storage:
+    FSDP's all-gather writes a parameter's gathered values into the same tensor, at the same address,
+    with its version counter preserved, so the memo's signature cannot see the change."""
+    _WEIGHT_CACHE.clear()
+
+
 def exact_linear_fp32(x2: torch.Tensor, wq: torch.Tensor) -> torch.Tensor | None:
     """x2 [M, K] times the rounded weight wq [C, N, CHUNK_K] -> float32 [M, N] (module doc), or None when a
     row of x2 holds an inf or a NaN (the caller decides per row what to do then)."""

@@ -76,6 +76,13 @@ def _chunks_on_grid(t: torch.Tensor, num_chunks: int) -> torch.Tensor:
 _WEIGHT_CACHE: dict[int, tuple] = {}
 
 
+def forget_rounded_weights() -> None:
+    """Drop the rounded weights memoized here and by _exact_dot (see `_exact_dot.forget_rounded_weights`:
+    for weights rewritten in place behind their version counter, as FSDP's all-gather does)."""
+    _WEIGHT_CACHE.clear()
+    _ed.forget_rounded_weights()
+
+
 def _rounded_weight(w: torch.Tensor, num_chunks: int) -> torch.Tensor:
     key, sig = id(w), (w._version, w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype, num_chunks)
     hit = _WEIGHT_CACHE.get(key)

@@ -134,6 +134,7 @@ class TrainableModel:
         self.head = LogprobHead(self.model.ops.replace(mode=mode), logprob_chunk_rows)
         self.activation_checkpointing = activation_checkpointing
         self.forward_runner = TrainingForward(self.model, self.ops, checkpoint_layers=activation_checkpointing)
+        self.scorer = ScoringModule(self.model, self.forward_runner, self.head)
         # One TrainableModel at a time routes the model's gradients: a new one releases the previous one's
         # master-weight hooks (two sets would race for each .grad).
         previous = getattr(self.model, "_detinfer_trainer", None)
@@ -285,9 +286,6 @@ class TrainableModel:
             return PackedPagedAttention(self.attend, self.write, cu, self.scale, self.block_size, dev)
         return build_fast_attention(self.fast_attention, cu, self.scale, dev)
 
-    def _hidden(self, ids: torch.Tensor, cu: list[int]) -> torch.Tensor:
-        return self.forward_runner.hidden(ids, self._positions_of(cu, ids.device), self._attention(cu, ids.device))
-
     def _score_packed(self, token_ids: torch.Tensor, cu: list[int], targets, positions,
                       temperature: float = 1.0) -> torch.Tensor:
         dev = self.model.embed_tokens.device
@@ -308,12 +306,26 @@ class TrainableModel:
             tg = targets.to(device=dev, dtype=torch.int64).reshape(-1)
             if tg.shape[0] != n or (n and (int(tg.min()) < 0 or int(tg.max()) >= vocab)):
                 raise ValueError(f"targets must hold {n} token ids in [0, {vocab})")
-        hidden = self._hidden(ids, cu)
         rows = None if positions is None else positions.to(dev)
         if rows is not None:
             tg, has_target = tg[rows], has_target[rows]
-        lp = chunked_logprobs(hidden, self.model.output_weight, tg, rows, self.head, temperature)
+        lp = self.scorer(ids, self._positions_of(cu, dev), self._attention(cu, dev), tg, rows, temperature)
         return torch.where(has_target, lp, torch.zeros_like(lp))
+
+
+class ScoringModule(torch.nn.Module):
+    """The whole scoring forward (decoder, then the output layer on the scored rows) as one module call.
+    The output weight is read inside this call, so a wrapper that gathers parameters around a module's
+    forward (FSDP's `fully_shard`, fsdp.py) gathers it too; unwrapped, the call is exactly the two steps."""
+
+    def __init__(self, model: torch.nn.Module, forward_runner: TrainingForward, head: LogprobHead):
+        super().__init__()
+        self.model = model
+        self.forward_runner, self.head = forward_runner, head
+
+    def forward(self, ids, positions, attn, targets, rows, temperature: float):
+        hidden = self.forward_runner.hidden(ids, positions, attn)
+        return chunked_logprobs(hidden, self.model.output_weight, targets, rows, self.head, temperature)
 
 
 def _positions(positions, n: int) -> torch.Tensor | None:

@@ -1,12 +1,19 @@
 """Helpers shared by the training tests and benchmarks: random models of real shapes, sampling with the
-engine while other requests arrive, and comparing a trainer's logprobs with the sampler's."""
+engine while other requests arrive, comparing a trainer's logprobs with the sampler's, and running a
+function in N gloo processes (data-parallel tests)."""
 
 from __future__ import annotations
 
+import datetime
 import math
-from collections.abc import Sequence
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from detinfer.models.config import ModelConfig
 from detinfer.models.families import preset_hf_config
@@ -107,3 +114,61 @@ def kl_per_token(logprobs_p: torch.Tensor, logprobs_q: torch.Tensor) -> torch.Te
     """KL(p || q) of each row of two [N, V] log-distributions, in fp64."""
     lp, lq = logprobs_p.double(), logprobs_q.double()
     return (lp.exp() * (lp - lq)).sum(-1)
+
+
+def run_ranks(target: Callable, world_size: int, args: tuple = (), *, backend: str = "gloo",
+              timeout_s: float = 300.0) -> list:
+    """Run `target(rank, *args)` in `world_size` spawned processes that have joined one default process
+    group (`backend` "gloo", or "nccl" with rank r on cuda:r and the package's NCCL environment defaults);
+    -> the ranks' return values (torch.save-able, moved to the CPU by the caller), in rank order. A rank's
+    exception is re-raised here with its traceback; ranks still running after `timeout_s` are killed (never
+    a hang). The group is always destroyed. `target` must be importable by name (a module-level function)."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    import torch.multiprocessing as mp
+
+    from detinfer.distributed.group import master_store
+    store = master_store(world_size)  # the parent hosts the rendezvous: no free-port race
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = [ctx.Process(target=_rank_main, args=(target, r, world_size, store.port, args, out_dir, errors,
+                                                       backend, timeout_s)) for r in range(world_size)]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout_s
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, proc in enumerate(procs) if proc.is_alive()]
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+        found = []
+        while not errors.empty():
+            found.append(errors.get())
+        if found or hung or any(proc.exitcode != 0 for proc in procs):
+            raise RuntimeError(f"{backend} ranks failed (still running after {timeout_s}s: {hung}, exit codes "
+                               f"{[proc.exitcode for proc in procs]}):\n" + "\n".join(found))
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def _rank_main(target, rank, world_size, port, args, out_dir, errors, backend, timeout_s) -> None:
+    try:
+        if backend == "nccl":
+            from detinfer.distributed.group import NCCL_ENV_DEFAULTS
+            for key, value in NCCL_ENV_DEFAULTS.items():  # NVLink SHARP off: see distributed/group.py
+                os.environ.setdefault(key, value)
+            torch.cuda.set_device(rank)
+        store = dist.TCPStore("127.0.0.1", port, world_size, False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            result = target(rank, *args)
+        finally:
+            dist.destroy_process_group()
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
