@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from detinfer.distributed import check_tp_config
-from detinfer.models.sharding import shard_spec, take_shard
 from detinfer.engine import EngineConfig, LLMEngine, SamplingParams
 from detinfer.engine.testing import drive
 from detinfer.kernels.fp8_quant import FP8_DTYPE
 from detinfer.models.config import ModelConfig
 from detinfer.models.random_weights import random_state
+from detinfer.models.sharding import shard_spec, take_shard
 from detinfer.models.testing import tiny_config_dict, write_tiny_checkpoint
 
 VOCAB = 322

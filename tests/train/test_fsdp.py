@@ -1,8 +1,8 @@
 """FSDP2 data parallelism (`detinfer.train.fsdp.FSDPTrainer`) over 2 (and 3) gloo processes, CPU, deterministic
 mode.
 
-Per case (the dense `tiny` Qwen3 preset in fp32 and in bf16 from fp32 master shards, `tiny-llama` in fp32;
-MoE layers have no backward, so no MoE model), one 2-rank job (`_fsdp_job`) scores each rank's own
+Per case (the dense `tiny` Qwen3 preset in fp32 and in bf16 from fp32 master shards, `tiny-llama` in fp32,
+`tiny-qwen3-moe` in fp32: a MoE layer and a dense one), one 2-rank job (`_fsdp_job`) scores each rank's own
 micro-batch, backpropagates, repeats with activation checkpointing and with the gathered weights kept,
 and runs the same 3 AdamW steps twice; the parent process computes the one-process references (with
 master weights and push_weights for bf16). Asserted bitwise (torch.equal):
@@ -40,9 +40,10 @@ from detinfer.train.testing import pack, run_ranks
 WORLD = 2
 STEPS = 3
 LR = 1e-2  # large enough that every step moves the weights
-PRESETS = {"tiny": "Qwen3ForCausalLM", "tiny-llama": "LlamaForCausalLM"}
+PRESETS = {"tiny": "Qwen3ForCausalLM", "tiny-llama": "LlamaForCausalLM", "tiny-qwen3-moe": "Qwen3MoeForCausalLM"}
 CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "tie_word_embeddings")
+MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers")
 
 
 def _loss(lp: torch.Tensor) -> torch.Tensor:
@@ -138,11 +139,13 @@ def _sample(ckpt: str, dtype: str, device: str = "cpu"):
 def _checkpoint(tmp_path_factory, preset: str, dtype: str = "float32") -> str:
     cfg = preset_hf_config(preset)
     return str(write_tiny_checkpoint(tmp_path_factory.mktemp(preset), PRESETS[preset], seed=3, dtype=dtype,
+                                     extra={k: cfg[k] for k in MOE_KEYS if k in cfg},
                                      **{k: cfg[k] for k in CONFIG_KEYS if k in cfg}))
 
 
 # (preset, checkpoint dtype): bf16 computes with 16-bit weights gathered from fp32 master shards
-CASES = {"tiny": ("tiny", "float32"), "tiny-llama": ("tiny-llama", "float32"), "tiny-bf16": ("tiny", "bfloat16")}
+CASES = {"tiny": ("tiny", "float32"), "tiny-llama": ("tiny-llama", "float32"), "tiny-bf16": ("tiny", "bfloat16"),
+         "tiny-qwen3-moe": ("tiny-qwen3-moe", "float32")}  # experts sharded like any parameter (dim 0)
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -261,10 +264,6 @@ def test_bad_trainers_are_rejected_before_any_collective():
     assert not dist.is_initialized()
     with pytest.raises(TypeError, match="TrainableModel"):
         FSDPTrainer(torch.nn.Linear(2, 2))
-    cfg = ModelConfig.from_dict(preset_hf_config("tiny-qwen3-moe"))
-    moe = Transformer(cfg, Ops("deterministic", torch.device("cpu"), torch.float32, head_dim=cfg.head_dim))
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        FSDPTrainer(TrainableModel(moe))
     cfg = ModelConfig.from_dict(preset_hf_config("tiny"))
     bf16 = Transformer(cfg, Ops("deterministic", torch.device("cpu"), torch.bfloat16, head_dim=cfg.head_dim))
     with pytest.raises(ValueError, match="fp32 master"):  # 16-bit weights trained directly

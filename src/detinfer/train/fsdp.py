@@ -48,7 +48,7 @@ a one-process engine), and the gathered 16-bit parameters get fp32 gradients (`g
 one-process trainer's 16-bit weights do), reduced in fp32. So the bits are those of the one-process
 trainer with master weights and `push_weights()` after every step.
 
-Limits: dense models only (MoE layers have no backward); no tensor parallelism; a 16-bit model trained
+Limits: no tensor parallelism (MoE layers shard their stacked experts like any parameter); a 16-bit model trained
 without masters (master_weights=False) is refused;
 `fully_shard` replaces the model's parameters with shards, so an engine on the same model cannot sample
 until the full weights are copied back (`full_state_dict`); `TrainableModel.distributions` is not
@@ -67,7 +67,6 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.tensor import DTensor
 
 from detinfer.kernels.chunked_linear import forget_rounded_weights
-from detinfer.models.transformer import SparseMoE
 from detinfer.train.model import TrainableModel
 
 __all__ = ["FSDPTrainer", "FixedOrderReduceScatter", "local_sequences"]
@@ -121,9 +120,6 @@ def _check_trainer(trainer) -> None:
                          "masters (TrainableModel(..., master_weights=True), the default for 16-bit models), "
                          f"got {sorted({str(p.dtype) for p in params if p.dtype != torch.float32})} parameters "
                          "trained directly")
-    if any(isinstance(layer.mlp, SparseMoE) for layer in trainer.model.layers):
-        raise ValueError("mixture-of-experts layers are not differentiable yet (the engine's MoE op is "
-                         "inference-only): FSDPTrainer takes dense models")
 
 
 def _masters_into_module(trainer: TrainableModel) -> torch.dtype | None:
