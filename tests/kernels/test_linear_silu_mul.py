@@ -167,7 +167,7 @@ def test_mlp_keeps_gate_up_visible_to_forward_hooks():
 
     from detinfer.models.transformer import MLP
 
-    mlp = MLP(SimpleNamespace(hidden_size=32, intermediate_size=24, mlp_bias=True))
+    mlp = MLP(SimpleNamespace(hidden_size=32, intermediate_size=24, mlp_bias=True, quantization=None))
     x, w, b = operands(5, 32, 24, 9, True, device="cpu")
     mlp.gate_up_proj.weight.data, mlp.gate_up_proj.bias.data = w, b
     mlp.down_proj.weight.data.normal_(), mlp.down_proj.bias.data.normal_()
