@@ -47,7 +47,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     ([1, -2], None, ValueError, "prompt token 1 is -2"),
     ([1, 2.5], None, TypeError, "prompt token 1 must be an int"),
     ([True], None, TypeError, "prompt token 0 must be an int"),
-    (list(range(3, 68)), None, ValueError, "65 tokens, more than max_model_len=64"),
+    (list(range(3, 68)), None, ValueError, "65 tokens; max_model_len=64 .* at most 63"),
+    (list(range(3, 67)), None, ValueError, "64 tokens; max_model_len=64 .* at most 63"),  # no room to answer
     ([5, 6], SamplingParams(logprobs=400), ValueError, "logprobs=400 exceeds the vocabulary size 320"),
     ([5, 6], {"temperature": 0}, TypeError, "params must be a SamplingParams"),
     (12, None, TypeError, "prompt must be a str or a list of token ids"),

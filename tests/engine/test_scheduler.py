@@ -106,8 +106,10 @@ def test_construction_needs_max_model_len_and_pool_size():
 
 def test_add_request_rejects_requests_that_can_never_run():
     sched, _ = make(num_blocks=4, block_size=4, max_model_len=32)
-    with pytest.raises(ValueError, match="prompt has 33 tokens, more than max_model_len=32"):
+    with pytest.raises(ValueError, match="prompt has 33 tokens; max_model_len=32 .* at most 31"):
         sched.add_request("a", range(1, 34))
+    with pytest.raises(ValueError, match="prompt has 32 tokens; max_model_len=32 .* at most 31"):
+        sched.add_request("a", range(1, 33))  # the server's rule too (server/prompts.py): room for one output
     with pytest.raises(ValueError, match=r"up to 20 tokens need 5 KV blocks of 4, but the pool has only 4"):
         sched.add_request("b", range(1, 11), SamplingParams(max_tokens=11))
     with pytest.raises(ValueError, match="the prompt is empty"):
@@ -333,7 +335,7 @@ def _fits(sched, prompt, params):
     cfg, bm = sched.config, sched.block_manager
     grows_to = cfg.max_model_len - 1 if params.max_tokens is None else len(prompt) + params.max_tokens - 1
     longest = max(len(prompt), min(grows_to, cfg.max_model_len - 1))
-    return len(prompt) <= cfg.max_model_len and bm.blocks_for_tokens(longest) <= bm.num_blocks
+    return len(prompt) <= cfg.max_model_len - 1 and bm.blocks_for_tokens(longest) <= bm.num_blocks
 
 
 class SchedulerMachine(RuleBasedStateMachine):

@@ -151,7 +151,8 @@ def test_tempered_scored_positions_equal_the_unchunked_tempered_path_bitwise(sto
     lp = trainer.score(ids, cu, positions=positions, temperature=temperature)
     with torch.no_grad():
         assert torch.equal(lp.detach(), _old_score(trainer, ids, cu, temperature)[positions])
-    hidden = trainer.forward_runner.hidden(ids, trainer._positions_of(cu, ids.device), trainer._attention(cu, ids.device))
+    hidden = trainer.forward_runner.hidden(ids, trainer._positions_of(cu, ids.device),
+                                           trainer._attention(cu, ids.device))
     old = _unchunked(hidden, model.output_weight, ids[positions + 1], positions, trainer.head.base, temperature)
     assert torch.equal(lp.detach(), old.detach())
     new_grads, old_grads = _grads(trainer, lp, weights), _grads(trainer, old, weights)

@@ -35,6 +35,12 @@ _MAX_TOKEN_ID = (1 << 63) - 1
 PENDING_TOKEN = -1  # a sampled token still on the device (never a valid id: ids are >= 0)
 
 
+def longest_prompt(max_model_len: int) -> int:
+    """The one prompt-length rule (the engine's scheduler and the server both apply it): max_model_len counts
+    prompt and output tokens together, and a request needs room for at least one output token."""
+    return max_model_len - 1
+
+
 def check_prompt_ids(request_id: str, prompt, vocab_size: int | None = None) -> list[int]:
     """The prompt's token ids as a list of ints, or a TypeError/ValueError naming the problem."""
     if isinstance(prompt, (str, bytes, dict)) or not hasattr(prompt, "__iter__"):

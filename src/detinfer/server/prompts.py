@@ -14,6 +14,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from detinfer.engine.sequence import longest_prompt
 from detinfer.server.protocol import bad_request
 
 # Slack over the exact bound (see the module docstring): text a normalizer removes takes no token.
@@ -77,7 +78,7 @@ class PromptChecker:
     def check_length(self, ids: list[int], max_tokens: int | None, param: str) -> None:
         if not ids:
             raise bad_request(f"{param} encodes to zero tokens", param=param)
-        if len(ids) >= self.max_model_len:
+        if len(ids) > longest_prompt(self.max_model_len):  # the engine's rule (engine/sequence.py)
             raise self._too_long(len(ids), param)
         if max_tokens is not None and len(ids) + max_tokens > self.max_model_len:
             raise bad_request(f"this model's context is {self.max_model_len} tokens, but {len(ids)} prompt "
