@@ -42,6 +42,7 @@ import triton.language as tl
 
 from detinfer.kernels._launch import KERNEL_DTYPES, check_kernel_inputs
 from detinfer.kernels.activations import silu_cpu
+from detinfer.kernels.matmul_ref import _acc_dtype
 from detinfer.kernels.moe_combine import combine_slots, combine_slots_ref
 
 __all__ = ["ExpertConfig", "combine_slots", "combine_slots_fast", "combine_slots_ref", "expert_config",
@@ -80,10 +81,6 @@ def _topk_stable(probs: torch.Tensor, top_k: int, renormalize: bool):
             total = total + values[:, r]
         values = values / total[:, None]
     return values, ids
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def route_ref(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool):

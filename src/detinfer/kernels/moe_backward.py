@@ -23,21 +23,18 @@ from __future__ import annotations
 import torch
 
 from detinfer.kernels.linear_backward import linear_backward, use_triton
+from detinfer.kernels.matmul_ref import _acc_dtype
 from detinfer.kernels.silu_mul import silu_mul_ref
 from detinfer.kernels.silu_mul_backward import silu_mul_backward_ref
 
 __all__ = ["moe_backward"]
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _router_probs(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
     """softmax(x R^T) in fp32 (fp64 for fp64), by the same invariant ops as `moe.route` / `route_ref`."""
     from detinfer.kernels import matmul, softmax
 
-    acc = _acc(x.dtype)
+    acc = _acc_dtype(x.dtype)
     xa, ra = x.to(acc), router_weight.to(acc)
     if use_triton(xa, ra):
         return softmax.softmax(matmul.linear(xa, ra), dim=-1)
@@ -78,7 +75,7 @@ def moe_backward(dout: torch.Tensor, x: torch.Tensor, router_weight: torch.Tenso
     k = ids.shape[1]
     E, two_i, _ = w_gate_up.shape
     inter = two_i // 2
-    acc = _acc(x.dtype)
+    acc = _acc_dtype(x.dtype)
     d = dout.to(acc)
     flat_ids, flat_w = ids.reshape(-1), weights.reshape(-1).to(acc)
     dx_slots = torch.zeros(T * k, H, dtype=acc, device=x.device)

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from detinfer.kernels._launch import KERNEL_DTYPES, check_kernel_inputs
+from detinfer.kernels.matmul_ref import _acc_dtype
 
 __all__ = ["combine_slots", "combine_slots_ref"]
 
@@ -33,7 +34,7 @@ BLOCK_H = 1024
 def combine_slots_ref(weights: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """weights [T, k] fp32, y [T, k, H] -> [T, H] `dtype`: the module doc's sum in torch (fp64 accumulator
     for fp64)."""
-    acc_dt = torch.float64 if dtype == torch.float64 else torch.float32
+    acc_dt = _acc_dtype(dtype)
     acc = weights[:, 0, None].to(acc_dt) * y[:, 0].to(acc_dt)
     for r in range(1, y.shape[1]):
         acc = acc + weights[:, r, None].to(acc_dt) * y[:, r].to(acc_dt)
