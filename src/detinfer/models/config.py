@@ -21,7 +21,7 @@ import torch
 
 from detinfer.dtypes import DTYPES
 from detinfer.models.families import ModelFamily, family_for_architecture, supported_architectures
-from detinfer.models.fp8 import QUANTIZATIONS, parse_quantization_config
+from detinfer.models.fp8 import QUANTIZATIONS, parse_quantization_config, parse_unquantized_modules
 
 # Rotary variants whose frequencies are a fixed function of the config. "dynamic" NTK scaling is left out on
 # purpose: its frequencies depend on the current sequence length, so a token's result would depend on how
@@ -88,6 +88,9 @@ class ModelConfig:
     torch_dtype: str | None = None  # the dtype the checkpoint was saved in, if config.json says
     # "fp8": linear weights are block-scaled float8_e4m3fn (models/fp8.py); None: all in the model dtype.
     quantization: str | None = None
+    # FP8 checkpoints: HF module-name patterns left in the model dtype (quantization_config's
+    # modules_to_not_convert / ignored_layers; models/fp8.py `unquantized_linears` applies them).
+    fp8_unquantized: tuple[str, ...] = ()
 
     def __post_init__(self):
         family_for_architecture(self.architecture)  # raises, naming the supported ones
@@ -121,6 +124,8 @@ class ModelConfig:
                              f"got {self.eos_token_ids!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
+        if not (isinstance(self.fp8_unquantized, tuple) and all(isinstance(p, str) for p in self.fp8_unquantized)):
+            raise ValueError(f"fp8_unquantized must be a tuple of module-name patterns, got {self.fp8_unquantized!r}")
         if self.torch_dtype is not None and self.torch_dtype not in DTYPES:
             raise ValueError(f"torch_dtype must be one of {sorted(DTYPES)} or None, got {self.torch_dtype!r}")
 
@@ -221,6 +226,7 @@ class ModelConfig:
             pad_token_id=cfg.get("pad_token_id"),
             torch_dtype=dtype,
             quantization=parse_quantization_config(cfg),
+            fp8_unquantized=parse_unquantized_modules(cfg),
         )
 
     @classmethod

@@ -195,7 +195,8 @@ def write_fp8_checkpoint(src_dir: str | Path, out_dir: str | Path, *, quantizati
     """Copy the model directory `src_dir` (config, tokenizer, weights) to `out_dir` as a HF block-scaled FP8
     checkpoint: each linear weight of the attention and MLP / experts stored as float8_e4m3fn with its
     128 x 128 block scales in `<name>_scale_inv`, config.json given `quantization_config` (default:
-    `fp8.quantization_config_json()`). `skip`: HF tensor names to leave out (tests of missing tensors)."""
+    `fp8.quantization_config_json()`; modules it lists as `modules_to_not_convert` / `ignored_layers` are
+    stored as they are). `skip`: HF tensor names to leave out (tests of missing tensors)."""
     import dataclasses
     import shutil
 
@@ -210,7 +211,9 @@ def write_fp8_checkpoint(src_dir: str | Path, out_dir: str | Path, *, quantizati
     for f in src.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
             shutil.copy(f, out / f.name)
-    config = dataclasses.replace(ModelConfig.from_dir(src), quantization="fp8")
+    quantization_config = quantization_config or fp8.quantization_config_json()
+    unquantized = fp8.parse_unquantized_modules({"quantization_config": quantization_config})
+    config = dataclasses.replace(ModelConfig.from_dir(src), quantization="fp8", fp8_unquantized=unquantized)
     shapes = full_parameter_shapes(config)
     fp8_names = fp8.fp8_hf_weights(config.family.hf_sources(config), shapes)
     weights = {}
@@ -224,7 +227,7 @@ def write_fp8_checkpoint(src_dir: str | Path, out_dir: str | Path, *, quantizati
             stored[name] = t
     stored = {n: t.contiguous() for n, t in stored.items() if n not in skip}
     cfg = json.loads((src / "config.json").read_text(encoding="utf-8"))
-    cfg["quantization_config"] = quantization_config or fp8.quantization_config_json()
+    cfg["quantization_config"] = quantization_config
     _write_json(out / "config.json", cfg)
     _save_weights(out, stored, 1)
     return out

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from detinfer.kernels.fp8_quant import num_blocks
+from detinfer.models import fp8 as fp8_format
 from detinfer.models.config import ModelConfig
 from detinfer.models.rope import RotaryEmbedding
 from detinfer.ops import Ops
@@ -191,6 +192,21 @@ class Transformer(nn.Module):
         self.lm_head = (None if config.tie_word_embeddings else
                         nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False))
         self.rotary = RotaryEmbedding(config)
+        self._keep_unquantized_linears(config)
+
+    def _keep_unquantized_linears(self, config: ModelConfig) -> None:
+        """An FP8 checkpoint may leave some linears in the model dtype (quantization_config's
+        modules_to_not_convert): those drop their scales, so they hold a 16-bit weight and run `ops.linear`.
+        Decided after the modules are built because the decision needs the HF names each module is made of
+        (models/fp8.py `unquantized_linears`); tensor parallelism's layers follow these modules."""
+        if config.quantization != "fp8" or not config.fp8_unquantized:
+            return
+        modules = dict(self.named_modules())
+        linears = [n for n, m in modules.items() if isinstance(m, Linear) and m.weight_scale is not None]
+        experts = [f"{n}.{p}" for n, m in modules.items() if isinstance(m, SparseMoE) and m.gate_up_proj_scale is not None
+                   for p in ("gate_up_proj", "down_proj")]
+        for name in fp8_format.unquantized_linears(config, linears, experts):
+            modules[name].weight_scale = None
 
     def set_ops(self, ops: Ops) -> None:
         """Compute with another numerics backend from now on (e.g. `model.set_ops(model.ops.replace(
