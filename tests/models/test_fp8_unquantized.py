@@ -193,7 +193,8 @@ def test_a_fused_projection_listed_in_part_is_refused(checkpoints, tmp_path, lis
 
 
 def test_listed_experts_are_refused(checkpoints, tmp_path):
-    bad = _rewrite_config(checkpoints["moe"][1], tmp_path / "bad", modules_to_not_convert=["model.layers.0.mlp.experts"])
+    bad = _rewrite_config(checkpoints["moe"][1], tmp_path / "bad",
+                          modules_to_not_convert=["model.layers.0.mlp.experts"])
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.0\.gate_proj.*unquantized MoE experts"):
         load_model(bad)
 

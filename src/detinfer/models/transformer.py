@@ -203,8 +203,8 @@ class Transformer(nn.Module):
             return
         modules = dict(self.named_modules())
         linears = [n for n, m in modules.items() if isinstance(m, Linear) and m.weight_scale is not None]
-        experts = [f"{n}.{p}" for n, m in modules.items() if isinstance(m, SparseMoE) and m.gate_up_proj_scale is not None
-                   for p in ("gate_up_proj", "down_proj")]
+        experts = [f"{n}.{p}" for n, m in modules.items() if isinstance(m, SparseMoE)
+                   and m.gate_up_proj_scale is not None for p in ("gate_up_proj", "down_proj")]
         for name in fp8_format.unquantized_linears(config, linears, experts):
             modules[name].weight_scale = None
 
