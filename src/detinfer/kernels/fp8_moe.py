@@ -17,6 +17,10 @@ from collections.abc import Callable
 
 import torch
 
+# The SwiGLU epilogue both grouped expert kernels share (a module-level name: the kernel below resolves it
+# from this module's globals, in the compiler and in Triton's interpreter alike).
+from detinfer.kernels.moe import swiglu_epilogue
+
 
 def expert_outputs_fp8(x: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor, s_gate_up: torch.Tensor,
                        w_down: torch.Tensor, s_down: torch.Tensor, linear_fp8: Callable, silu_mul: Callable,
@@ -88,10 +92,7 @@ def _grouped_kernel():
                 su = tl.load(s_base + (offs_n + N).to(tl.int64) * stride_swn + kb, mask=n_ok, other=0.0)
                 acc_up += (tl.dot(a, bu, out_dtype=tl.float32) * sa[:, None]) * su[None, :]
         if SWIGLU:
-            # gate and up rounded to the output dtype first, as the per-expert path's linear output is
-            g = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-            u = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
-            acc = g / (1.0 + tl.exp(-g)) * u
+            acc = swiglu_epilogue(acc, acc_up, out_ptr)  # kernels/moe.py's, as the per-expert path rounds
         out_rows = tl.where(valid, pair, 0).to(tl.int64)
         tl.store(out_ptr + out_rows[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=valid[:, None] & n_ok[None, :])

@@ -224,6 +224,16 @@ def expert_config(n: int, k: int, dtype: torch.dtype, device: torch.device) -> E
 
 
 @triton.jit
+def swiglu_epilogue(acc_gate, acc_up, out_ptr):
+    """The grouped expert GEMMs' SwiGLU epilogue (this module's kernel and kernels/fp8_moe.py's, one spelling):
+    gate and up rounded to the output dtype first, as a separate gate_up linear's output is, then
+    silu(gate) * up in fp32 (rounded by the caller's store; only out_ptr's element type is read)."""
+    g = acc_gate.to(out_ptr.dtype.element_ty).to(tl.float32)
+    u = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+    return g / (1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
 def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, pair_ptr, tile_expert_ptr, N, K, top_k,
                         stride_am, stride_we, stride_wn, stride_om,
                         GATHER_TOKENS: tl.constexpr, SWIGLU: tl.constexpr, PRECISION: tl.constexpr,
@@ -258,10 +268,7 @@ def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, pair_ptr, tile_expert_ptr, N, K, 
                          other=0.0)
             acc_up = tl.dot(a, bu, acc_up, input_precision=PRECISION)
     if SWIGLU:
-        # round gate and up to the output dtype first, as the stock path's separate linear does
-        g = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-        u = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
-        acc = g / (1.0 + tl.exp(-g)) * u
+        acc = swiglu_epilogue(acc, acc_up, out_ptr)
     out_rows = tl.where(valid, pair, 0).to(tl.int64)
     tl.store(out_ptr + out_rows[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=valid[:, None] & (offs_n[None, :] < N))
