@@ -123,10 +123,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         proj = self.gate_up_proj
-        # FP8 (no fused gate_up + SiLU*mul launch for it yet) or someone records gate_up's output (repro audit)
-        if proj.weight_scale is not None or proj._forward_hooks or proj._forward_pre_hooks:
+        if proj._forward_hooks or proj._forward_pre_hooks:  # someone records gate_up's output (repro audit)
             gate, up = proj(x, ops).split(self.intermediate_size, dim=-1)  # [T, I] each
             return self.down_proj(ops.silu_mul(gate, up), ops)
+        if proj.weight_scale is not None:  # FP8: one launch on CUDA in deterministic mode (docs/fp8.md)
+            return self.down_proj(ops.linear_fp8_silu_mul(x, proj.weight, proj.weight_scale, proj.bias), ops)
         # One backend op: gate_up_proj, split into [T, I] halves, silu_mul (via ops: stock CPU SiLU rounds
         # differently in a tensor's SIMD tail); on decode batches one fused launch with the same bits.
         return self.down_proj(ops.linear_silu_mul(x, proj.weight, proj.bias), ops)  # [T, hidden]

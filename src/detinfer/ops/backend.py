@@ -38,11 +38,12 @@ Selection rule (`Ops.__post_init__`, from mode, device, dtype, head_dim and two 
 - The SwiGLU MLP's gate_up projection + SiLU*mul (`linear_silu_mul`), deterministic mode: one launch with
   the same bits as the two (kernels/linear_silu_mul.py) for 16-bit decode-sized batches where the kernels
   run; otherwise (and in fast mode) `linear` then `silu_mul` as above.
-- Block-scaled FP8 linears (`linear_fp8`, `moe_fp8`; kernels/fp8_linear.py, docs/fp8.md): deterministic mode
-  runs the Triton fp8 kernel on CUDA and the exact-block-dot ref elsewhere (the same numerics up to the
-  tensor cores' accumulation; each batch-invariant); fast mode runs torch's blockwise scaled_mm where it
-  runs, else dequantize + F.linear. The FP8 MoE is this backend's routing and combine around the grouped
-  FP8 expert GEMMs (CUDA, both modes) or per-expert `linear_fp8` calls (elsewhere).
+- Block-scaled FP8 linears (`linear_fp8`, `linear_fp8_silu_mul`, `moe_fp8`; ops/fp8_ops.py, docs/fp8.md):
+  deterministic mode runs the Triton fp8 kernels on CUDA (the dense MLP's gate_up + SiLU*mul as one launch
+  for any batch) and the exact-block-dot ref elsewhere (the same numerics up to the tensor cores'
+  accumulation; each batch-invariant); fast mode runs torch's blockwise scaled_mm where it runs, else
+  dequantize + F.linear. The FP8 MoE is this backend's routing and combine around the grouped FP8 expert
+  GEMMs (CUDA, both modes) or per-expert `linear_fp8` calls (elsewhere).
 - RoPE (kernels/rope.py), and the sampler's reductions (`fold_sum`, `cumsum`), are the same in both modes:
   elementwise or fixed-order, so batch-invariant on any device.
 
@@ -53,8 +54,6 @@ stock routing (CUDA) or the stock HF-style loop (CPU).
 
 from __future__ import annotations
 
-import functools
-import importlib
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -65,6 +64,8 @@ from detinfer.kernels._launch import KERNEL_DTYPES, SUPPORTED_HEAD_DIMS, interpr
 from detinfer.kernels.activations import silu_cpu
 from detinfer.kernels.rope import apply_rope
 from detinfer.kernels.scan import cumsum_ref
+from detinfer.ops._kernel_modules import kernel_module as _kernels
+from detinfer.ops.fp8_ops import Fp8Ops
 
 MODES = ("deterministic", "fast")
 ATTENTION_BACKENDS = ("auto", "kernel", "ref")
@@ -75,13 +76,6 @@ _INTERPRETER_ATTENTION_DTYPES = frozenset({torch.float32})
 _FUSED_SWIGLU_DTYPES = frozenset({torch.float16, torch.bfloat16})
 
 
-@functools.cache
-def _kernels(name: str):
-    """A kernels/ module, imported on first use (choosing a backend must not import Triton); cached because
-    an import statement in a per-op method costs more than the rest of the dispatch."""
-    return importlib.import_module(f"detinfer.kernels.{name}")
-
-
 def _attention_kernel_runs(device: torch.device, dtype: torch.dtype, head_dim: int | None) -> bool:
     if head_dim not in SUPPORTED_HEAD_DIMS or dtype not in KERNEL_DTYPES:
         return False
@@ -90,8 +84,9 @@ def _attention_kernel_runs(device: torch.device, dtype: torch.dtype, head_dim: i
 
 
 @dataclass(frozen=True)
-class Ops:
-    """The numerics backend for one (mode, device, dtype); see the module docstring for the rule."""
+class Ops(Fp8Ops):
+    """The numerics backend for one (mode, device, dtype); see the module docstring for the rule (its FP8 ops
+    live in ops/fp8_ops.py)."""
 
     mode: str = "deterministic"
     device: torch.device | str = "cpu"
@@ -165,28 +160,6 @@ class Ops:
             return F.linear(x, weight, bias)
         mm = _kernels("matmul")
         return (mm.linear if self._kernel(x, weight, bias) else mm.linear_ref)(x, weight, bias)
-
-    def linear_fp8(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., K] @ dequant(weight)^T for a block-scaled fp8 weight [N, K] with per-row block scales
-        [N, ceil(K/128)] (kernels/fp8_linear.py), activations quantized per token per 128-group.
-        Deterministic: the Triton kernel on CUDA, else the exact-block-dot ref (CPU); fast: the stock path
-        (torch's blockwise scaled_mm where it runs, else dequantize + F.linear)."""
-        fp8 = _kernels("fp8_linear")
-        if not self.deterministic:
-            return fp8.linear_fp8_stock(x, weight, weight_scale, bias)
-        return self._linear_fp8_det(x, weight, weight_scale, bias)
-
-    def _linear_fp8_det(self, x, weight, weight_scale, bias=None, out_dtype=None) -> torch.Tensor:
-        fp8 = _kernels("fp8_linear")
-        fn = fp8.linear_fp8 if self.device.type == "cuda" and x.is_cuda else fp8.linear_fp8_ref
-        return fn(x, weight, weight_scale, bias, out_dtype=out_dtype)
-
-    def linear_fp8_tree(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                        num_chunks: int) -> torch.Tensor:
-        """`linear_tree` for an fp8 weight (deterministic mode; row-parallel layers under tensor parallelism):
-        fp32 partials of `num_chunks` K chunks of whole scale blocks, added in the fixed pairwise tree."""
-        return _kernels("fp8_linear").linear_fp8_tree(self._linear_fp8_det, x, weight, weight_scale, num_chunks)
 
     def linear_tree(self, x: torch.Tensor, weight: torch.Tensor, num_chunks: int) -> torch.Tensor:
         """x [..., K] @ weight[N, K]^T as `num_chunks` fp32 K-chunk partials added in a fixed pairwise tree ->
@@ -339,30 +312,6 @@ class Ops:
         else:
             fn = moe.fused_moe if kernel else moe.fused_moe_ref
         return fn(x, router_weight, w_gate_up, w_down, top_k, renormalize)
-
-    def moe_fp8(self, x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor, s_gate_up: torch.Tensor,
-                w_down: torch.Tensor, s_down: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
-        """`moe` over block-scaled fp8 experts (per-row block scales s_* beside them): this backend's routing
-        and combine, each hit expert through `linear_fp8` + `silu_mul` (kernels/fp8_moe.py)."""
-
-        if x.shape[0] == 0:
-            return x.new_zeros(x.shape)
-        weights, ids = self.moe_route(x, router_weight, top_k, renormalize)
-        y = self.moe_expert_outputs_fp8(x, ids, w_gate_up, s_gate_up, w_down, s_down)
-        return self.moe_combine(weights, y, x.dtype)
-
-    def moe_expert_outputs_fp8(self, x: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
-                               s_gate_up: torch.Tensor, w_down: torch.Tensor, s_down: torch.Tensor,
-                               first_expert: int | None = None) -> torch.Tensor:
-        """`moe_expert_outputs` for fp8 experts [first_expert, +E_local): on CUDA (both modes) the grouped
-        FP8 Triton GEMMs (no host sync); elsewhere a loop over the hit experts through `linear_fp8` +
-        `silu_mul` (kernels/fp8_moe.py)."""
-        from detinfer.kernels import fp8_moe
-
-        if self.device.type == "cuda" and x.is_cuda:
-            return fp8_moe.expert_outputs_fp8_grouped(x, ids, w_gate_up, s_gate_up, w_down, s_down, first_expert)
-        return fp8_moe.expert_outputs_fp8(x, ids, w_gate_up, s_gate_up, w_down, s_down, self.linear_fp8,
-                                          self.silu_mul, first_expert)
 
     # The MoE layer in parts, for expert parallelism (distributed/layers.py): deterministic mode runs the
     # functions `moe` fuses, chosen by the same rule, so route -> slot outputs -> combine gives `moe`'s bits.

@@ -1,0 +1,78 @@
+"""The block-scaled FP8 ops of the numerics backend (`Ops` inherits them; ops/backend.py's rule, FP8 part):
+
+- `linear_fp8` (kernels/fp8_linear.py, docs/fp8.md): deterministic mode runs the Triton fp8 kernel on CUDA
+  and the exact-block-dot ref elsewhere (the same numerics up to the tensor cores' accumulation; each
+  batch-invariant); fast mode runs torch's blockwise scaled_mm where it runs, else dequantize + F.linear.
+- `linear_fp8_tree`: row-parallel layers' fixed K-chunk tree over `linear_fp8`'s fp32 partials.
+- `linear_fp8_silu_mul` (the dense SwiGLU MLP's gate_up + SiLU*mul): deterministic mode on CUDA, one launch
+  for any batch (kernels/fp8_linear_silu_mul.py); elsewhere `linear_fp8` then `silu_mul`.
+- `moe_fp8` / `moe_expert_outputs_fp8`: the backend's routing and combine around the grouped FP8 expert
+  GEMMs (CUDA, both modes) or per-expert `linear_fp8` + `silu_mul` calls (elsewhere; kernels/fp8_moe.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from detinfer.ops._kernel_modules import kernel_module as _kernels
+
+
+class Fp8Ops:
+    """Mixed into `Ops`: reads its `deterministic`, `device`, `silu_mul`, `moe_route` and `moe_combine`."""
+
+    def linear_fp8(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] @ dequant(weight)^T for a block-scaled fp8 weight [N, K] with per-row block scales
+        [N, ceil(K/128)] (kernels/fp8_linear.py), activations quantized per token per 128-group.
+        Deterministic: the Triton kernel on CUDA, else the exact-block-dot ref (CPU); fast: the stock path
+        (torch's blockwise scaled_mm where it runs, else dequantize + F.linear)."""
+        fp8 = _kernels("fp8_linear")
+        if not self.deterministic:
+            return fp8.linear_fp8_stock(x, weight, weight_scale, bias)
+        return self._linear_fp8_det(x, weight, weight_scale, bias)
+
+    def _linear_fp8_det(self, x, weight, weight_scale, bias=None, out_dtype=None) -> torch.Tensor:
+        fp8 = _kernels("fp8_linear")
+        fn = fp8.linear_fp8 if self.device.type == "cuda" and x.is_cuda else fp8.linear_fp8_ref
+        return fn(x, weight, weight_scale, bias, out_dtype=out_dtype)
+
+    def linear_fp8_tree(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                        num_chunks: int) -> torch.Tensor:
+        """`linear_tree` for an fp8 weight (deterministic mode; row-parallel layers under tensor parallelism):
+        fp32 partials of `num_chunks` K chunks of whole scale blocks, added in the fixed pairwise tree."""
+        return _kernels("fp8_linear").linear_fp8_tree(self._linear_fp8_det, x, weight, weight_scale, num_chunks)
+
+    def linear_fp8_silu_mul(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                            bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The SwiGLU MLP up to down_proj over a block-scaled fp8 gate_up weight [2I, K] (gate rows, then up
+        rows): silu_mul of the two halves of `linear_fp8(x, weight, weight_scale, bias)` -> [..., I].
+        Deterministic mode on CUDA: one launch (kernels/fp8_linear_silu_mul.py) for every batch size: its
+        batch invariance is its own, so unlike the 16-bit `linear_silu_mul` the choice never looks at M.
+        Otherwise (CPU, fast mode) `linear_fp8` then `silu_mul`, exactly the two calls."""
+        if self.deterministic and self.device.type == "cuda" and x.is_cuda:
+            return _kernels("fp8_linear_silu_mul").linear_fp8_silu_mul(x, weight, weight_scale, bias)
+        gate, up = self.linear_fp8(x, weight, weight_scale, bias).split(weight.shape[0] // 2, dim=-1)
+        return self.silu_mul(gate, up)
+
+    def moe_fp8(self, x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor, s_gate_up: torch.Tensor,
+                w_down: torch.Tensor, s_down: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+        """`moe` over block-scaled fp8 experts (per-row block scales s_* beside them): this backend's routing
+        and combine, each hit expert through `linear_fp8` + `silu_mul` (kernels/fp8_moe.py)."""
+        if x.shape[0] == 0:
+            return x.new_zeros(x.shape)
+        weights, ids = self.moe_route(x, router_weight, top_k, renormalize)
+        y = self.moe_expert_outputs_fp8(x, ids, w_gate_up, s_gate_up, w_down, s_down)
+        return self.moe_combine(weights, y, x.dtype)
+
+    def moe_expert_outputs_fp8(self, x: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+                               s_gate_up: torch.Tensor, w_down: torch.Tensor, s_down: torch.Tensor,
+                               first_expert: int | None = None) -> torch.Tensor:
+        """`moe_expert_outputs` for fp8 experts [first_expert, +E_local): on CUDA (both modes) the grouped
+        FP8 Triton GEMMs (no host sync); elsewhere a loop over the hit experts through `linear_fp8` +
+        `silu_mul` (kernels/fp8_moe.py)."""
+        from detinfer.kernels import fp8_moe
+
+        if self.device.type == "cuda" and x.is_cuda:
+            return fp8_moe.expert_outputs_fp8_grouped(x, ids, w_gate_up, s_gate_up, w_down, s_down, first_expert)
+        return fp8_moe.expert_outputs_fp8(x, ids, w_gate_up, s_gate_up, w_down, s_down, self.linear_fp8,
+                                          self.silu_mul, first_expert)
