@@ -19,7 +19,7 @@ on the batch it is in.
 - `linear_fp8` (Hopper, Triton): fp8 `tl.dot` per K block into a fresh fp32 tile, scaled and added in the
   same order. The tensor cores' internal fp8 accumulation is not documented to be exact, so the kernel
   matches the ref within a tolerance, not bitwise; it is batch-invariant on its own (tile config from
-  (N, K) only). GPU-only: Triton's CPU interpreter does not run fp8 dots reliably, so CI tests the ref.
+  (N, K) only). A GPU kernel; Triton's CPU interpreter also runs it on CPU tensors (tests only).
 - `linear_fp8_stock` (fast mode): what a serving stack runs: torch's block-scaled `scaled_mm` on a GPU that
   takes it, else dequantize + F.linear.
 """
@@ -51,6 +51,17 @@ def check_fp8_linear(op: str, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch
                          f"got {tuple(w_scale.shape)} {w_scale.dtype}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"{op}: bias must have shape [N] = [{n}], got {tuple(bias.shape)}")
+
+
+def check_fp8_kernel_device(op: str, *tensors: torch.Tensor | None) -> None:
+    """The Triton FP8 kernels run on CUDA tensors, or on CPU ones in Triton's interpreter (tests: it runs fp8
+    dots, though not bitwise as the reference does)."""
+    from detinfer.kernels._launch import interpreting
+
+    on = [t.is_cuda for t in tensors if t is not None]
+    if not (all(on) or (interpreting() and not any(on))):
+        raise ValueError(f"{op}: the Triton kernel runs on CUDA tensors (or CPU ones under TRITON_INTERPRET=1); "
+                         "use the pure-torch reference on CPU")
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -183,11 +194,10 @@ def _kernel():
 
 def linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The Triton path (CUDA, fp8 tensor cores: Hopper or newer): x [..., K] -> [..., N] in `out_dtype`
-    (default x's)."""
+    """The Triton path (CUDA, fp8 tensor cores: Hopper or newer; CPU tensors under TRITON_INTERPRET=1):
+    x [..., K] -> [..., N] in `out_dtype` (default x's)."""
     check_fp8_linear("linear_fp8", x, w_q, w_scale, bias)
-    if not (x.is_cuda and w_q.is_cuda and w_scale.is_cuda):
-        raise ValueError("linear_fp8: the Triton kernel runs on CUDA tensors only (use linear_fp8_ref on CPU)")
+    check_fp8_kernel_device("linear_fp8", x, w_q, w_scale, bias)
     n, k = w_q.shape
     x2 = _flat(x)
     x_q, sx = quantize_activations(x2)  # row-wise torch ops: the ref's exact bits

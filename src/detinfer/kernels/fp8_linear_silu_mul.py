@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from detinfer.kernels._launch import interpreting
-from detinfer.kernels.fp8_linear import check_fp8_linear, kernel_config, linear_fp8_ref
+from detinfer.kernels.fp8_linear import check_fp8_kernel_device, check_fp8_linear, kernel_config, linear_fp8_ref
 from detinfer.kernels.fp8_quant import num_blocks, quantize_activations
 from detinfer.kernels.linear_silu_mul import _store_swiglu
 from detinfer.kernels.silu_mul import silu_mul_ref
@@ -97,11 +97,7 @@ def linear_fp8_silu_mul(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tenso
     tensor cores; CPU tensors under TRITON_INTERPRET=1)."""
     op = "linear_fp8_silu_mul"
     _check(op, x, w_q, w_scale, bias)
-    tensors = (x, w_q, w_scale) + (() if bias is None else (bias,))
-    on_cuda = all(t.is_cuda for t in tensors)
-    if not (on_cuda or (interpreting() and not any(t.is_cuda for t in tensors))):
-        raise ValueError(f"{op}: the Triton kernel runs on CUDA tensors (or CPU ones under TRITON_INTERPRET=1); "
-                         "use linear_fp8_silu_mul_ref elsewhere")
+    check_fp8_kernel_device(op, x, w_q, w_scale, bias)
     n2, k = w_q.shape
     i = n2 // 2
     lead = tuple(x.shape[:-1])
