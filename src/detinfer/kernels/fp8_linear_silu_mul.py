@@ -13,9 +13,10 @@ column's weight scale, added. The epilogue is kernels/linear_silu_mul.py's (`_st
 after the reduction, rounded to the output dtype (what `linear_fp8` stores), back to fp32, then silu_mul's
 formula (`silu_mul.silu_mul_values`, the one spelling).
 
-Config: `linear_fp8`'s for the fused [2I, K] weight (`fp8_linear.kernel_config(2I, K)`), per accumulator:
-from (N, K) only, never from M, so every row of every batch runs the same instruction sequence, and each
-accumulator's fp8 dots have the plain kernel's tile shapes (BLOCK_M x BLOCK_N x 128).
+Config: `linear_fp8`'s for the fused [2I, K] weight (`fp8_linear.kernel_config(2I, K)`), per accumulator
+(pipelined at most 3 deep: a stage holds two weight tiles): from (N, K) only, never from M, so every row of
+every batch runs the same instruction sequence, and each accumulator's fp8 dots have the plain kernel's tile
+shapes (BLOCK_M x BLOCK_N x 128).
 
 Bits: batch-invariant on its own (a row's activation scales and reduction depend on that row only; the tile
 config does not depend on M), which is what deterministic mode relies on: the backend runs this launch for
@@ -77,10 +78,17 @@ def _linear_fp8_silu_mul_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, o_ptr, M, N
     _store_swiglu(acc_g, acc_u, o_ptr, b_ptr, pid_m, pid_n, M, N, stride_om, HAS_BIAS, LIBDEVICE, BLOCK_M, BLOCK_N)
 
 
+# Pipeline depth cap: a stage holds two weight tiles here (gate and up), 40 KB at BLOCK_N 128; three stages
+# keep the shared memory near the plain kernel's four. Depth changes when loads are issued, not the math.
+_MAX_STAGES = 3
+
+
 def fused_config(i: int, k: int) -> dict:
     """The launch config for out [M, i] from x [M, k]: `linear_fp8`'s for the fused [2i, k] weight (its
-    BLOCK_N per accumulator, so each fp8 dot has the plain kernel's shape), from (N, K) only."""
-    return kernel_config(2 * i, k)
+    BLOCK_M / BLOCK_N / BLOCK_K / warps per accumulator, so each fp8 dot has the plain kernel's shape), at
+    most _MAX_STAGES deep; from (N, K) only."""
+    cfg = kernel_config(2 * i, k)
+    return dict(cfg, num_stages=min(cfg["num_stages"], _MAX_STAGES))
 
 
 def _check(op: str, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
