@@ -1,6 +1,7 @@
 """FP8 engine on the GPU (Hopper: fp8 tensor cores): a request's outputs are the same bits alone and among
 others (deterministic mode, the Triton FP8 kernel), with CUDA graphs on and off, for a dense and an MoE
-model quantized at load (`quantization="fp8"`); fast mode runs. Skipped (shown as skipped) without CUDA."""
+model quantized at load (`quantization="fp8"`), and an FP8 checkpoint leaving some linears unquantized
+(`modules_to_not_convert`); fast mode runs. Skipped (shown as skipped) without CUDA."""
 
 import gc
 
@@ -9,14 +10,15 @@ import torch
 
 from detinfer.engine import EngineConfig, LLMEngine, SamplingParams
 from detinfer.engine.testing import drive
-from detinfer.models.testing import write_tiny_checkpoint
+from detinfer.models import fp8
+from detinfer.models.testing import write_fp8_checkpoint, write_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
 VOCAB = 2048
 ENGINE = dict(max_num_batched_tokens=512, max_num_seqs=16, block_size=16, num_kv_blocks=256, quantization="fp8")
 
 
-@pytest.fixture(scope="module", params=["dense", "moe"])
+@pytest.fixture(scope="module", params=["dense", "moe", "dense-partly-16bit"])
 def model_dir(request, tmp_path_factory):
     if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 tl.dot needs sm89+")
@@ -26,6 +28,12 @@ def model_dir(request, tmp_path_factory):
     if request.param == "dense":
         # 2048 / 8 tp_invariant chunks = 256 columns: whole 128-column FP8 scale blocks
         return write_tiny_checkpoint(root / "qwen3", "Qwen3ForCausalLM", intermediate_size=2048, **common)
+    if request.param == "dense-partly-16bit":  # an FP8 checkpoint: layer 1's MLP and layer 0's attention 16-bit
+        src = write_tiny_checkpoint(root / "qwen3-src", "Qwen3ForCausalLM", intermediate_size=2048, **common)
+        listed = ["lm_head", "model.layers.1.mlp", "model.layers.0.self_attn"]
+        return write_fp8_checkpoint(src, root / "qwen3-partial",
+                                    quantization_config=dict(fp8.quantization_config_json(),
+                                                             modules_to_not_convert=listed))
     return write_tiny_checkpoint(root / "qwen3moe", "Qwen3MoeForCausalLM", intermediate_size=1408, **common,
                                  extra=dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=384))
 
