@@ -100,6 +100,46 @@ def test_bad_operands_are_named():
             linear_fp8_silu_mul(x, q, s)
 
 
+def test_the_dense_fp8_mlp_runs_the_fused_op_and_a_16bit_one_does_not():
+    """models/transformer.py's MLP: an FP8 gate_up goes through `Ops.linear_fp8_silu_mul` (one launch on CUDA),
+    a 16-bit one (a linear left unquantized) through `linear_silu_mul`."""
+    import dataclasses
+
+    from detinfer.models.config import ModelConfig
+    from detinfer.models.random_weights import random_state
+    from detinfer.models.testing import tiny_config_dict
+    from detinfer.models.transformer import MLP
+
+    calls = []
+
+    @dataclasses.dataclass(frozen=True)
+    class Spy(Ops):
+        def linear_fp8_silu_mul(self, *args):
+            calls.append("fp8")
+            return super().linear_fp8_silu_mul(*args)
+
+        def linear_silu_mul(self, *args):
+            calls.append("16-bit")
+            return super().linear_silu_mul(*args)
+
+    config = dataclasses.replace(ModelConfig.from_dict(tiny_config_dict("LlamaForCausalLM")), quantization="fp8")
+    state = random_state(config, seed=1, dtype=torch.float32, device="cpu")
+    mlp = MLP(config)
+    mlp.load_state_dict({k.removeprefix("layers.0.mlp."): v for k, v in state.items()
+                         if k.startswith("layers.0.mlp.")}, assign=True)
+    x = torch.randn(5, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    ops = Spy("deterministic", "cpu", torch.float32)
+    proj = mlp.gate_up_proj
+    want = ops.linear_fp8(ops.silu_mul(*ops.linear_fp8(x, proj.weight, proj.weight_scale).split(
+        config.intermediate_size, -1)), mlp.down_proj.weight, mlp.down_proj.weight_scale)
+    assert torch.equal(mlp(x, ops), want) and calls == ["fp8"]
+    proj.weight_scale, proj.weight = None, torch.nn.Parameter(dequantize_weight(proj.weight, state[
+        "layers.0.mlp.gate_up_proj.weight_scale"]), requires_grad=False)
+    calls.clear()
+    mlp(x, ops)
+    assert calls == ["16-bit"]
+
+
 # -- the kernel in Triton's interpreter (fp32) --------------------------------------------------------------
 def _two_launches(x, q, s, b):
     from detinfer.kernels.fp8_linear import linear_fp8
