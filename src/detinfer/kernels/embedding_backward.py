@@ -39,7 +39,7 @@ def _segment_sum_kernel(dh_ptr, order_ptr, seg_ids_ptr, start_ptr, end_ptr, out_
     ok = cols < D
     first = tl.load(start_ptr + pos) == pos  # this position opens its id's segment
     # the other positions of a segment loop over nothing and store nothing
-    end = tl.where(first, tl.load(end_ptr + pos), pos)
+    end = tl.where(first, tl.load(end_ptr + pos).to(tl.int32), pos)  # int32 loop bounds: T < 2**31
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for p in range(pos, end):  # ascending sorted position = ascending token order within the id
         tok = tl.load(order_ptr + p)

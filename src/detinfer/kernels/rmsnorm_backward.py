@@ -53,9 +53,9 @@ def _rms_norm_backward_kernel(dy_ptr, dh_ptr, x_ptr, res_ptr, w_ptr, dx_ptr, dre
     if HAS_W:
         w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
         dw_acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    first = block.to(tl.int64) * ROWS
-    for i in range(tl.minimum(ROWS, M - first)):  # the block's rows in ascending order
-        row = first + i
+    # the block's rows in ascending order (int32 loop bounds: M < 2**31 rows)
+    for i in range(tl.minimum(M - block * ROWS, ROWS)):
+        row = block.to(tl.int64) * ROWS + i
         x = tl.load(x_ptr + row * x_st + cols, mask=ok, other=0.0)
         if HAS_RES:
             # the forward's add in model dtype: one fp32 add rounded to x.dtype
