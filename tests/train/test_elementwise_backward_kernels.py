@@ -240,6 +240,23 @@ def test_embedding_backward_rejects_bad_input():
         embedding_backward(dh, torch.zeros(3, device=DEV), 5)
 
 
+def test_leading_dims_and_broadcast_gradients_as_autograd_passes_them():
+    """[B, S, D] inputs give the [B*S, D] results reshaped; a stride-0 gradient (what autograd passes for
+    out.sum()) gives the bits of the materialised one; 2-D ids with [B, S, D] dh work."""
+    x, dyc = _randn(2, 3, 40, seed=1), torch.ones(2, 3, 40, device=DEV)
+    dy0 = torch.ones((), device=DEV).expand(2, 3, 40)
+    w = 1 + 0.1 * _randn(40, seed=2)
+    got = rms_norm_backward(dy0, None, x, x, w, 1e-6)
+    flat = rms_norm_backward(dyc.view(6, 40), None, x.view(6, 40), x.view(6, 40), w, 1e-6)
+    assert got[0].shape == (2, 3, 40) and torch.equal(got[0].view(6, 40), flat[0]) and torch.equal(got[2], flat[2])
+    g, u = _randn(2, 3, 40, seed=3), _randn(2, 3, 40, seed=4)
+    assert all(torch.equal(a.view(6, 40), b) for a, b in zip(silu_mul_backward(dy0, g, u),
+                                                            silu_mul_backward(dyc.view(6, 40), g.view(6, 40),
+                                                                              u.view(6, 40))))
+    ids = torch.tensor([[1, 0, 1], [4, 1, 0]], device=DEV)
+    assert torch.equal(embedding_backward(dy0, ids, 5), embedding_backward(dyc.view(6, 40), ids.view(6), 5))
+
+
 # ---- the training Functions' dispatch -----------------------------------------------------------------
 
 
