@@ -238,6 +238,11 @@ def test_embedding_backward_rejects_bad_input():
         embedding_backward(dh, torch.zeros(2, dtype=torch.int64, device=DEV), 5)
     with pytest.raises(ValueError, match="integer tensor"):
         embedding_backward(dh, torch.zeros(3, device=DEV), 5)
+    for bad in ([0, 5, 1], [-1, 0, 1]):
+        with pytest.raises(ValueError, match=r"ids must lie in \[0, 5\)"):
+            embedding_backward(dh, torch.tensor(bad, device=DEV), 5)
+    with pytest.raises(ValueError, match="num_embeddings must be an int"):
+        embedding_backward(dh, torch.zeros(3, dtype=torch.int64, device=DEV), -1)
 
 
 def test_leading_dims_and_broadcast_gradients_as_autograd_passes_them():

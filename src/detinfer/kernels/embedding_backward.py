@@ -13,8 +13,8 @@ adds the segment's rows one after another in ascending token order into an fp32 
 sort: ties keep token order) and writes that row once to dW[id]. So each output element is written by one
 program, with no atomics, and its additions follow the id's occurrence list only: two identical steps give
 identical bits (not the reference's bits: a sequential sum, not a pairwise tree; the tests compare both
-with float64). The segment bounds come from `searchsorted` on the sorted ids, on the device, with no host
-synchronisation. A frequent id is one long sequential loop in one program (a load imbalance, not a
+with float64). The segment bounds come from `searchsorted` on the sorted ids, on the device; the one host read is the
+range check of the sorted ids' two ends (an out-of-range id would otherwise write outside dW). A frequent id is one long sequential loop in one program (a load imbalance, not a
 correctness issue).
 """
 
@@ -49,8 +49,9 @@ def _segment_sum_kernel(dh_ptr, order_ptr, seg_ids_ptr, start_ptr, end_ptr, out_
 
 
 def embedding_backward(dh: torch.Tensor, ids: torch.Tensor, num_embeddings: int) -> torch.Tensor:
-    """The Triton path: dh [..., D] (fp16/bf16/fp32), ids [...] int -> dW [num_embeddings, D] fp32.
-    Ids must lie in [0, num_embeddings) (the forward's gather has checked them)."""
+    """The Triton path: dh [..., D] (fp16/bf16/fp32), ids [...] int in [0, num_embeddings) -> dW
+    [num_embeddings, D] fp32. Out-of-range ids are a ValueError (one small device-to-host read of the
+    sorted ids' two ends), never a write outside dW."""
     op = "embedding_backward"
     if not isinstance(dh, torch.Tensor) or not isinstance(ids, torch.Tensor) or dh.dim() < 1:
         raise TypeError(f"{op}: dh [..., D] and ids [...] must be torch.Tensors")
@@ -58,6 +59,8 @@ def embedding_backward(dh: torch.Tensor, ids: torch.Tensor, num_embeddings: int)
         raise ValueError(f"{op}: ids must be an integer tensor with one id per row of dh, got ids "
                          f"{tuple(ids.shape)} {ids.dtype} for dh {tuple(dh.shape)}")
     check_kernel_inputs(op, dh)
+    if isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int) or num_embeddings < 0:
+        raise ValueError(f"{op}: num_embeddings must be an int >= 0, got {num_embeddings!r}")
     if ids.device != dh.device:
         raise ValueError(f"{op}: ids must be on dh's device {dh.device}, got {ids.device}")
     d = dh.shape[-1]
@@ -70,6 +73,9 @@ def embedding_backward(dh: torch.Tensor, ids: torch.Tensor, num_embeddings: int)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     seg_ids, order = torch.sort(ids, stable=True)
+    lo, hi = seg_ids[[0, -1]].tolist()
+    if lo < 0 or hi >= num_embeddings:
+        raise ValueError(f"{op}: ids must lie in [0, {num_embeddings}), got ids from {lo} to {hi}")
     start = torch.searchsorted(seg_ids, seg_ids, right=False)
     end = torch.searchsorted(seg_ids, seg_ids, right=True)
     _segment_sum_kernel[(t, triton.cdiv(d, _BLOCK_D))](rows, order, seg_ids, start, end, out, d, rows.stride(0),
