@@ -13,8 +13,9 @@ adds the segment's rows one after another in ascending token order into an fp32 
 sort: ties keep token order) and writes that row once to dW[id]. So each output element is written by one
 program, with no atomics, and its additions follow the id's occurrence list only: two identical steps give
 identical bits (not the reference's bits: a sequential sum, not a pairwise tree; the tests compare both
-with float64). The segment bounds come from `searchsorted` on the sorted ids, on the device; the one host read is the
-range check of the sorted ids' two ends (an out-of-range id would otherwise write outside dW). A frequent id is one long sequential loop in one program (a load imbalance, not a
+with float64). The segment bounds come from `searchsorted` on the sorted ids, on the device; the one
+host read is the range check of the sorted ids' two ends (an out-of-range id would otherwise write
+outside dW). A frequent id is one long sequential loop in one program (a load imbalance, not a
 correctness issue).
 """
 
