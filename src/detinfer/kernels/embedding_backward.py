@@ -33,18 +33,33 @@ _BLOCK_D = 1024  # columns per program: 4 warps, 8 fp32 accumulators per thread
 
 
 @triton.jit
+def _sorted_row(dh_ptr, order_ptr, q, end, dh_st, cols, D):
+    """Row of dh at sorted position q in fp32; -0.0 past the segment's end (x + -0.0 == x for every x, the
+    sign of a zero included, so a padded step adds nothing). q passes the end by at most 3 (the last step)."""
+    tok = tl.load(order_ptr + tl.minimum(q, end - 1))  # a valid position either way
+    return tl.load(dh_ptr + tok * dh_st + cols, mask=cols < tl.where(q < end, D, 0), other=-0.0).to(tl.float32)
+
+
+@triton.jit
 def _segment_sum_kernel(dh_ptr, order_ptr, seg_ids_ptr, start_ptr, end_ptr, out_ptr, D, dh_st, out_st,
                         BLOCK_D: tl.constexpr):
     pos = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    ok = cols < D
     first = tl.load(start_ptr + pos) == pos  # this position opens its id's segment
     # the other positions of a segment loop over nothing and store nothing
     end = tl.where(first, tl.load(end_ptr + pos).to(tl.int32), pos)  # int32 loop bounds: T < 2**31
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for p in range(pos, end):  # ascending sorted position = ascending token order within the id
-        tok = tl.load(order_ptr + p)
-        acc += tl.load(dh_ptr + tok * dh_st + cols, mask=ok, other=0.0).to(tl.float32)
+    # ascending sorted position = ascending token order within the id. Four rows per step, all four loads
+    # issued before the adds (memory-level parallelism on long segments), then added one after another.
+    for p in range(pos, end, 4):
+        r0 = _sorted_row(dh_ptr, order_ptr, p, end, dh_st, cols, D)
+        r1 = _sorted_row(dh_ptr, order_ptr, p + 1, end, dh_st, cols, D)
+        r2 = _sorted_row(dh_ptr, order_ptr, p + 2, end, dh_st, cols, D)
+        r3 = _sorted_row(dh_ptr, order_ptr, p + 3, end, dh_st, cols, D)
+        acc = acc + r0
+        acc = acc + r1
+        acc = acc + r2
+        acc = acc + r3
     vid = tl.load(seg_ids_ptr + pos)
     tl.store(out_ptr + vid * out_st + cols, acc, mask=cols < tl.where(first, D, 0))
 
