@@ -288,3 +288,32 @@ def test_gpu_functions_take_the_triton_kernels(dtype):
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     ids = torch.tensor([3, 1, 3, 0, 2], device=DEV)
     assert torch.equal(functions._embedding_backward(d, ids, 4), embedding_backward(d, ids, 4))
+
+
+@pytest.mark.gpu
+def test_gpu_functions_fp32_gradients_match_fp64_autograd():
+    """The autograd Functions on CUDA (their backwards the Triton kernels) against fp64 stock autograd."""
+    from detinfer.kernels.rmsnorm import rms_norm
+    from detinfer.kernels.silu_mul import silu_mul
+
+    def leaves(*ts):
+        return [t.detach().requires_grad_() for t in ts], [t.detach().double().requires_grad_() for t in ts]
+
+    def check(out, inputs, out64, inputs64):
+        gout = [_randn(*o.shape, seed=9) for o in out]
+        got = torch.autograd.grad(out, inputs, gout)
+        want = torch.autograd.grad(out64, inputs64, [g.double() for g in gout])
+        for a, b in zip(got, want):
+            assert (a.double() - b).abs().max().item() <= 1e-4 * (b.abs().max().item() + 1)
+
+    (x, nw, r), (x64, nw64, r64) = leaves(_randn(37, 300, seed=1), 1 + 0.1 * _randn(300, seed=2),
+                                          _randn(37, 300, seed=3))
+    y, h = functions.RMSNormFn.apply(x, nw, r, 1e-6, rms_norm)
+    h64 = x64 + r64
+    y64 = nw64 * h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-6)
+    check((y, h), (x, nw, r), (y64, h64), (x64, nw64, r64))
+    (g, u), (g64, u64) = leaves(_randn(37, 300, seed=4), _randn(37, 300, seed=5))
+    check((functions.SiLUMulFn.apply(g, u, silu_mul),), (g, u), (torch.nn.functional.silu(g64) * u64,), (g64, u64))
+    (w,), (w64,) = leaves(_randn(50, 300, seed=6))
+    ids = torch.randint(0, 50, (200,), generator=torch.Generator().manual_seed(7)).to(DEV)
+    check((functions.EmbeddingFn.apply(ids, w),), (w,), (torch.nn.functional.embedding(ids, w64),), (w64,))
