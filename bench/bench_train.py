@@ -22,7 +22,9 @@ step     Qwen3-8B shapes truncated to --layers layers (full vocab 151936), bf16 
 kernels  each backward kernel vs the stock op it replaces, at the step's shapes (T = seqs x seq_len):
          dW (weight_grad) vs dY^T @ X (cuBLAS), dX (invariant matmul) vs dY @ W (cuBLAS), attention
          backward vs SDPA's backward (flash; fwd+bwd minus fwd), RMSNorm / SiLU*mul / RoPE /
-         log_softmax+gather / embedding backward vs stock autograd. Compute-bound kernels report the
+         log_softmax+gather / embedding backward vs stock autograd (RMSNorm, SiLU*mul and embedding: the
+         Triton kernels, each followed by a "torch ref" row timing its pure-torch reference against the
+         same stock time). Compute-bound kernels report the
          fraction of PEAK_FLOPS, memory-bound ones of PEAK_BW (bytes that must move: inputs read once,
          outputs written once).
 Times: medians of triton.testing.do_bench (CUDA events, L2 flushed before each call).
@@ -33,6 +35,9 @@ deterministic 1.3-1.6x fast: the invariant forward matmul runs at ~80-90% of cuB
 plain non-persistent 128x128x64 tile loop) at ~60-75% of cuBLAS, the attention backward (8 tile matmuls
 per tile pair vs FA2's 5, two kernels) at ~40-60% of SDPA's, and the elementwise backwards in pure torch
 (fold_sum passes) at 20-50% of HBM bandwidth.
+Prediction for the Triton elementwise backwards (written before their first GPU run): SiLU*mul 70-85% of
+PEAK_BW (one pass, 16-byte accesses), RMSNorm+residual 55-75% (one pass, but one program walks 16 rows in
+turn and writes dx twice), embedding 60-80% (its time is mostly the zero fill of the fp32 [V, D] dW).
 """
 
 from __future__ import annotations
@@ -177,9 +182,9 @@ def _attention_row(seqs: int, seq_len: int) -> dict:
 
 
 def _norm_act_rope_rows(t: int, seq_len: int) -> list[dict]:
-    from detinfer.kernels.rmsnorm_backward import rms_norm_backward_ref
+    from detinfer.kernels.rmsnorm_backward import rms_norm_backward, rms_norm_backward_ref
     from detinfer.kernels.rope_backward import rope_angles, rope_backward_ref
-    from detinfer.kernels.silu_mul_backward import silu_mul_backward_ref
+    from detinfer.kernels.silu_mul_backward import silu_mul_backward, silu_mul_backward_ref
 
     bf, h, inter, hq, d = DT, SHAPE["h"], SHAPE["inter"], SHAPE["hq"], SHAPE["d"]
     x, r, dy, dh = _rn(t, h), _rn(t, h), _rn(t, h), _rn(t, h)
@@ -188,13 +193,20 @@ def _norm_act_rope_rows(t: int, seq_len: int) -> list[dict]:
     hh = xs + rs
     hf = hh.float()
     ys = (ws * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(bf), hh)
-    rows = [_row(f"rmsnorm+residual bwd [{t}x{h}]", bench(lambda: rms_norm_backward_ref(dy, dh, x, r, wn, 1e-6)),
-                 bench(lambda: torch.autograd.grad(ys, (xs, rs, ws), (dy, dh), retain_graph=True)),
-                 nbytes=2 * t * h * 5)]
+    # bytes that must move: dy, dh, x, residual read, dx written once (the kernel also writes dresidual,
+    # a separate tensor, so its ceiling is 5/6 of PEAK_BW)
+    rms_stock = bench(lambda: torch.autograd.grad(ys, (xs, rs, ws), (dy, dh), retain_graph=True))
+    rows = [_row(f"rmsnorm+residual bwd [{t}x{h}]", bench(lambda: rms_norm_backward(dy, dh, x, r, wn, 1e-6)),
+                 rms_stock, nbytes=2 * t * h * 5),
+            _row(f"  torch ref [{t}x{h}]", bench(lambda: rms_norm_backward_ref(dy, dh, x, r, wn, 1e-6)),
+                 rms_stock, nbytes=2 * t * h * 5)]
     gt, up, dout = _rn(t, inter), _rn(t, inter), _rn(t, inter)
     gs, us = gt.detach().requires_grad_(), up.detach().requires_grad_()
-    rows.append(_row(f"silu*mul bwd [{t}x{inter}]", bench(lambda: silu_mul_backward_ref(dout, gt, up)),
-                     _grad_time(lambda a, b: F.silu(a) * b, (gs, us), dout), nbytes=2 * t * inter * 5))
+    silu_stock = _grad_time(lambda a, b: F.silu(a) * b, (gs, us), dout)
+    rows.append(_row(f"silu*mul bwd [{t}x{inter}]", bench(lambda: silu_mul_backward(dout, gt, up)), silu_stock,
+                     nbytes=2 * t * inter * 5))
+    rows.append(_row(f"  torch ref [{t}x{inter}]", bench(lambda: silu_mul_backward_ref(dout, gt, up)), silu_stock,
+                     nbytes=2 * t * inter * 5))
     pos = torch.arange(t, device=DEV) % seq_len
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=DEV).float() / d))
     cos, sin = rope_angles(pos, inv_freq)
@@ -210,7 +222,7 @@ def _norm_act_rope_rows(t: int, seq_len: int) -> list[dict]:
 
 
 def _vocab_rows(t: int) -> list[dict]:
-    from detinfer.kernels.embedding_backward import embedding_backward_ref
+    from detinfer.kernels.embedding_backward import embedding_backward, embedding_backward_ref
     from detinfer.kernels.log_softmax_backward import log_softmax_gather_backward_ref
 
     vocab, h = SHAPE["vocab"], SHAPE["h"]
@@ -226,8 +238,11 @@ def _vocab_rows(t: int) -> list[dict]:
     emb = _rn(vocab, h).requires_grad_()
     ids = torch.randint(0, vocab, (t,), device=DEV)
     dy = _rn(t, h)
-    rows.append(_row(f"embedding bwd [{t} ids, {vocab}x{h}]", bench(lambda: embedding_backward_ref(dy, ids, vocab)),
-                     _grad_time(lambda e: F.embedding(ids, e), (emb,), dy), nbytes=t * h * 2 + vocab * h * 4))
+    emb_stock, emb_bytes = _grad_time(lambda e: F.embedding(ids, e), (emb,), dy), t * h * 2 + vocab * h * 4
+    rows.append(_row(f"embedding bwd [{t} ids, {vocab}x{h}]", bench(lambda: embedding_backward(dy, ids, vocab)),
+                     emb_stock, nbytes=emb_bytes))
+    rows.append(_row(f"  torch ref [{t} ids]", bench(lambda: embedding_backward_ref(dy, ids, vocab)), emb_stock,
+                     nbytes=emb_bytes))
     return rows
 
 

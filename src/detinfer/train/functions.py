@@ -16,16 +16,34 @@ import torch.nn.functional as F
 
 from detinfer.kernels._launch import interpreting
 from detinfer.kernels.attention_backward import attention_backward, attention_backward_ref, kernel_supports
-from detinfer.kernels.embedding_backward import embedding_backward_ref
-from detinfer.kernels.linear_backward import linear_backward
+from detinfer.kernels.embedding_backward import embedding_backward, embedding_backward_ref
+from detinfer.kernels.linear_backward import linear_backward, use_triton
 from detinfer.kernels.log_softmax_backward import log_softmax_gather_backward_ref
 from detinfer.kernels.moe_backward import moe_backward
-from detinfer.kernels.rmsnorm_backward import rms_norm_backward_ref
+from detinfer.kernels.rmsnorm import MAX_D
+from detinfer.kernels.rmsnorm_backward import rms_norm_backward, rms_norm_backward_ref
 from detinfer.kernels.rope_backward import rope_angles, rope_backward_ref
-from detinfer.kernels.silu_mul_backward import silu_mul_backward_ref
+from detinfer.kernels.silu_mul_backward import silu_mul_backward, silu_mul_backward_ref
 
 __all__ = ["AttentionFn", "EmbeddingFn", "LinearFn", "LogprobFn", "MoEFn", "QKNormRopeFn", "RMSNormFn",
            "RotaryFn", "SiLUMulFn"]
+
+
+def _rms_norm_backward(dy, dh, x, residual, weight, eps: float):
+    """The Triton kernel for CUDA tensors of kernel dtypes and D <= MAX_D; the reference elsewhere (CPU,
+    fp64). Both give the reference's results (the kernel's bits differ, not its accuracy)."""
+    kernel = use_triton(dy, dh, x, residual, weight) and 1 <= x.shape[-1] <= MAX_D
+    return (rms_norm_backward if kernel else rms_norm_backward_ref)(dy, dh, x, residual, weight, eps)
+
+
+def _silu_mul_backward(dout, gate, up):
+    """The Triton kernel for CUDA tensors of kernel dtypes; the reference elsewhere (CPU, fp64)."""
+    return (silu_mul_backward if use_triton(dout, gate, up) else silu_mul_backward_ref)(dout, gate, up)
+
+
+def _embedding_backward(dh, ids, num_embeddings: int):
+    """The Triton segment sum for CUDA tensors of kernel dtypes; the reference elsewhere (CPU, fp64)."""
+    return (embedding_backward if use_triton(dh) else embedding_backward_ref)(dh, ids, num_embeddings)
 
 
 class LinearFn(torch.autograd.Function):
@@ -74,7 +92,7 @@ class RMSNormFn(torch.autograd.Function):
         x, weight, residual = ctx.saved_tensors
         if dy is None:
             dy = torch.zeros_like(x)
-        dx, dres, dw = rms_norm_backward_ref(dy, dh, x, residual, weight, ctx.eps)
+        dx, dres, dw = _rms_norm_backward(dy, dh, x, residual, weight, ctx.eps)
         return dx, dw, dres, None, None
 
 
@@ -87,7 +105,7 @@ class SiLUMulFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         gate, up = ctx.saved_tensors
-        dgate, dup = silu_mul_backward_ref(dout, gate, up)
+        dgate, dup = _silu_mul_backward(dout, gate, up)
         return dgate, dup, None
 
 
@@ -135,7 +153,7 @@ class QKNormRopeFn(torch.autograd.Function):
             if w is None:
                 grads.append((dn, None))
             else:
-                dx, _, dw = rms_norm_backward_ref(dn, None, x, None, w, ctx.eps)
+                dx, _, dw = _rms_norm_backward(dn, None, x, None, w, ctx.eps)
                 grads.append((dx, dw))
         (dq_in, dwq), (dk_in, dwk) = grads
         return dq_in, dk_in, dwq, dwk, None, None, None, None
@@ -151,7 +169,7 @@ class EmbeddingFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dh):
         (ids,) = ctx.saved_tensors
-        return None, embedding_backward_ref(dh, ids, ctx.num_embeddings)
+        return None, _embedding_backward(dh, ids, ctx.num_embeddings)
 
 
 class LogprobFn(torch.autograd.Function):
