@@ -1,6 +1,6 @@
-"""The server's engine front ends over a scripted fake engine: AsyncEngine (engine loop thread + asyncio
-streams) and CoreAsyncEngine (the engine core's real loop and wire format, here with the core on a thread of
-the test process so the fake engine can be scripted): admission bound, aborts, engine failure, shutdown and
+"""The server's engine front ends over a scripted fake engine: AsyncEngine (the engine core on a thread +
+asyncio streams) and CoreAsyncEngine (the engine core's real loop and wire format, here with the core on a
+thread of the test process so the fake engine can be scripted): admission bound, aborts, engine failure, shutdown and
 drain, cancellation while adding. Every test runs against both, so they keep the same semantics. Each test
 runs its own event loop and bounds every wait, so a bug shows as a failure, never as a hung CI job."""
 
@@ -14,7 +14,8 @@ import time
 import pytest
 
 from detinfer.engine import core_wire as wire
-from detinfer.engine.core_process import CoreLoop, EngineCoreError
+from detinfer.engine.core import EngineCoreError, Shutdown
+from detinfer.engine.core_process import serve_core
 from detinfer.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from detinfer.server.async_engine import (
     AsyncEngine,
@@ -85,7 +86,7 @@ def run(coro):
 
 
 class ThreadCore:
-    """Stands in for a started CoreProcess: the real CoreLoop over `engine`, on a thread, across a socketpair."""
+    """Stands in for a started CoreProcess: the real EngineCore over `engine`, on a thread, across a socketpair."""
 
     pid = 0
 
@@ -96,7 +97,7 @@ class ThreadCore:
 
     def _run(self, engine) -> None:
         try:
-            CoreLoop(engine, self._theirs).run()
+            serve_core(engine, self._theirs)
         except (EOFError, ConnectionError, EngineCoreError):
             pass
         finally:
@@ -107,7 +108,7 @@ class ThreadCore:
 
     def close(self) -> None:
         try:
-            wire.send(self.sock, ("shutdown",))
+            wire.send(self.sock, Shutdown())
             wire.drain_until_closed(self.sock, WAIT_S)
         except OSError:
             pass
