@@ -187,7 +187,7 @@ def test_core_holds_admin_until_idle_and_aborts_reach_held_adds(dirs, transport)
     The same with the core on a thread and behind the process wire format."""
     import threading
 
-    from detinfer.engine.core import Abort, AddRequests, Added, Admin, Reply, Shutdown, StepDone
+    from detinfer.engine.core import Abort, Added, AddRequests, Admin, Reply, Shutdown, StepDone
 
     engine = LLMEngine(dirs[0], CONFIG, device="cpu")
     t = transport(engine)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from detinfer.engine import core_wire as wire
-from detinfer.engine.core import Abort, AddRequests, Added, Call, Failed, Reply, Stats, StepDone
+from detinfer.engine.core import Abort, Added, AddRequests, Call, Failed, Reply, Stats, StepDone
 from detinfer.engine.core_process import CoreSpec, EngineCoreError, start_core
 from detinfer.engine.outputs import RequestOutput
 
