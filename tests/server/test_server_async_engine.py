@@ -346,3 +346,43 @@ def test_an_unexpected_add_failure_is_that_request_s_error(front):
         await ae.shutdown()
 
     run(main())
+
+
+def test_admin_waits_for_requests_in_flight_and_holds_later_ones(front):
+    """An admin operation runs once the requests before it finished, with none of the requests sent after it
+    started; its errors come back as ValueError (bad op) or EngineUnavailableError (the engine failed)."""
+    class Admins(FakeEngine):
+        def reset_prefix_cache(self):
+            self.seen_at_reset = (self.steps, dict(self.requests))
+            return 0
+
+    fake = Admins(step_seconds=0.002)
+
+    async def main():
+        ae = await _started(front, fake)
+        first = await ae.add_request("a", [1], 5)
+        admin = asyncio.ensure_future(ae.admin("reset_prefix_cache"))
+        await asyncio.sleep(0)  # the operation is sent before the next request
+        later = asyncio.ensure_future(ae.add_request("b", [1], 2))
+        assert await admin == {"prefix_cache_blocks_dropped": 0}
+        assert fake.seen_at_reset[0] >= 5 and not fake.seen_at_reset[1]  # "a" had finished, "b" not added
+        assert (await _collect(first)).finished and (await _collect(await later)).finished
+        with pytest.raises(ValueError, match="unknown admin operation"):
+            await ae.admin("nope")
+        await ae.shutdown()
+
+    run(main())
+
+
+def test_an_admin_operation_waiting_when_the_engine_fails_gets_503(front):
+    async def main():
+        ae = await _started(front, FakeEngine(fail_at_step=3))
+        s = await ae.add_request("r", [1], 100)
+        admin = asyncio.ensure_future(ae.admin("reset_prefix_cache"))  # held behind "r", which never ends
+        with pytest.raises(EngineUnavailableError, match="device lost"):
+            await _collect(s)
+        with pytest.raises(EngineUnavailableError, match="device lost"):
+            await admin
+        await ae.shutdown()
+
+    run(main())

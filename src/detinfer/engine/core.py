@@ -148,15 +148,13 @@ def take_from(commands: queue.SimpleQueue) -> Callable[[float | None], list]:
     """EngineCore's `take` over a queue that threads of the same process put commands on."""
 
     def take(timeout: float | None) -> list:
+        taken = []
         try:
-            out = [commands.get(timeout=timeout) if timeout != 0 else commands.get_nowait()]
+            taken.append(commands.get(timeout=timeout))
+            while True:
+                taken.append(commands.get_nowait())
         except queue.Empty:
-            return []
-        while True:
-            try:
-                out.append(commands.get_nowait())
-            except queue.Empty:
-                return out
+            return taken
 
     return take
 

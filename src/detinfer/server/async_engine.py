@@ -214,9 +214,7 @@ class AsyncEngine:
         if not self._started:
             return
         self._abort(list(self._streams), RequestAborted(SHUTTING_DOWN))
-        for token in list(self._adds):
-            self._answer_add(token, EngineUnavailableError(SHUTTING_DOWN))
-        self._fail_admins(EngineUnavailableError(SHUTTING_DOWN))
+        self._refuse_unanswered(EngineUnavailableError(SHUTTING_DOWN))
         await self._stop_core()
         self._started = False
         self.metrics.engine_alive.set(0)
@@ -356,7 +354,10 @@ class AsyncEngine:
                 self._deliver(s, aborted, True)
         _resolve(accepted, exc)
 
-    def _fail_admins(self, exc: BaseException) -> None:
+    def _refuse_unanswered(self, exc: BaseException) -> None:
+        """Every add and admin operation the core has not answered gets `exc` (the core will not answer)."""
+        for token in list(self._adds):
+            self._answer_add(token, exc)
         for token in list(self._admins):
             _resolve(self._admins.pop(token), exc)
 
@@ -393,9 +394,7 @@ class AsyncEngine:
         self.metrics.engine_alive.set(0)
         for request_id in list(self._streams):
             self._deliver(self._streams.pop(request_id), EngineUnavailableError(message), True)
-        for token in list(self._adds):
-            self._answer_add(token, EngineUnavailableError(message))
-        self._fail_admins(EngineUnavailableError(message))
+        self._refuse_unanswered(EngineUnavailableError(message))
         self._core_failed(cause, restarting)
 
     def _can_restart(self) -> bool:
