@@ -137,6 +137,13 @@ def error_of(e: BaseException) -> tuple[str, str]:
     return "other", repr(e)
 
 
+def exception_of(error: tuple[str, str], other: Callable[[str], BaseException] = RuntimeError) -> BaseException:
+    """The exception a front end raises for an `error_of` pair: ValueError/TypeError as such (the engine refused
+    the input), anything else as `other(message)`."""
+    kind, message = error
+    return {"ValueError": ValueError, "TypeError": TypeError}.get(kind, other)(message)
+
+
 def stats_dict(raw: Any) -> dict[str, float]:
     """Engine stats (a dict or a dataclass) as a plain dict of numbers."""
     if dataclasses.is_dataclass(raw) and not isinstance(raw, type):
@@ -180,7 +187,7 @@ class EngineCore:
             self.held.release(lambda: not engine.has_unfinished_requests(), self._apply_now)
             if not engine.has_unfinished_requests():  # block for commands only while there is nothing to step
                 commands = self.take(None)
-            else:  # held by the test gate: keep serving commands (aborts, shutdown) meanwhile
+            else:  # a core held by the test gate polls: it still serves aborts and Shutdown meanwhile
                 commands = self.take(0 if self._gate_allows() else 0.01)
             for cmd in commands:
                 if isinstance(cmd, Shutdown):

@@ -17,11 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from detinfer.engine import core_wire as wire
-from detinfer.engine.core import Abort, Added, AddRequests, Call, Failed, Reply, Stats, StepDone
+from detinfer.engine.core import Abort, Added, AddRequests, Call, Failed, Reply, Stats, StepDone, exception_of
 from detinfer.engine.core_process import CoreSpec, EngineCoreError, start_core
 from detinfer.engine.outputs import RequestOutput
-
-_ERRORS = {"ValueError": ValueError, "TypeError": TypeError}
 
 
 class EngineCoreClient:
@@ -85,8 +83,7 @@ class EngineCoreClient:
             event = self._recv()
             if isinstance(event, (Added, Reply)) and event.token == command.token:
                 if event.error is not None:
-                    kind, message = event.error
-                    raise _ERRORS.get(kind, RuntimeError)(message)
+                    raise exception_of(event.error)
                 return event
             self._inbox.append(event)
 

@@ -45,6 +45,7 @@ from detinfer.engine.core import (
     Shutdown,
     Stats,
     StepDone,
+    exception_of,
     take_from,
 )
 from detinfer.engine.outputs import RequestOutput
@@ -115,14 +116,7 @@ def _resolve(fut: asyncio.Future, exc: BaseException | None, result: Any = None)
         fut.set_exception(exc) if exc is not None else fut.set_result(result)
 
 
-def admin_error(kind: str, message: str) -> BaseException:
-    """An admin operation's failure as the server reports it: ValueError/TypeError (HTTP 400) or RequestFailed."""
-    return {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RequestFailed)(message)
-
-
-def add_error(kind: str, message: str) -> BaseException:
-    if kind in ("ValueError", "TypeError"):
-        return admin_error(kind, message)
+def _add_failed(message: str) -> RequestFailed:
     return RequestFailed(f"the engine could not add this request: {message}")
 
 
@@ -329,13 +323,13 @@ class AsyncEngine:
         if isinstance(event, StepDone):
             self._on_step(event)
         elif isinstance(event, Added):
-            self._answer_add(event.token, None if event.error is None else add_error(*event.error))
+            self._answer_add(event.token, None if event.error is None else exception_of(event.error, _add_failed))
         elif isinstance(event, Stats):
             self._set_stats(event.stats)
         elif isinstance(event, Reply):
             done = self._admins.pop(event.token, None)
             if done is not None:
-                _resolve(done, None if event.error is None else admin_error(*event.error), event.result)
+                _resolve(done, None if event.error is None else exception_of(event.error, RequestFailed), event.result)
         elif isinstance(event, Failed):
             self._fail(f"the engine failed: {event.message}")
 
