@@ -10,6 +10,7 @@ import asyncio
 import socket
 import threading
 import time
+import traceback
 
 import pytest
 
@@ -100,6 +101,8 @@ class ThreadCore:
             serve_core(engine, self._theirs)
         except (EOFError, ConnectionError, EngineCoreError):
             pass
+        except Exception:  # what an uncaught error does to the process: its traceback, then the exit
+            traceback.print_exc()
         finally:
             self._theirs.close()  # what a process's exit does: the front end sees EOF
 
@@ -383,6 +386,29 @@ def test_an_admin_operation_waiting_when_the_engine_fails_gets_503(front):
             await _collect(s)
         with pytest.raises(EngineUnavailableError, match="device lost"):
             await admin
+        await ae.shutdown()
+
+    run(main())
+
+
+def test_an_unexpected_error_in_the_core_fails_requests_instead_of_hanging(front):
+    """A core whose loop breaks outside a step (here the engine's has_unfinished_requests raises) ends: its
+    requests get EngineUnavailableError and /health turns 503, in both modes (the engine thread used to die
+    silently, leaving its requests waiting forever)."""
+    class Broken(FakeEngine):
+        def has_unfinished_requests(self):
+            if self.steps >= 2:
+                raise RuntimeError("scheduler state corrupt")
+            return super().has_unfinished_requests()
+
+    async def main():
+        ae = await _started(front, Broken())
+        s = await ae.add_request("r", [1], 100)
+        with pytest.raises(EngineUnavailableError):
+            await _collect(s)
+        assert not ae.is_healthy and ae.num_pending == 0
+        with pytest.raises(EngineUnavailableError):
+            await ae.add_request("r2", [1], 1)
         await ae.shutdown()
 
     run(main())
