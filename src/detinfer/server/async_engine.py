@@ -142,7 +142,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    # -- the core on a thread (CoreAsyncEngine overrides these four) ---------------------------------
+    # -- the core on a thread (CoreAsyncEngine overrides _start_core, _send, _outputs, _stop_core) ----
     def _start_core(self) -> None:
         core = EngineCore(self._engine, take_from(self._commands), self._emit_threadsafe)
         self._thread = threading.Thread(target=self._run_core, args=(core,), name="detinfer-engine", daemon=True)
