@@ -120,14 +120,8 @@ class EngineCoreClient:
         return []
 
     def _outputs(self, deltas: tuple) -> list[RequestOutput]:
-        outs = []
-        for delta in deltas:
-            out = self._assembler.apply(delta)
-            if out is None:
-                continue
-            if out.finished:
-                self._unfinished.discard(out.request_id)
-            outs.append(out)
+        outs = self._assembler.apply_step(deltas)
+        self._unfinished.difference_update(out.request_id for out in outs if out.finished)
         return outs
 
     def reset_prefix_cache(self) -> int:

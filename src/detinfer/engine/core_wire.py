@@ -20,6 +20,7 @@ import socket
 import struct
 import time
 from array import array
+from collections.abc import Callable
 from typing import Any
 
 from detinfer.engine.core import AddRequests
@@ -165,6 +166,17 @@ class OutputAssembler:
 
     def forget(self, request_id: str) -> None:
         self._reqs.pop(request_id, None)
+
+    def apply_step(self, deltas: tuple, keep: Callable[[str], bool] = lambda request_id: True) -> list[RequestOutput]:
+        """One step's RequestOutputs, for the requests `keep` accepts; the others are forgotten (aborted by the
+        front end already, or refused as part of an add)."""
+        outs = []
+        for delta in deltas:
+            if not keep(delta[0]):
+                self.forget(delta[0])
+            elif (out := self.apply(delta)) is not None:
+                outs.append(out)
+        return outs
 
     def apply(self, delta: tuple) -> RequestOutput | None:
         """The request's RequestOutput after this delta; None for a request this side does not track (its

@@ -76,15 +76,7 @@ class CoreAsyncEngine(AsyncEngine):
         self._write(wire.encode_prompts(command))
 
     def _outputs(self, deltas: tuple) -> list[RequestOutput]:
-        outs = []
-        for delta in deltas:
-            if delta[0] not in self._streams:  # aborted here already, or refused as part of an add
-                self._assembler.forget(delta[0])
-                continue
-            out = self._assembler.apply(delta)
-            if out is not None:  # always (an add's answer precedes its first delta); never crash the loop
-                outs.append(out)
-        return outs
+        return self._assembler.apply_step(deltas, self._streams.__contains__)
 
     async def _stop_core(self) -> None:
         if self._restart_task is not None:
