@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from detinfer.engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from detinfer.engine.core_process import EngineCoreError
+from detinfer.engine.core import EngineCoreError
 from detinfer.engine.core_wire import OutputAssembler, OutputEncoder, decode_prompt, encode_prompt
 from detinfer.engine.testing import CoreStepGate
 from detinfer.models.testing import write_tiny_checkpoint

@@ -127,43 +127,104 @@ def test_admin_refuses_a_busy_engine_and_unknown_ops(dirs):
         run_admin(engine, "reset_prefix_cache")
 
 
-# -- the engine core's loop: admin held until idle, aborts of held adds ------------------------------------
-def test_core_loop_holds_admin_until_idle_and_aborts_reach_held_adds(dirs):
-    """Over the real core protocol (a socketpair, CoreLoop on a thread): an admin operation sent while A runs
-    is answered only after A's final output; B, added behind it and aborted before its add was applied, ends
-    with finish_reason "abort" and no token (it must not run to max_tokens after the operation)."""
-    import socket
+# -- the engine core: admin held until idle, aborts of held adds, over both transports ----------------------
+class _QueueTransport:
+    """EngineCore on a thread, commands through a queue (the server's --no-engine-process mode)."""
+
+    def __init__(self, engine):
+        import queue
+
+        from detinfer.engine.core import EngineCore, take_from
+
+        self.commands, self.events = queue.SimpleQueue(), queue.SimpleQueue()
+        self.core = EngineCore(engine, take_from(self.commands), self.events.put)
+
+    def send(self, command):
+        self.commands.put(command)
+
+    def recv(self):
+        return self.events.get(timeout=60)
+
+    def output(self, out):
+        return out
+
+    def run(self):
+        self.core.run()
+
+
+class _SocketTransport:
+    """EngineCore behind core_wire's framing (the engine process's loop, here on a thread): deltas out."""
+
+    def __init__(self, engine):
+        import socket
+
+        from detinfer.engine import core_wire as wire
+
+        self.wire, self.engine = wire, engine
+        self.ours, self.theirs = socket.socketpair()
+        self.assembler = wire.OutputAssembler()
+
+    def send(self, command):
+        self.wire.send(self.ours, self.wire.encode_prompts(command))
+
+    def recv(self):
+        return self.wire.recv(self.ours)
+
+    def output(self, delta):
+        return self.assembler.apply(delta)
+
+    def run(self):
+        from detinfer.engine.core_process import serve_core
+
+        serve_core(self.engine, self.theirs)
+
+
+@pytest.mark.parametrize("transport", [_QueueTransport, _SocketTransport])
+def test_core_holds_admin_until_idle_and_aborts_reach_held_adds(dirs, transport):
+    """An admin operation sent while A runs is answered only after A's final output; B, added behind it and
+    aborted before its add was applied, ends with finish_reason "abort" and no token (it must not run to
+    max_tokens after the operation); C, refused as a group for C1's empty prompt, leaves nothing running.
+    The same with the core on a thread and behind the process wire format."""
     import threading
 
-    from detinfer.engine import core_wire as wire
-    from detinfer.engine.core_process import CoreLoop
+    from detinfer.engine.core import Abort, Added, AddRequests, Admin, Reply, Shutdown, StepDone
 
     engine = LLMEngine(dirs[0], CONFIG, device="cpu")
-    ours, theirs = socket.socketpair()
-    loop = threading.Thread(target=CoreLoop(engine, theirs).run, daemon=True)
+    t = transport(engine)
     long = SamplingParams(max_tokens=30, ignore_eos=True)
-    wire.send(ours, ("add", 0, (("A", wire.encode_prompt([1, 2, 3, 4, 5]), long),)))
-    wire.send(ours, ("admin", 1, "reset_prefix_cache", None))
-    wire.send(ours, ("add", 2, (("B", wire.encode_prompt([5, 4, 3]), long),)))
-    wire.send(ours, ("abort", ("B",)))
-    loop.start()  # all four are queued before the loop reads any: A is running when the admin op arrives
-    assembler, events, finals = wire.OutputAssembler(), [], {}
-    while len(finals) < 2 or "reply" not in events:
-        msg = wire.recv(ours)
-        if msg[0] == "step":
-            for delta in msg[3]:
-                out = assembler.apply(delta)
-                if out is not None and out.finished:
+    t.send(AddRequests(0, (("A", [1, 2, 3, 4, 5], long),)))
+    t.send(Admin(1, "reset_prefix_cache"))
+    t.send(AddRequests(2, (("B", [5, 4, 3], long),)))
+    t.send(Abort(("B",)))
+    t.send(AddRequests(3, (("C0", [1, 2], long), ("C1", [], long))))
+    loop = threading.Thread(target=t.run, daemon=True)
+    loop.start()  # all are queued before the loop reads any: A is running when the admin op arrives
+    events, finals, added = [], {}, {}
+    while len(finals) < 2 or "reply" not in events or len(added) < 3:
+        event = t.recv()
+        if isinstance(event, StepDone):
+            for item in event.outputs:
+                out = t.output(item)
+                if out.request_id == "C0":  # rolled back: it only reports its abort (the front end drops it)
+                    assert out.finished and out.outputs[0].finish_reason == "abort" and not out.outputs[0].token_ids
+                    continue
+                assert out.request_id in ("A", "B")
+                if out.finished:
                     finals[out.request_id] = out
                     events.append(f"final {out.request_id}")
-        elif msg[0] in ("reply", "added"):
-            events.append(msg[0])
-            assert msg[0] != "reply" or msg[3] is None, msg
-    wire.send(ours, ("shutdown",))
+        elif isinstance(event, Reply):
+            events.append("reply")
+            assert event.error is None and event.token == 1, event
+        elif isinstance(event, Added):
+            added[event.token] = event.error
+    t.send(Shutdown())
     loop.join(30)
+    assert not loop.is_alive()
     assert events.index("final A") < events.index("reply")
     assert finals["A"].outputs[0].finish_reason == "length" and len(finals["A"].outputs[0].token_ids) == 30
     assert finals["B"].outputs[0].finish_reason == "abort" and finals["B"].outputs[0].token_ids == ()
+    assert added[0] is None and added[2] is None and added[3][0] == "ValueError"
+    assert not engine.has_unfinished_requests()
 
 
 @pytest.mark.gpu

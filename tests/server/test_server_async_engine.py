@@ -1,6 +1,6 @@
-"""The server's engine front ends over a scripted fake engine: AsyncEngine (engine loop thread + asyncio
-streams) and CoreAsyncEngine (the engine core's real loop and wire format, here with the core on a thread of
-the test process so the fake engine can be scripted): admission bound, aborts, engine failure, shutdown and
+"""The server's engine front ends over a scripted fake engine: AsyncEngine (the engine core on a thread +
+asyncio streams) and CoreAsyncEngine (the engine core's real loop and wire format, here with the core on a
+thread of the test process so the fake engine can be scripted): admission bound, aborts, engine failure, shutdown and
 drain, cancellation while adding. Every test runs against both, so they keep the same semantics. Each test
 runs its own event loop and bounds every wait, so a bug shows as a failure, never as a hung CI job."""
 
@@ -10,11 +10,13 @@ import asyncio
 import socket
 import threading
 import time
+import traceback
 
 import pytest
 
 from detinfer.engine import core_wire as wire
-from detinfer.engine.core_process import CoreLoop, EngineCoreError
+from detinfer.engine.core import EngineCoreError, Shutdown
+from detinfer.engine.core_process import serve_core
 from detinfer.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from detinfer.server.async_engine import (
     AsyncEngine,
@@ -85,7 +87,7 @@ def run(coro):
 
 
 class ThreadCore:
-    """Stands in for a started CoreProcess: the real CoreLoop over `engine`, on a thread, across a socketpair."""
+    """Stands in for a started CoreProcess: the real EngineCore over `engine`, on a thread, across a socketpair."""
 
     pid = 0
 
@@ -96,9 +98,11 @@ class ThreadCore:
 
     def _run(self, engine) -> None:
         try:
-            CoreLoop(engine, self._theirs).run()
+            serve_core(engine, self._theirs)
         except (EOFError, ConnectionError, EngineCoreError):
             pass
+        except Exception:  # what an uncaught error does to the process: its traceback, then the exit
+            traceback.print_exc()
         finally:
             self._theirs.close()  # what a process's exit does: the front end sees EOF
 
@@ -107,7 +111,7 @@ class ThreadCore:
 
     def close(self) -> None:
         try:
-            wire.send(self.sock, ("shutdown",))
+            wire.send(self.sock, Shutdown())
             wire.drain_until_closed(self.sock, WAIT_S)
         except OSError:
             pass
@@ -342,6 +346,69 @@ def test_an_unexpected_add_failure_is_that_request_s_error(front):
             await ae.add_request("boom", [1], 2)
         assert ae.is_healthy and ae.num_pending == 0
         await _collect(await ae.add_request("fine", [1], 2))
+        await ae.shutdown()
+
+    run(main())
+
+
+def test_admin_waits_for_requests_in_flight_and_holds_later_ones(front):
+    """An admin operation runs once the requests before it finished, with none of the requests sent after it
+    started; its errors come back as ValueError (bad op) or EngineUnavailableError (the engine failed)."""
+    class Admins(FakeEngine):
+        def reset_prefix_cache(self):
+            self.seen_at_reset = (self.steps, dict(self.requests))
+            return 0
+
+    fake = Admins(step_seconds=0.002)
+
+    async def main():
+        ae = await _started(front, fake)
+        first = await ae.add_request("a", [1], 5)
+        admin = asyncio.ensure_future(ae.admin("reset_prefix_cache"))
+        await asyncio.sleep(0)  # the operation is sent before the next request
+        later = asyncio.ensure_future(ae.add_request("b", [1], 2))
+        assert await admin == {"prefix_cache_blocks_dropped": 0}
+        assert fake.seen_at_reset[0] >= 5 and not fake.seen_at_reset[1]  # "a" had finished, "b" not added
+        assert (await _collect(first)).finished and (await _collect(await later)).finished
+        with pytest.raises(ValueError, match="unknown admin operation"):
+            await ae.admin("nope")
+        await ae.shutdown()
+
+    run(main())
+
+
+def test_an_admin_operation_waiting_when_the_engine_fails_gets_503(front):
+    async def main():
+        ae = await _started(front, FakeEngine(fail_at_step=3))
+        s = await ae.add_request("r", [1], 100)
+        admin = asyncio.ensure_future(ae.admin("reset_prefix_cache"))  # held behind "r", which never ends
+        with pytest.raises(EngineUnavailableError, match="device lost"):
+            await _collect(s)
+        with pytest.raises(EngineUnavailableError, match="device lost"):
+            await admin
+        await ae.shutdown()
+
+    run(main())
+
+
+def test_an_unexpected_error_in_the_core_fails_requests_instead_of_hanging(front):
+    """A core whose loop breaks outside a step (here the engine's has_unfinished_requests raises) ends: its
+    requests get EngineUnavailableError and /health turns 503, in both modes (the engine thread used to die
+    silently, leaving its requests waiting forever)."""
+    class Broken(FakeEngine):
+        def has_unfinished_requests(self):
+            if self.steps >= 2:
+                raise RuntimeError("scheduler state corrupt")
+            return super().has_unfinished_requests()
+
+    async def main():
+        ae = await _started(front, Broken())
+        s = await ae.add_request("r", [1], 100)
+        with pytest.raises(EngineUnavailableError):
+            await _collect(s)
+        assert not ae.is_healthy and ae.num_pending == 0
+        with pytest.raises(EngineUnavailableError):
+            await ae.add_request("r2", [1], 1)
         await ae.shutdown()
 
     run(main())

@@ -1,6 +1,6 @@
 """Operations on a running engine that change or inspect its state as a whole: load new weights in place,
 reset the prefix cache, fingerprint the weights. The rollout server's admin endpoints reach them through the
-engine-core protocol (core_wire's "admin" message), so they work the same with the engine in its own process
+engine-core protocol (engine/core.py's `Admin` command), so they work the same with the engine in its own process
 and on the server's engine thread.
 
 Idle-only. Such an operation runs only while the engine has no unfinished request: in-flight requests finish

@@ -17,17 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from detinfer.engine import core_wire as wire
+from detinfer.engine.core import Abort, Added, AddRequests, Call, Failed, Reply, Stats, StepDone, exception_of
 from detinfer.engine.core_process import CoreSpec, EngineCoreError, start_core
 from detinfer.engine.outputs import RequestOutput
-
-_ERRORS = {"ValueError": ValueError, "TypeError": TypeError}
-
-
-def raise_remote(err: tuple[str, str], other_prefix: str) -> None:
-    kind, message = err
-    if kind in _ERRORS:
-        raise _ERRORS[kind](message)
-    raise RuntimeError(f"{other_prefix}: {message}")
 
 
 class EngineCoreClient:
@@ -50,28 +42,28 @@ class EngineCoreClient:
             raise
         self._assembler = wire.OutputAssembler()
         self._unfinished: set[str] = set()
-        self._inbox: collections.deque = collections.deque()  # step messages read while waiting for a reply
+        self._inbox: collections.deque = collections.deque()  # events read while waiting for an answer
         self._tokens = itertools.count()
         self._stats: dict[str, float] = {}
         self.error: EngineCoreError | None = None
 
     # -- transport -------------------------------------------------------------------------------------
-    def _send(self, message: tuple) -> None:
+    def _send(self, command: Any) -> None:
         self._check_alive()
         try:
-            wire.send(self.core.sock, message)
+            wire.send(self.core.sock, wire.encode_prompts(command))
         except OSError:
             self._died()
 
-    def _recv(self) -> tuple:
+    def _recv(self) -> Any:
         self._check_alive()
         try:
-            msg = wire.recv(self.core.sock)
+            event = wire.recv(self.core.sock)
         except (EOFError, OSError):
             self._died()
-        if msg[0] == "failed":
-            self._died(f"an engine step failed: {msg[1]}")
-        return msg
+        if isinstance(event, Failed):
+            self._died(f"an engine step failed: {event.message}")
+        return event
 
     def _check_alive(self) -> None:
         if self.error is not None:
@@ -84,12 +76,16 @@ class EngineCoreClient:
         self._unfinished.clear()
         raise self.error
 
-    def _wait_for(self, tag: str, token: int) -> tuple:
+    def _answer(self, command: Any) -> Any:
+        """Send `command` and wait for its answer (`Added` / `Reply`); the events before it wait for step()."""
+        self._send(command)
         while True:
-            msg = self._recv()
-            if msg[0] == tag and msg[1] == token:
-                return msg
-            self._inbox.append(msg)
+            event = self._recv()
+            if isinstance(event, (Added, Reply)) and event.token == command.token:
+                if event.error is not None:
+                    raise exception_of(event.error)
+                return event
+            self._inbox.append(event)
 
     # -- LLMEngine's interface -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params=None) -> None:
@@ -99,18 +95,13 @@ class EngineCoreClient:
         """Add these together: all are accepted, or none is (the engine's ValueError/TypeError is raised)."""
         from detinfer.engine.sampling_params import SamplingParams
 
-        token = next(self._tokens)
-        batch = tuple((rid, wire.encode_prompt(prompt), SamplingParams() if params is None else params)
-                      for rid, prompt, params in requests)
-        self._send(("add", token, batch))
-        err = self._wait_for("added", token)[2]
-        if err is not None:
-            raise_remote(err, "the engine core could not add the request")
+        batch = tuple((rid, prompt, SamplingParams() if params is None else params) for rid, prompt, params in requests)
+        self._answer(AddRequests(next(self._tokens), batch))
         self._unfinished.update(rid for rid, _, _ in requests)
 
     def abort_request(self, request_id: str) -> None:
         if self.error is None and request_id in self._unfinished:
-            self._send(("abort", (request_id,)))
+            self._send(Abort((request_id,)))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._unfinished)
@@ -121,39 +112,24 @@ class EngineCoreClient:
     def step(self) -> list[RequestOutput]:
         """The outputs of the core's next step (waits for it); [] when nothing is unfinished."""
         while self._unfinished:
-            msg = self._inbox.popleft() if self._inbox else self._recv()
-            if msg[0] == "stats":
-                self._stats = msg[1]
-            elif msg[0] == "step":
-                self._stats = msg[2]
-                return self._outputs(msg[3])
+            event = self._inbox.popleft() if self._inbox else self._recv()
+            if isinstance(event, (Stats, StepDone)):
+                self._stats = event.stats
+            if isinstance(event, StepDone):
+                return self._outputs(event.outputs)
         return []
 
-    def _outputs(self, deltas: list) -> list[RequestOutput]:
-        outs = []
-        for delta in deltas:
-            out = self._assembler.apply(delta)
-            if out is None:
-                continue
-            if out.finished:
-                self._unfinished.discard(out.request_id)
-            outs.append(out)
+    def _outputs(self, deltas: tuple) -> list[RequestOutput]:
+        outs = self._assembler.apply_step(deltas)
+        self._unfinished.difference_update(out.request_id for out in outs if out.finished)
         return outs
 
     def reset_prefix_cache(self) -> int:
-        return self._call("reset_prefix_cache")
+        return self._answer(Call(next(self._tokens), "reset_prefix_cache")).result
 
     def stats(self) -> dict[str, float]:
         """The latest engine stats the core sent (as a dict of numbers)."""
         return dict(self._stats)
-
-    def _call(self, method: str) -> Any:
-        token = next(self._tokens)
-        self._send(("call", token, method))
-        _, _, result, err = self._wait_for("reply", token)
-        if err is not None:
-            raise _ERRORS.get(err[0], RuntimeError)(err[1])
-        return result
 
     def close(self) -> None:
         """Stop the core process (idempotent)."""

@@ -1,16 +1,16 @@
 """The engine core in its own process: `start_core()` spawns it, `run_core()` is its whole life.
 
-The core owns the `LLMEngine` (scheduler, model runner, sampler, detokenizers) and steps it in a tight loop:
-take every command queued since the last step, apply them, run one step, send that step's outputs as one
-message. It never waits for the front end between steps, and the two processes never share a GIL, so HTTP
-parsing, JSON and streaming in the API process cannot delay a step.
+The process owns the `LLMEngine` (scheduler, model runner, sampler, detokenizers) and runs `core.EngineCore`
+over it, its commands and events crossing a socketpair (`core_wire`). It never waits for the front end
+between steps, and the two processes never share a GIL, so HTTP parsing, JSON and streaming in the API
+process cannot delay a step.
 
 Detokenization stays here, next to the scheduler: stop strings decide when a sequence finishes, so moving
 them out would have the core either run past a stop string or wait a round trip per token. The text a client
 gets is therefore made by the same code, in the same order, as in-process; what crosses is only its new part.
 
-Lifetime: the front end owns the core. The core exits when told ("shutdown"), when its socket reaches EOF
-(the front end exited or was killed: no orphan), or after a step that failed as a whole ("failed" first).
+Lifetime: the front end owns the core. The core exits when told (`Shutdown`), when its socket reaches EOF
+(the front end exited or was killed: no orphan), or after a step that failed as a whole (`Failed` first).
 It ignores SIGINT: Ctrl-C in a terminal reaches the whole process group, and the front end drains in-flight
 requests before it stops the core.
 """
@@ -28,24 +28,17 @@ import socket
 import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
 from detinfer.engine import core_wire as wire
-from detinfer.engine.admin import HeldCommands, run_admin
-
-log = logging.getLogger("detinfer.engine.core")
+from detinfer.engine.core import EngineCore, EngineCoreError, Ready, Shutdown, StartupError, StepDone
 
 SOCKET_BUFFER_BYTES = 4 << 20  # a few steps' outputs fit even while the front end is busy
 STOP_TIMEOUT_S = 10.0
 STEP_GATE_ENV = "DETINFER_TEST_STEP_GATE"  # test-only, see StepGate
 _STARTUP_ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "OSError": OSError,
                    "FileNotFoundError": FileNotFoundError, "KeyError": KeyError, "RuntimeError": RuntimeError}
-
-
-class EngineCoreError(RuntimeError):
-    """The engine core process died or failed; nothing it held can be recovered."""
 
 
 @dataclass(frozen=True)
@@ -97,11 +90,12 @@ def run_core(sock: socket.socket, spec: CoreSpec) -> None:
     try:
         engine = _build_engine(spec)
     except BaseException as e:  # noqa: BLE001 -- every start-up failure goes back with its message
-        wire.send(sock, ("startup_error", type(e).__name__, str(e) or repr(e)))
+        wire.send(sock, StartupError(type(e).__name__, str(e) or repr(e)))
         sys.exit(1)
-    wire.send(sock, ("ready", engine_info(engine)))
+    wire.send(sock, Ready(engine_info(engine)))
+    gate_path = os.environ.get(STEP_GATE_ENV)
     try:
-        CoreLoop(engine, sock).run()
+        serve_core(engine, sock, StepGate(gate_path) if gate_path else None)
     except (EOFError, ConnectionError):
         pass  # the front end is gone: nothing left to serve
     except EngineCoreError:
@@ -122,7 +116,7 @@ class StepGate:
         self.path, self.held_path = path, path + ".held"
         self._reported: tuple[int, int] | None = None
 
-    def allows(self, steps_done: int, engine) -> bool:
+    def __call__(self, steps_done: int, engine) -> bool:
         try:
             with open(self.path) as f:
                 limit = int(f.read().strip() or "-1")
@@ -141,105 +135,22 @@ class StepGate:
         return not engine.scheduler.has_unfinished()
 
 
-class CoreLoop:
-    def __init__(self, engine, sock: socket.socket):
-        self.engine, self.sock = engine, sock
-        self.encoder = wire.OutputEncoder()
-        self.steps = 0
-        self.held = HeldCommands(lambda msg: msg[0] == "admin")  # admin operations wait for an idle engine
-        gate_path = os.environ.get(STEP_GATE_ENV)
-        self.gate = StepGate(gate_path) if gate_path else None
+def serve_core(engine, sock: socket.socket, gate: StepGate | None = None) -> None:
+    """Run an EngineCore over `engine` whose commands and events cross `sock` (core_wire's framing)."""
+    encoder = wire.OutputEncoder()
 
-    def _gate_allows(self) -> bool:
-        return self.gate is None or self.gate.allows(self.steps, self.engine)
+    def take(timeout: float | None) -> list:
+        commands = []
+        while select.select([sock], [], [], 0 if commands else timeout)[0]:
+            commands.append(wire.decode_prompts(wire.recv(sock)))
+        return commands
 
-    def _readable(self) -> bool:
-        return bool(select.select([self.sock], [], [], 0)[0])
+    def emit(event) -> None:
+        if isinstance(event, StepDone):  # deltas: resending cumulative outputs would cost O(length^2)
+            event = dataclasses.replace(event, outputs=tuple(map(encoder.encode, event.outputs)))
+        wire.send(sock, event)
 
-    def run(self) -> None:
-        engine = self.engine
-        while True:
-            self.held.release(lambda: not engine.has_unfinished_requests(), self._apply_now)
-            if not engine.has_unfinished_requests():  # block for commands only while there is nothing to step
-                messages = [wire.recv(self.sock)]
-            elif self._gate_allows():
-                messages = []
-            else:  # held by the test gate: keep serving commands (aborts, shutdown) meanwhile
-                messages = [wire.recv(self.sock)] if select.select([self.sock], [], [], 0.01)[0] else []
-            while self._readable():
-                messages.append(wire.recv(self.sock))
-            for msg in messages:
-                if msg[0] == "shutdown":
-                    return
-                self._apply(msg)
-            if engine.has_unfinished_requests() and self._gate_allows():
-                self._step()
-                self.steps += 1
-            elif messages:
-                wire.send(self.sock, ("stats", wire.stats_dict(engine.stats())))
-
-    def _apply(self, msg: tuple) -> None:
-        if msg[0] in ("add", "admin") and self.held.offer(msg):
-            return  # behind an admin operation waiting for the requests in flight to finish
-        if msg[0] == "abort" and self.held:
-            # Now for requests already running (a load must not wait for a request nobody reads), and again
-            # after the held adds (the front end may abort a request whose add is still held here).
-            self.held.offer(msg)
-        self._apply_now(msg)
-
-    def _apply_now(self, msg: tuple) -> None:
-        tag = msg[0]
-        if tag == "admin":
-            try:
-                result, err = run_admin(self.engine, msg[2], msg[3]), None
-            except Exception as e:
-                if not isinstance(e, (ValueError, TypeError)):
-                    log.error("admin operation %s failed:\n%s", msg[2], traceback.format_exc())
-                result, err = None, wire.error_of(e)
-            wire.send(self.sock, ("reply", msg[1], result, err))
-            wire.send(self.sock, ("stats", wire.stats_dict(self.engine.stats())))
-        elif tag == "add":
-            self._add(msg[1], msg[2])
-        elif tag == "abort":
-            for request_id in msg[1]:
-                self.engine.abort_request(request_id)
-        elif tag == "call":
-            try:
-                result, err = getattr(self.engine, msg[2])(), None
-            except Exception as e:
-                result, err = None, (type(e).__name__, str(e))
-            wire.send(self.sock, ("reply", msg[1], result, err))
-        else:
-            raise ValueError(f"engine core: unknown message {tag!r}")
-
-    def _add(self, token: int, requests: tuple) -> None:
-        added: list[str] = []
-        try:
-            for request_id, prompt, params in requests:
-                self.engine.add_request(request_id, wire.decode_prompt(prompt), params)
-                added.append(request_id)
-        except Exception as e:
-            for request_id in added:  # all or none
-                self.engine.abort_request(request_id)
-            if not isinstance(e, (ValueError, TypeError)):
-                log.error("adding a request failed:\n%s", traceback.format_exc())
-            wire.send(self.sock, ("added", token, wire.error_of(e)))
-            return
-        wire.send(self.sock, ("added", token, None))
-
-    def _step(self) -> None:
-        t0 = time.perf_counter()
-        try:
-            outputs = self.engine.step()
-        except Exception as e:
-            # The engine isolates failures it can pin on one request; a step that still raises failed as a
-            # whole and the engine's state is unknown: report it and exit rather than serve wrong numbers.
-            log.error("engine step failed; the engine core exits:\n%s", traceback.format_exc())
-            wire.send(self.sock, ("failed", repr(e)))
-            raise EngineCoreError(repr(e)) from e
-        dt = time.perf_counter() - t0
-        encode = self.encoder.encode
-        wire.send(self.sock, ("step", dt, wire.stats_dict(self.engine.stats()), [encode(o) for o in outputs]))
+    EngineCore(engine, take, emit, gate).run()
 
 
 class CoreProcess:
@@ -276,7 +187,7 @@ class CoreProcess:
         atexit.unregister(self.close)
         try:
             self.sock.setblocking(True)
-            wire.send(self.sock, ("shutdown",))
+            wire.send(self.sock, Shutdown())
             wire.drain_until_closed(self.sock, timeout)  # the core exits, closing its end
         except OSError:
             pass
@@ -313,14 +224,14 @@ def start_core(spec: CoreSpec, *, timeout: float | None = None, cancel: threadin
             process.kill()
             process.join()
         raise
-    if msg[0] == "startup_error":
+    if isinstance(msg, StartupError):
         ours.close()
         process.join(STOP_TIMEOUT_S)
-        raise _STARTUP_ERRORS.get(msg[1], RuntimeError)(msg[2])
-    return CoreProcess(process, ours, msg[1], spec)
+        raise _STARTUP_ERRORS.get(msg.kind, RuntimeError)(msg.message)
+    return CoreProcess(process, ours, msg.info, spec)
 
 
-def _wait_ready(process, sock: socket.socket, timeout: float | None, cancel: threading.Event | None) -> tuple:
+def _wait_ready(process, sock: socket.socket, timeout: float | None, cancel: threading.Event | None):
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         if cancel is not None and cancel.is_set():

@@ -1,26 +1,10 @@
-"""What crosses between a front end (the API server, or `LLM(engine_process=True)`) and the engine core process.
+"""How `core.EngineCore`'s commands and events cross between a front end (the API server, or
+`LLM(engine_process=True)`) and the engine core process.
 
 Transport: one socketpair, length-prefixed frames (8-byte big-endian length, then the body). A body is one
-pickled message, a tuple whose first item is its tag. Only the two processes of one detinfer instance hold the
-ends of the pair, so pickle's trust model fits; its C implementation keeps encoding cheap, and Python floats
-cross as their exact 8 bytes, so logprobs arrive bit-identical.
-
-Front end -> core:
-    ("add", token, ((request_id, prompt, SamplingParams), ...))   all or none; answered by "added"
-    ("abort", (request_id, ...))
-    ("call", token, method_name)                                   an idle-engine call; answered by "reply"
-    ("admin", token, op, argument)                                 engine/admin.py's operations (load_weights,
-                                                                   reset_prefix_cache, weights_fingerprint);
-                                                                   held with every later command until the
-                                                                   engine is idle; answered by "reply"
-    ("shutdown",)
-Core -> front end:
-    ("ready", info) / ("startup_error", exception type name, message)
-    ("added", token, None | (kind, message))                     kind: "ValueError", "TypeError" or "other"
-    ("step", step_seconds, stats, deltas)                         one message per engine step
-    ("stats", stats)                                              after commands that ran no step
-    ("reply", token, result, None | (kind, message))
-    ("failed", message)                                           a step failed as a whole; the core exits
+pickled message, one of core.py's dataclasses. Only the two processes of one detinfer instance hold the ends
+of the pair, so pickle's trust model fits; its C implementation keeps encoding cheap, and Python floats cross
+as their exact 8 bytes, so logprobs arrive bit-identical.
 
 A prompt given as token ids crosses as `array('i')` bytes. Outputs cross as deltas: `LLMEngine.step()`
 returns cumulative outputs, so resending them would cost O(length^2); `OutputEncoder` (core) sends what is
@@ -36,20 +20,22 @@ import socket
 import struct
 import time
 from array import array
+from collections.abc import Callable
 from typing import Any
 
+from detinfer.engine.core import AddRequests
 from detinfer.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 
 HEADER = struct.Struct("!Q")
 _INT32 = (-(1 << 31), (1 << 31) - 1)
 
 
-def pack(message: tuple) -> bytes:
+def pack(message: Any) -> bytes:
     body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     return HEADER.pack(len(body)) + body
 
 
-def send(sock: socket.socket, message: tuple) -> None:
+def send(sock: socket.socket, message: Any) -> None:
     sock.sendall(pack(message))
 
 
@@ -64,7 +50,7 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def recv(sock: socket.socket) -> tuple:
+def recv(sock: socket.socket) -> Any:
     """The next message; EOFError when the other end closed (or died)."""
     (length,) = HEADER.unpack(_recv_exactly(sock, HEADER.size))
     return pickle.loads(_recv_exactly(sock, length))
@@ -72,7 +58,7 @@ def recv(sock: socket.socket) -> tuple:
 
 def drain_until_closed(sock: socket.socket, timeout: float) -> bool:
     """Read and drop whatever the other end still sends until it closes (True) or `timeout` passes (False).
-    Used after "shutdown": a core blocked writing outputs nobody reads any more can then see the message."""
+    Used after `Shutdown`: a core blocked writing outputs nobody reads any more can then see the message."""
     deadline = time.monotonic() + timeout
     while (left := deadline - time.monotonic()) > 0:
         if select.select([sock], [], [], left)[0] and not sock.recv(1 << 20):
@@ -86,7 +72,7 @@ class FrameReader:
     def __init__(self):
         self._buf = bytearray()
 
-    def feed(self, data: bytes) -> list[tuple]:
+    def feed(self, data: bytes) -> list:
         self._buf += data
         out, pos, buf = [], 0, self._buf
         while len(buf) - pos >= HEADER.size:
@@ -112,17 +98,18 @@ def decode_prompt(prompt: Any) -> Any:
     return array("i", prompt).tolist() if isinstance(prompt, bytes) else prompt
 
 
-def error_of(e: BaseException) -> tuple[str, str]:
-    if isinstance(e, (ValueError, TypeError)):
-        return type(e).__name__, str(e)
-    return "other", repr(e)
+def encode_prompts(command: Any) -> Any:
+    """An `AddRequests` with its prompts encoded for the wire (any other command as is)."""
+    if not isinstance(command, AddRequests):
+        return command
+    return dataclasses.replace(command, requests=tuple((r, encode_prompt(p), sp) for r, p, sp in command.requests))
 
 
-def stats_dict(raw: Any) -> dict[str, float]:
-    """Engine stats (a dict or a dataclass) as a plain dict of numbers."""
-    if dataclasses.is_dataclass(raw) and not isinstance(raw, type):
-        raw = {f.name: getattr(raw, f.name) for f in dataclasses.fields(raw)}
-    return {k: v for k, v in dict(raw or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+def decode_prompts(command: Any) -> Any:
+    """The inverse of encode_prompts, in the core."""
+    if not isinstance(command, AddRequests):
+        return command
+    return dataclasses.replace(command, requests=tuple((r, decode_prompt(p), sp) for r, p, sp in command.requests))
 
 
 # -- output deltas ----------------------------------------------------------------------------------------
@@ -179,6 +166,17 @@ class OutputAssembler:
 
     def forget(self, request_id: str) -> None:
         self._reqs.pop(request_id, None)
+
+    def apply_step(self, deltas: tuple, keep: Callable[[str], bool] = lambda request_id: True) -> list[RequestOutput]:
+        """One step's RequestOutputs, for the requests `keep` accepts; the others are forgotten (aborted by the
+        front end already, or refused as part of an add)."""
+        outs = []
+        for delta in deltas:
+            if not keep(delta[0]):
+                self.forget(delta[0])
+            elif (out := self.apply(delta)) is not None:
+                outs.append(out)
+        return outs
 
     def apply(self, delta: tuple) -> RequestOutput | None:
         """The request's RequestOutput after this delta; None for a request this side does not track (its

@@ -6,8 +6,9 @@
 * `sampling`: a request's sampling fields -> `SamplingParams`; `prompts`: prompts -> checked token ids.
 * `request_io`: reading bodies and the door guards (Content-Type, Host, API key); `http_guard`: the
   request-header limits (size, read timeout) in uvicorn's protocol.
-* `async_engine`: the engine loop thread and the per-request asyncio streams; `generation`: the engine
-  requests behind one HTTP request.
+* `async_engine`: the engine front end (admission, per-request asyncio streams) over `engine.core`'s
+  `EngineCore` on a thread; `core_engine`: the same front end over an engine core process; `generation`: the
+  engine requests behind one HTTP request.
 * `protocol`: OpenAI-shaped request/response models and errors; `logprobs`: logprob formatting.
 * `fingerprint`: `system_fingerprint`. `metrics`: Prometheus text-format metrics.
 
