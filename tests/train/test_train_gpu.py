@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from detinfer.engine import EngineConfig, LLMEngine, SamplingParams
+from detinfer.engine.testing import sample_under_load
 from detinfer.kernels.attention_backward import attention_backward, attention_backward_ref, attention_forward_ref
 from detinfer.kernels.linear_backward import weight_grad
 from detinfer.train import TrainableModel
-from detinfer.train.testing import kl_per_token, mismatch, pack, random_model, sample_under_load
+from detinfer.train.testing import kl_per_token, mismatch, pack, random_model
 
 pytestmark = pytest.mark.gpu
 

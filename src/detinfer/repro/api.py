@@ -32,9 +32,8 @@ def _check_prompt(prompt: str) -> None:
 
 def _engine_for(mode: str, model_dir, random_model, engine_config: EngineConfig, device, random_seed: int):
     """(engine, prompt ids function, decode function, text_of, what) for one mode."""
-    from detinfer.dtypes import dtype_name, resolve_dtype
-    from detinfer.engine.llm_engine import LLMEngine, resolve_device
-    from detinfer.models.weight_sources import RandomWeights
+    from detinfer.dtypes import dtype_name
+    from detinfer.engine.llm_engine import LLMEngine
     from detinfer.repro import random_model as rm
 
     config = engine_config.replace(mode=mode)
@@ -42,12 +41,8 @@ def _engine_for(mode: str, model_dir, random_model, engine_config: EngineConfig,
         engine = LLMEngine(model_dir, config, device)
         tok = engine.tokenizer
         return engine, tok, (lambda ids: tok.decode(ids, skip_special_tokens=False)), None, f"model {model_dir}"
-    dev = resolve_device(device)
-    # "auto" as for checkpoints: bf16 on a GPU, fp32 on a CPU (the CPU kernels' dtype).
-    dtype = resolve_dtype(config.dtype, None, dev)
-    # Under tensor parallelism every rank draws only its own slices of the random weights.
-    engine = LLMEngine.from_weights(RandomWeights(random_seed, dtype), rm.preset_config(random_model), config, dev)
-    what = f"random {random_model} (seed {random_seed}, {dtype_name(dtype)} on {dev})"
+    engine = rm.random_engine(random_model, config, device, random_seed)
+    what = f"random {random_model} (seed {random_seed}, {dtype_name(engine.dtype)} on {engine.device})"
     return engine, None, rm.decode_ids, (lambda c: rm.decode_ids(c.token_ids)), what
 
 

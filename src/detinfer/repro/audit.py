@@ -252,19 +252,14 @@ def report(findings: list[Finding], label: str, lines_too: bool = True) -> str:
 
 def build_runner(model_dir, random_model, mode: str, engine_config: EngineConfig, device, random_seed: int):
     """(ModelRunner, vocab size) for a checkpoint or a random-weight preset, in `mode`, steps eager."""
-    from detinfer.dtypes import resolve_dtype
-    from detinfer.engine.llm_engine import LLMEngine, resolve_device
-    from detinfer.models.weight_sources import RandomWeights
-    from detinfer.repro.random_model import preset_config
+    from detinfer.engine.llm_engine import LLMEngine
+    from detinfer.repro.random_model import random_engine
 
-    dev = resolve_device(device)
     config = engine_config.replace(mode=mode, enforce_eager=True)
     if random_model:
-        mc = preset_config(random_model)
-        dtype = resolve_dtype(config.dtype, mc.dtype, dev)
-        engine = LLMEngine.from_weights(RandomWeights(random_seed, dtype), mc, config, dev)
+        engine = random_engine(random_model, config, device, random_seed)
     else:
-        engine = LLMEngine(model_dir, config, dev)  # a directory or a hub id
+        engine = LLMEngine(model_dir, config, device)  # a directory or a hub id
     return engine.runner, engine.model_config.vocab_size
 
 
