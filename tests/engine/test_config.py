@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from detinfer.engine.config import ENGINE_MODES, EngineConfig, add_dataclass_args, from_args
+from detinfer.engine.config import EngineConfig, add_dataclass_args, from_args
 
 
 def test_defaults_are_valid_and_frozen():
@@ -60,12 +60,6 @@ def test_replace_validates_again():
     assert cfg.replace(max_model_len=4096).max_model_len == 4096
     with pytest.raises(ValueError, match="max_num_seqs"):
         cfg.replace(max_num_seqs=128)
-
-
-def test_modes_match_the_ops_layer():
-    from detinfer.ops import MODES
-
-    assert ENGINE_MODES == MODES
 
 
 def _parser():

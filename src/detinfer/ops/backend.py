@@ -60,13 +60,13 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
+from detinfer.constants import MODES
 from detinfer.kernels._fold import fold_sum
 from detinfer.kernels._launch import KERNEL_DTYPES, SUPPORTED_HEAD_DIMS, interpreting
 from detinfer.kernels.activations import silu_cpu
 from detinfer.kernels.rope import apply_rope
 from detinfer.kernels.scan import cumsum_ref
 
-MODES = ("deterministic", "fast")
 ATTENTION_BACKENDS = ("auto", "kernel", "ref")
 # dtypes the kernels run correctly in Triton's CPU interpreter (its bf16 math is wrong).
 _INTERPRETER_DENSE_DTYPES = frozenset({torch.float32, torch.float16})

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from detinfer.cli_util import Interrupted
-from detinfer.engine.config import ENGINE_MODES, EngineConfig
+from detinfer.constants import MODES
+from detinfer.engine.config import EngineConfig
 from detinfer.models.hub import resolve_model_path
 from detinfer.repro.analysis import summarize
 from detinfer.repro.experiment import ReproConfig, run_offline
@@ -72,8 +73,8 @@ def repro_offline(model_dir: str | Path | None, prompt: str, cfg: ReproConfig, *
     if model_dir is not None:  # a directory or a hub id; fail here, before any mode runs
         model_dir = resolve_model_path(model_dir)
     modes = tuple(modes)
-    if not modes or any(m not in ENGINE_MODES for m in modes) or len(set(modes)) != len(modes):
-        raise ValueError(f"modes must be distinct values of {ENGINE_MODES}, got {modes!r}")
+    if not modes or any(m not in MODES for m in modes) or len(set(modes)) != len(modes):
+        raise ValueError(f"modes must be distinct values of {MODES}, got {modes!r}")
     engine_config = EngineConfig() if engine_config is None else engine_config
     sections = []
     for i, mode in enumerate(modes):

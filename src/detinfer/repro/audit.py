@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from detinfer.cli_util import INTERRUPTED_EXIT_STATUS, Parser, add_model_argument, interrupt_handling, model_path
+from detinfer.constants import MODES
 from detinfer.engine.config import EngineConfig, add_dataclass_args, check_int, from_args
 
 SCENARIOS = ("alone again", "batch", "chunked")
@@ -280,7 +281,7 @@ def build_parser() -> Parser:
     p.add_argument("--device", default=None, help="torch device (default: cuda if available)")
     add_dataclass_args(p, AuditConfig)
     add_dataclass_args(p, EngineConfig)
-    p.add_argument("--mode", choices=("deterministic", "fast", "both"), default="deterministic",
+    p.add_argument("--mode", choices=(*MODES, "both"), default="deterministic",
                    help="ops to audit; both: fast, then deterministic (default: deterministic)")
     p.set_defaults(**{k: None for k in CPU_DEFAULTS})  # None: not given, filled in by device in main
     for action in p._actions:

@@ -39,6 +39,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from detinfer.constants import MODES
 from detinfer.train.adapter import (
     DifferentiableOps,
     PackedPagedAttention,
@@ -49,8 +50,6 @@ from detinfer.train.fast_attention import build_fast_attention, resolve_fast_att
 from detinfer.train.logprobs import LOGPROB_CHUNK_ROWS, LogprobHead, chunked_logprobs
 
 __all__ = ["MODES", "TrainableModel", "pack_padded"]
-
-MODES = ("deterministic", "fast")
 
 
 def _resolve(source):
