@@ -173,10 +173,6 @@ class EngineConfig:
         check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1, maximum=MAX_TENSOR_PARALLEL)
         if not isinstance(self.tp_invariant_reduction, bool):
             raise TypeError(f"tp_invariant_reduction must be a bool, got {self.tp_invariant_reduction!r}")
-        if self.tp_invariant_reduction and self.mode != "deterministic":
-            # Fast mode's all-reduce has no fixed order to make invariant: the flag means nothing there, and
-            # `--mode both` (repro) runs one flag set for both modes.
-            object.__setattr__(self, "tp_invariant_reduction", False)
         # Every running sequence must be able to decode in every step, or a step could starve one.
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
@@ -189,8 +185,23 @@ class EngineConfig:
                              f"({self.max_model_len})")
 
     def replace(self, **changes: Any) -> EngineConfig:
-        """A copy with `changes` applied (validated again), e.g. max_model_len resolved from the model."""
+        """A copy with `changes` applied (validated again)."""
         return dataclasses.replace(self, **changes)
+
+    def resolved(self, context_len: int) -> EngineConfig:
+        """The config an engine runs (a new one: configs are never changed in place): max_model_len defaulted
+        to the model's context length `context_len` and checked against it; tp_invariant_reduction off in fast
+        mode, whose all-reduce has no fixed order to make invariant (`--mode both` runs one flag set for both
+        modes)."""
+        max_len = context_len if self.max_model_len is None else self.max_model_len
+        if max_len > context_len:
+            raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings={context_len}")
+        invariant = self.tp_invariant_reduction and self.mode == "deterministic"
+        try:
+            return self.replace(max_model_len=max_len, tp_invariant_reduction=invariant)
+        except ValueError as e:
+            raise ValueError(f"with max_model_len resolved to {max_len} (the model's context length): {e}; "
+                             "set max_model_len explicitly") from None
 
 
 # ---------------------------------------------------------------------------------------------------
