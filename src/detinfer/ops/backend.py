@@ -166,6 +166,18 @@ class Ops:
         mm = _kernels("matmul")
         return (mm.linear if self._kernel(x, weight, bias) else mm.linear_ref)(x, weight, bias)
 
+    def linear_backward(self, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                        dw_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gradients of y = linear(x [T, K], weight [N, K]) (no bias) for dy [T, N]: (dx in x.dtype, dW fp32,
+        added into `dw_out` when given). Deterministic: the fixed-order kernels (or their reference);
+        fast: two stock matmuls."""
+        if self.deterministic:
+            dx, dw, _ = _kernels("linear_backward").linear_backward(dy, x, weight, False, dw_out=dw_out)
+            return dx, dw
+        dx = torch.mm(dy, weight.to(dy.dtype)).to(x.dtype)
+        part = torch.mm(dy.t(), x.to(dy.dtype)).to(torch.float32)
+        return dx, (part if dw_out is None else dw_out.add_(part))
+
     def linear_fp8(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] @ dequant(weight)^T for a block-scaled fp8 weight [N, K] with per-row block scales

@@ -270,8 +270,7 @@ class TrainableModel:
         cu = _cu_list([0, n] if cu_seqlens is None else cu_seqlens, n)
         ids = token_ids.to(device=self.model.embed_tokens.device, dtype=torch.int64)
         _, logits = self.forward_runner.run(ids, self._positions_of(cu, ids.device), self._attention(cu, ids.device))
-        log_softmax = self.ops.log_softmax if self.mode == "deterministic" else torch.log_softmax
-        return log_softmax(logits, dim=-1)
+        return self.ops.log_softmax(logits, dim=-1)  # fp32 logits: the mode's log_softmax
 
     @staticmethod
     def _positions_of(cu: list[int], dev: torch.device) -> torch.Tensor:
