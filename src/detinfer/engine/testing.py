@@ -69,24 +69,6 @@ def drive(engine, requests: Sequence[TimedRequest], *, max_steps: int = 1000,
     return {rid: signature_of(out) for rid, out in finals.items()}
 
 
-def sample_under_load(engine, prompts: Sequence[Sequence[int]], params: Sequence, *, arrive_every: int = 1):
-    """Add request i at engine step i * arrive_every (so prompts prefill while others decode), step to the
-    end. Returns [(token ids of prompt + completion, expected [len - 1] fp32 logprobs)] in prompt order:
-    the engine's prompt logprobs (if asked) then its output logprobs (what a trainer's must equal)."""
-    import torch
-
-    final = run_to_completion(engine, [(i * arrive_every, f"r{i}", list(p), sp)
-                                       for i, (p, sp) in enumerate(zip(prompts, params, strict=True))])
-    result = []
-    for i in range(len(prompts)):
-        o = final[f"r{i}"]
-        seq = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
-        lps = [e.logprob for e in o.prompt_logprobs[1:]] if o.prompt_logprobs is not None else []
-        lps += [e.logprob for e in o.outputs[0].logprobs]
-        result.append((seq, torch.tensor(lps, dtype=torch.float32)))
-    return result
-
-
 class CoreStepGate:
     """The test side of `core_process.StepGate`: hold an engine core process between steps.
 
