@@ -26,7 +26,7 @@ import torch
 from detinfer.kernels.fp8_quant import quantize_weight_rows
 from detinfer.models.config import ModelConfig
 from detinfer.models.fp8 import SCALE_SUFFIX, fp8_parameters
-from detinfer.models.sharding import REPLICATED, ShardSpec, shard_spec
+from detinfer.models.sharding import shard_spec
 
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # odd, < 2^31: a uint32 times it fits an int64
@@ -94,12 +94,6 @@ def draw(key: int, row_ranges: list[tuple[int, int]], col_range: tuple[int, int]
     return out
 
 
-def random_tensor(seed: int, name: str, shape: tuple[int, ...], dtype: torch.dtype,
-                  device: torch.device | str) -> torch.Tensor:
-    """The whole parameter `name` of `shape` (any naming: the Transformer's or a checkpoint's)."""
-    return _draw_slice(parameter_key(seed, name), name, tuple(shape), REPLICATED, dtype, torch.device(device))
-
-
 def random_state(config: ModelConfig, *, seed: int, dtype: torch.dtype, device: torch.device | str,
                  rank: int = 0, size: int = 1) -> dict[str, torch.Tensor]:
     """Rank `rank` of `size`'s Transformer state dict of the seeded random model (size 1: all of it),
@@ -127,6 +121,8 @@ def _draw_fp8_slice(key: int, name: str, shape: tuple[int, ...], spec, dtype, de
     and its per-row scales. A row-sharded 2-D slice is drawn out to whole 128-row blocks (then trimmed) so its
     scales are the full tensor's; column slices start on block edges (shard_spec checks) and stacked experts
     are quantized expert by expert, so those draw exactly their slice."""
+    from detinfer.models.sharding import ShardSpec
+
     if spec.dim != 0 or len(shape) != 2:
         return quantize_weight_rows(_draw_slice(key, name, shape, spec, dtype, device))
     qs, ss = [], []

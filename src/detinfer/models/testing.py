@@ -22,7 +22,6 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from detinfer.models.config import ModelConfig
 from detinfer.models.families import family_for_architecture
-from detinfer.models.random_weights import random_tensor
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 CHATML_TEMPLATE = (
@@ -102,12 +101,21 @@ def tiny_config_dict(architecture: str = "LlamaForCausalLM", *, vocab_size: int 
 
 def random_hf_weights(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
                       device: str | torch.device = "cpu") -> dict:
-    """Seeded random tensors for every name the family's `hf_weight_shapes(config)` lists, returned on the CPU:
-    the counter-based draw of models/random_weights.py (norms ~ 1 + 0.1 x, biases 0.1 x, matrices scaled
-    by 1 / sqrt(in_features)), so `device` (where they are drawn: a GPU makes an 8B checkpoint in seconds)
-    changes nothing in the bits."""
-    return {name: random_tensor(seed, name, shape, dtype, device).cpu()
-            for name, shape in config.family.hf_weight_shapes(config).items()}
+    """Seeded random tensors for every name the family's `hf_weight_shapes(config)` lists, returned on the CPU.
+    `device` is where they are drawn (a GPU makes an 8B-parameter checkpoint in seconds; its random stream
+    differs from the CPU's, so the same seed gives other weights there)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for name, shape in config.family.hf_weight_shapes(config).items():
+        r = torch.randn(shape, generator=gen, device=device)
+        if name.endswith("norm.weight"):
+            t = 1.0 + 0.1 * r
+        elif name.endswith(".bias"):
+            t = 0.1 * r
+        else:  # [out, in] (embeddings: [vocab, hidden], scaled like a linear with in = hidden)
+            t = r / math.sqrt(shape[-1])
+        out[name] = t.to(dtype).contiguous().cpu()
+    return out
 
 
 def expected_shard_numel(cfg: ModelConfig, size: int) -> int:
