@@ -54,18 +54,9 @@ def signature(out: RequestOutput) -> Signature:
 
 
 def drive(engine, requests: Sequence[TimedRequest], *, max_steps: int = 1000,
-          on_output: Callable[[Any, RequestOutput], None] | None = None,
-          after_step: Callable[[Any], None] | None = None,
-          signature_of: Callable[[RequestOutput], Any] = signature) -> dict[str, Any]:
-    """`engine.drive.drive` -> {request id: signature_of(final output)}. `on_output(engine, out)` sees every
-    streamed output (e.g. to abort mid-stream), `after_step(engine)` runs after every step (e.g. invariant
-    checks)."""
-    def streamed(out: RequestOutput, _step: int) -> None:
-        if on_output is not None and not out.finished:
-            on_output(engine, out)
-
-    finals = run_to_completion(engine, requests, max_steps=max_steps, on_output=streamed,
-                               after_step=None if after_step is None else lambda _step: after_step(engine))
+          signature_of: Callable[[RequestOutput], Any] = signature, **hooks: Any) -> dict[str, Any]:
+    """`engine.drive.drive` (its `on_output` / `after_step` hooks) -> {request id: signature_of(final output)}."""
+    finals = run_to_completion(engine, requests, max_steps=max_steps, **hooks)
     return {rid: signature_of(out) for rid, out in finals.items()}
 
 
