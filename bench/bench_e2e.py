@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import random
 import statistics
 import sys
@@ -39,7 +38,7 @@ from detinfer.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E40
 from detinfer.models.config import ModelConfig  # noqa: E402
 from detinfer.models.families import preset_hf_config  # noqa: E402
 from detinfer.models.transformer import Transformer  # noqa: E402
-from detinfer.ops import Ops  # noqa: E402
+from detinfer.models.weight_sources import random_model as build_random  # noqa: E402
 
 HBM_BYTES_PER_S = 3.0e12  # measured device-to-device copy on this H100 kind (docs/performance.md)
 
@@ -52,24 +51,8 @@ def qwen3_8b_config(layers: int, max_len: int) -> ModelConfig:
 
 
 def random_model(cfg: ModelConfig, device: torch.device, seed: int) -> Transformer:
-    """Fast-mode model with random bf16 weights: linear ~ N(0, 1/in), norms ~ 1 + N(0, 0.01)."""
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("meta"):
-            model = Transformer(cfg, Ops("fast", device, torch.bfloat16, head_dim=cfg.head_dim))
-    finally:
-        torch.set_default_dtype(default)
-    model.to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(1.0, 0.1, generator=gen)
-            else:
-                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=gen)
-    model.rotary.reset_parameters(device)
-    return model.eval()
+    """Fast-mode model with seeded random bf16 weights (models.weight_sources.random_model)."""
+    return build_random(cfg, seed=seed, mode="fast", device=device, dtype=torch.bfloat16)
 
 
 def model_in_mode(fast_model: Transformer, cfg: ModelConfig, mode: str) -> Transformer:

@@ -21,8 +21,3 @@ def test_resolve_dtype():
     with pytest.raises(ValueError, match="dtype must be one of"):
         resolve_dtype(torch.int32)
 
-
-def test_engine_config_names_the_same_dtypes():
-    from detinfer.engine import config  # pure Python: it repeats the names rather than import torch
-
-    assert config.DTYPES == ("auto", *sorted(DTYPES))

@@ -17,7 +17,8 @@ What counts as an import:
 
 The layer order, bottom first (a module may import its own package and the packages of lower layers only;
 packages of one layer are independent of each other):
-- leaf utilities with no detinfer imports of their own: dtype names, the CLI parser helpers, the HTML shell
+- the shared names and numbers (constants.py: imports nothing)
+- leaf utilities: dtype names, the CLI parser helpers, the HTML shell
 - kernels: Triton kernels and their pure-torch references (every formula lives here, RoPE and SiLU included)
 - cache (step layout, paged KV pools) and ops (the numerics backend choosing kernel or reference)
 - models: the one Transformer, configs, families, loading, the weight-sharding rule
@@ -39,6 +40,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 ROOT = "detinfer"
 
 LAYERS: list[tuple[str, ...]] = [
+    ("constants",),
     ("dtypes", "cli_util", "report_html"),
     ("kernels",),
     ("cache", "ops"),

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import torch
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from detinfer.constants import DTYPE_NAMES
+
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 LOAD_DTYPES = {**DTYPES, "float64": torch.float64}
 
 

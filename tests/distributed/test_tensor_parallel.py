@@ -152,8 +152,11 @@ def test_bad_configs_name_what_is_allowed():
         check_tp_config(twelve, 3, invariant=True)
     with pytest.raises(ValueError, match=r"tensor_parallel_size must be in \[1, 64\]"):
         EngineConfig(tensor_parallel_size=0)
-    assert not EngineConfig(mode="fast", tp_invariant_reduction=True).tp_invariant_reduction  # means nothing there
-    assert EngineConfig(tp_invariant_reduction=True).replace(mode="fast").tp_invariant_reduction is False
+    # Means nothing in fast mode: the engine's resolved config drops it (a new config; the given one is unchanged).
+    given = EngineConfig(mode="fast", tp_invariant_reduction=True)
+    assert given.resolved(64).tp_invariant_reduction is False and given.tp_invariant_reduction is True
+    assert EngineConfig(tp_invariant_reduction=True).replace(mode="fast").resolved(64).tp_invariant_reduction is False
+    assert EngineConfig(tp_invariant_reduction=True).resolved(64).tp_invariant_reduction is True
 
 
 def test_engine_refuses_a_tp_size_the_model_cannot_take(model_dir):

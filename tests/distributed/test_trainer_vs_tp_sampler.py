@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from detinfer.engine import EngineConfig, LLMEngine, SamplingParams
+from detinfer.engine.drive import drive
 from detinfer.models.testing import write_tiny_checkpoint
 from detinfer.train import TrainableModel
 
@@ -22,13 +23,7 @@ ENGINE = dict(max_num_batched_tokens=16, max_num_seqs=4, block_size=4, num_kv_bl
 
 
 def _generate(engine, prompts, params):
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+    done = drive(engine, [(0, str(i), p, params) for i, p in enumerate(prompts)])
     return [done[str(i)] for i in range(len(prompts))]
 
 

@@ -51,13 +51,13 @@ def drive(stories, config: dict, requests, aborts=None):
     bm = engine.scheduler.block_manager
     aborts = dict(aborts or {})
 
-    def abort_when_seen(engine, out):  # once its streamed output shows >= k tokens
+    def abort_when_seen(out, _step):  # once its streamed output shows >= k tokens
         if out.request_id in aborts and len(out.outputs[0].token_ids) >= aborts[out.request_id]:
             del aborts[out.request_id]
             engine.abort_request(out.request_id)
 
     results = drive_engine(engine, requests, on_output=abort_when_seen,
-                           after_step=lambda e: e.scheduler.check_invariants())
+                           after_step=lambda _: engine.scheduler.check_invariants())
     assert engine.get_num_unfinished_requests() == 0
     bm.check_invariants([])  # every block free, ref counts 0, free lists and cache map consistent
     assert bm.num_free_blocks == bm.num_blocks and engine.stats().kv_blocks_used == 0

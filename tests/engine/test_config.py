@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from detinfer.engine.config import ENGINE_MODES, EngineConfig, add_dataclass_args, from_args
+from detinfer.engine.config import EngineConfig, add_dataclass_args, from_args
 
 
 def test_defaults_are_valid_and_frozen():
@@ -60,12 +60,6 @@ def test_replace_validates_again():
     assert cfg.replace(max_model_len=4096).max_model_len == 4096
     with pytest.raises(ValueError, match="max_num_seqs"):
         cfg.replace(max_num_seqs=128)
-
-
-def test_modes_match_the_ops_layer():
-    from detinfer.ops import MODES
-
-    assert ENGINE_MODES == MODES
 
 
 def _parser():
@@ -132,3 +126,17 @@ def test_pure_python_engine_modules_do_not_import_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_resolved_returns_a_new_config_and_never_changes_the_given_one():
+    """The engine runs `config.resolved(context_len)`: max_model_len defaulted and checked, the TP-invariant
+    flag dropped in fast mode. The given (frozen) config is never rewritten."""
+    given = EngineConfig(mode="fast", tp_invariant_reduction=True, max_num_batched_tokens=64, max_num_seqs=4)
+    run = given.resolved(128)
+    assert (run.max_model_len, run.tp_invariant_reduction) == (128, False)
+    assert (given.max_model_len, given.tp_invariant_reduction) == (None, True)
+    assert EngineConfig(max_model_len=64).resolved(128).max_model_len == 64
+    with pytest.raises(ValueError, match="max_model_len=256 exceeds the model's max_position_embeddings=128"):
+        EngineConfig(max_model_len=256).resolved(128)
+    with pytest.raises(ValueError, match="with max_model_len resolved to 128 .*set max_model_len explicitly"):
+        EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=64, max_num_seqs=4).resolved(128)

@@ -36,7 +36,7 @@ def run(model_dir, requests, engine=None, **config):
     at its arrival step, checking the scheduler/block-manager invariants after every step. Returns
     ({request_id: signature}, engine)."""
     engine = engine or LLMEngine(model_dir, EngineConfig(**config), device="cpu")
-    results = drive(engine, requests, max_steps=500, after_step=lambda e: e.scheduler.check_invariants())
+    results = drive(engine, requests, max_steps=500, after_step=lambda _: engine.scheduler.check_invariants())
     assert engine.stats().kv_blocks_used == 0
     return results, engine
 

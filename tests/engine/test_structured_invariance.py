@@ -79,7 +79,7 @@ def test_structured_request_alone_equals_in_a_batch(stories_dir, alone, target, 
                  for i, (s, p, c, t, sd) in enumerate(others)]
     engine = LLMEngine(stories_dir, EngineConfig(max_num_batched_tokens=budget, max_num_seqs=8, block_size=16,
                                              num_kv_blocks=96, async_scheduling=overlap), device="cpu")
-    batched = drive(engine, requests, after_step=lambda e: e.scheduler.check_invariants())
+    batched = drive(engine, requests, after_step=lambda _: engine.scheduler.check_invariants())
     assert batched["target"] == alone(prompt, params)
     for rid, (_, _, _, p) in ((r[1], r) for r in requests):
         (c,) = batched[rid].completions

@@ -54,6 +54,21 @@ def test_dtype_conversion(ckpt, dtype):
     assert model.rotary.inv_freq.dtype == torch.float32  # rotary angles always in fp32
 
 
+def test_dtype_auto_is_decided_with_the_device(ckpt, monkeypatch):
+    """load_model and LLMEngine resolve "auto" with the one rule (dtypes.resolve_dtype) for the device they
+    load on: a bf16 checkpoint stays bf16 on CUDA (it used to become fp32 whatever the device)."""
+    import detinfer.models.loader as loader
+    from detinfer.dtypes import resolve_dtype
+
+    bf16 = write_tiny_checkpoint(ckpt.parent / "bf16", dtype="bfloat16")
+    assert load_model(bf16, "auto", device="cpu")[0].embed_tokens.dtype == torch.float32
+    loaded = {}
+    monkeypatch.setattr(loader, "load_state", lambda d, c, dtype, device: loaded.setdefault("dtype", dtype))
+    monkeypatch.setattr(loader, "model_from_state", lambda config, ops, state: None)
+    loader.load_model(bf16, "auto", device="cuda")  # nothing is allocated: load_state is stubbed
+    assert loaded["dtype"] == resolve_dtype("auto", torch.bfloat16, "cuda") == torch.bfloat16
+
+
 def test_tied_checkpoint_may_carry_a_redundant_lm_head(tmp_path):
     path = write_tiny_checkpoint(tmp_path / "t", tie_word_embeddings=True)
     _rewrite_weights(path, lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"].clone()))

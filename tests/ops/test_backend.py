@@ -118,3 +118,21 @@ def test_head_dims_are_the_attention_kernels():
     from detinfer.kernels import attention
 
     assert attention.SUPPORTED_HEAD_DIMS is SUPPORTED_HEAD_DIMS
+
+
+@pytest.mark.parametrize("mode", ["deterministic", "fast"])
+def test_linear_backward_is_decided_by_the_mode(mode):
+    """Ops.linear_backward: the fixed-order kernels in deterministic mode, stock matmuls in fast mode; dW in
+    fp32, continued into dw_out."""
+    from detinfer.kernels.linear_backward import linear_backward
+
+    gen = torch.Generator().manual_seed(0)
+    x, w, dy = (torch.randn(*s, generator=gen) for s in ((37, 24), (40, 24), (37, 40)))
+    dx, dw = Ops(mode, "cpu", torch.float32).linear_backward(dy, x, w)
+    if mode == "deterministic":
+        want_dx, want_dw, _ = linear_backward(dy, x, w, False)
+    else:
+        want_dx, want_dw = dy @ w, dy.t() @ x
+    assert torch.equal(dx, want_dx) and torch.equal(dw, want_dw) and dw.dtype == torch.float32
+    continued = dw + dw if mode == "fast" else linear_backward(dy, x, w, False, dw_out=dw.clone())[1]
+    assert torch.equal(Ops(mode, "cpu", torch.float32).linear_backward(dy, x, w, dw_out=dw.clone())[1], continued)

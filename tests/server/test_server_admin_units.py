@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 
 from detinfer.engine import EngineConfig, LLMEngine, SamplingParams
 from detinfer.engine.admin import HeldCommands, run_admin, weights_sha256
+from detinfer.engine.drive import drive
 from detinfer.models.testing import write_tiny_checkpoint
 
 CONFIG = EngineConfig(max_num_batched_tokens=32, max_num_seqs=4, block_size=4, num_kv_blocks=48)
@@ -56,12 +57,8 @@ def dirs(tmp_path_factory):
 
 
 def _sample(engine, prompt="hello world"):
-    engine.add_request("r", prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True,
-                                                   logprobs=1))
-    out = None
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out = o
+    out = drive(engine, [(0, "r", prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True,
+                                                         logprobs=1))])["r"]
     return out.outputs[0].token_ids, [e.logprob for e in out.outputs[0].logprobs]
 
 

@@ -47,6 +47,7 @@ def test_completion_greedy_logprobs_usage(client):
 def test_http_matches_offline_engine_bitwise(client, tiny_model_dir):
     """Text and every logprob through HTTP equal the in-process engine's for the same request."""
     from detinfer.engine.config import EngineConfig
+    from detinfer.engine.drive import drive
     from detinfer.engine.llm_engine import LLMEngine
     from detinfer.engine.sampling_params import SamplingParams
 
@@ -54,14 +55,11 @@ def test_http_matches_offline_engine_bitwise(client, tiny_model_dir):
                        device="cpu")
     messages = [{"role": "user", "content": "Tell me about Feynman"}]
     chat_ids = engine.tokenizer.apply_chat_template(messages, tokenize=True)
-    engine.add_request("c", PROMPT, SamplingParams(max_tokens=10, temperature=0, logprobs=2, ignore_eos=True))
-    engine.add_request("s", PROMPT, SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=11,
-                                                   logprobs=0, ignore_eos=True))
-    engine.add_request("chat", chat_ids, SamplingParams(max_tokens=10, temperature=0, logprobs=2, ignore_eos=True))
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            final[out.request_id] = out.outputs[0]
+    final = {rid: out.outputs[0] for rid, out in drive(engine, [
+        (0, "c", PROMPT, SamplingParams(max_tokens=10, temperature=0, logprobs=2, ignore_eos=True)),
+        (0, "s", PROMPT, SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=11, logprobs=0,
+                                        ignore_eos=True)),
+        (0, "chat", chat_ids, SamplingParams(max_tokens=10, temperature=0, logprobs=2, ignore_eos=True))]).items()}
 
     r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=2,
                                   extra_body=IGNORE_EOS).choices[0]

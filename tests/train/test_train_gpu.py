@@ -14,12 +14,29 @@ import pytest
 import torch
 
 from detinfer.engine import EngineConfig, LLMEngine, SamplingParams
+from detinfer.engine.drive import drive
 from detinfer.kernels.attention_backward import attention_backward, attention_backward_ref, attention_forward_ref
 from detinfer.kernels.linear_backward import weight_grad
 from detinfer.train import TrainableModel
-from detinfer.train.testing import kl_per_token, mismatch, pack, random_model, sample_under_load
+from detinfer.train.testing import kl_per_token, mismatch, pack, random_model
 
 pytestmark = pytest.mark.gpu
+
+
+def sample_under_load(engine, prompts, params, *, arrive_every: int = 1):
+    """Add request i at engine step i * arrive_every (so prompts prefill while others decode), step to the
+    end. Returns [(token ids of prompt + completion, expected [len - 1] fp32 logprobs)] in prompt order:
+    the engine's prompt logprobs (if asked) then its output logprobs (what a trainer's must equal)."""
+    final = drive(engine, [(i * arrive_every, f"r{i}", list(p), sp)
+                           for i, (p, sp) in enumerate(zip(prompts, params, strict=True))])
+    result = []
+    for i in range(len(prompts)):
+        o = final[f"r{i}"]
+        seq = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+        lps = [e.logprob for e in o.prompt_logprobs[1:]] if o.prompt_logprobs is not None else []
+        lps += [e.logprob for e in o.outputs[0].logprobs]
+        result.append((seq, torch.tensor(lps, dtype=torch.float32)))
+    return result
 
 
 def _engine(shape: str, layers: int | None):

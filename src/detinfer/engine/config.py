@@ -19,8 +19,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-ENGINE_MODES = ("deterministic", "fast")
-DTYPES = ("auto", "bfloat16", "float16", "float32")
+from detinfer.constants import ENGINE_DTYPES, MODES
+
 QUANTIZATION_CHOICES = ("auto", "fp8")  # auto: the checkpoint's; models/fp8.py says what fp8 accepts
 MAX_SEED = (1 << 63) - 1  # seeds travel as int64 (the sampler hashes them with int64 tensor ops)
 MAX_TENSOR_PARALLEL = 64  # a sanity bound; the model's head counts decide what actually divides
@@ -122,9 +122,9 @@ class EngineConfig:
         "Most tokens (prompt + output) in one sequence; default: the model's context length."))
     mode: str = field(default="deterministic", metadata=_help(
         "deterministic: batch-invariant kernels; fast: stock torch kernels (batch-variant).",
-        choices=ENGINE_MODES))
+        choices=MODES))
     dtype: str = field(default="auto", metadata=_help(
-        "Weight/activation dtype; auto: the checkpoint's dtype.", choices=DTYPES))
+        "Weight/activation dtype; auto: the checkpoint's dtype.", choices=ENGINE_DTYPES))
     quantization: str = field(default="auto", metadata=_help(
         "Weight quantization; auto: the checkpoint's (FP8 checkpoints run in FP8, others unquantized); fp8: "
         "block-scaled FP8 W8A8 linears (a 16/32-bit checkpoint or random model is quantized at load in "
@@ -166,17 +166,13 @@ class EngineConfig:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         check_int("max_model_len", self.max_model_len, minimum=1, optional=True)
         check_int("cuda_graph_max_tokens", self.cuda_graph_max_tokens, minimum=0)
-        check_choice("mode", self.mode, ENGINE_MODES)
-        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("mode", self.mode, MODES)
+        check_choice("dtype", self.dtype, ENGINE_DTYPES)
         check_choice("quantization", self.quantization, QUANTIZATION_CHOICES)
         check_int("seed", self.seed, minimum=0, maximum=MAX_SEED, optional=True)
         check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1, maximum=MAX_TENSOR_PARALLEL)
         if not isinstance(self.tp_invariant_reduction, bool):
             raise TypeError(f"tp_invariant_reduction must be a bool, got {self.tp_invariant_reduction!r}")
-        if self.tp_invariant_reduction and self.mode != "deterministic":
-            # Fast mode's all-reduce has no fixed order to make invariant: the flag means nothing there, and
-            # `--mode both` (repro) runs one flag set for both modes.
-            object.__setattr__(self, "tp_invariant_reduction", False)
         # Every running sequence must be able to decode in every step, or a step could starve one.
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
@@ -189,8 +185,23 @@ class EngineConfig:
                              f"({self.max_model_len})")
 
     def replace(self, **changes: Any) -> EngineConfig:
-        """A copy with `changes` applied (validated again), e.g. max_model_len resolved from the model."""
+        """A copy with `changes` applied (validated again)."""
         return dataclasses.replace(self, **changes)
+
+    def resolved(self, context_len: int) -> EngineConfig:
+        """The config an engine runs (a new one: configs are never changed in place): max_model_len defaulted
+        to the model's context length `context_len` and checked against it; tp_invariant_reduction off in fast
+        mode, whose all-reduce has no fixed order to make invariant (`--mode both` runs one flag set for both
+        modes)."""
+        max_len = context_len if self.max_model_len is None else self.max_model_len
+        if max_len > context_len:
+            raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings={context_len}")
+        invariant = self.tp_invariant_reduction and self.mode == "deterministic"
+        try:
+            return self.replace(max_model_len=max_len, tp_invariant_reduction=invariant)
+        except ValueError as e:
+            raise ValueError(f"with max_model_len resolved to {max_len} (the model's context length): {e}; "
+                             "set max_model_len explicitly") from None
 
 
 # ---------------------------------------------------------------------------------------------------

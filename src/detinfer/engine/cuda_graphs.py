@@ -45,6 +45,7 @@ import torch
 
 from detinfer.cache.layout import StepLayout, padded_tables
 from detinfer.cache.paged_kv import StepMetadata
+from detinfer.constants import SHORT_KV_TOKENS  # kv bound of the short decode graphs: one attention split
 from detinfer.engine.paged_attention import PagedAttention
 
 logger = logging.getLogger(__name__)
@@ -52,12 +53,6 @@ logger = logging.getLogger(__name__)
 # Smallest mixed-step graph: a step with a prefill chunk has >= 2 tokens, and below 16 tokens the padded
 # rows cost less than a second graph would take to capture.
 MIN_MIXED_TOKENS = 16
-
-# kv bound of the short decode graphs: the attention kernel's short walk. 256 keys are one split of its
-# deterministic split size (kernels.attention.DEFAULT_SPLIT_SIZE: one split -> the sequential schedule, no
-# split-parallel merge) and 4 tiles of 64 keys (_TUNE["short_walk_tiles"] x block_n_for(head_dim <= 128):
-# a 1-stage pipeline). tests/engine/test_graph_padding.py checks the link to those constants.
-SHORT_KV_TOKENS = 256
 
 # A step with no sequence: padded to a shape, it is all padding (what capture warms up on).
 EMPTY_STEP = StepLayout([], [], [], [], [], [], [], [])

@@ -17,6 +17,7 @@ import time
 
 from detinfer.cli_util import Parser, add_model_argument, model_path, progress
 from detinfer.engine.config import EngineConfig, add_dataclass_args, from_args
+from detinfer.engine.drive import drive
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,20 +62,21 @@ def main(argv: list[str] | None = None) -> int:
         prompt = args.prompt
         if args.chat:
             prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True)
-        engine.add_request("cli", prompt, params)
+        engine.add_request("cli", prompt, params)  # refused here (e.g. a prompt too long): exit 2
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"detinfer generate: error: {e}", file=sys.stderr)
         return 2
-    final, printed, started = None, 0, time.perf_counter()
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            text = out.outputs[0].text
-            if show and len(text) > printed:  # stream the completion as it grows
-                sys.stdout.write(text[printed:])
-                sys.stdout.flush()
-                printed = len(text)
-            if out.finished:
-                final = out
+    printed, started = 0, time.perf_counter()
+
+    def stream(out, _step: int) -> None:  # print the completion as it grows
+        nonlocal printed
+        text = out.outputs[0].text
+        if show and len(text) > printed:
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed = len(text)
+
+    final = drive(engine, [], on_output=stream)["cli"]
     completion = final.outputs[0]
     print(completion.text[printed:] if show else completion.text)
     if args.show_ids:

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from detinfer.engine.config import EngineConfig
+from detinfer.engine.drive import drive
 from detinfer.engine.llm_engine import LLMEngine
 from detinfer.engine.outputs import RequestOutput
 from detinfer.engine.sampling_params import SamplingParams
@@ -155,45 +156,26 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, prompts: list, params: list, use_tqdm: bool) -> list[RequestOutput]:
-        engine = self.engine
+        for i, prompt in enumerate(prompts):
+            if not isinstance(prompt, str) and not _is_token_list(prompt):
+                raise TypeError(f"prompt {i} must be a non-empty str or a non-empty list of "
+                                f"token ids, got {prompt!r:.80}")
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        wanted = set(ids)
-        added: list[str] = []
-        results: dict[str, RequestOutput] = {}
-        try:
-            for i, prompt in enumerate(prompts):
-                if not isinstance(prompt, str) and not _is_token_list(prompt):
-                    raise TypeError(f"prompt {i} must be a non-empty str or a non-empty list of "
-                                    f"token ids, got {prompt!r:.80}")
-            if hasattr(engine, "add_requests"):  # the engine process: one round trip, all or none
-                engine.add_requests(list(zip(ids, prompts, params, strict=True)))
-                added += ids
-            else:
-                for rid, prompt, p in zip(ids, prompts, params, strict=True):
-                    engine.add_request(rid, prompt, p)
-                    added.append(rid)
-            bar = None
-            if use_tqdm:
-                from tqdm.auto import tqdm
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
 
-                bar = tqdm(total=len(ids), desc="generate", unit="req", dynamic_ncols=True)
-            try:
-                while len(results) < len(ids):
-                    if not engine.has_unfinished_requests():
-                        raise RuntimeError("the engine stopped with requests unfinished")
-                    for out in engine.step():
-                        if out.finished and out.request_id in wanted:
-                            results[out.request_id] = out
-                            if bar is not None:
-                                bar.update(1)
-            finally:
-                if bar is not None:
-                    bar.close()
-        except BaseException:
-            # Leave the engine clean (no half-run requests holding KV blocks) whatever went wrong.
-            for rid in added:
-                engine.abort_request(rid)
-            while engine.has_unfinished_requests():
-                engine.step()
-            raise
+            bar = tqdm(total=len(ids), desc="generate", unit="req", dynamic_ncols=True)
+
+        def count(out: RequestOutput, _step: int) -> None:
+            if out.finished and bar is not None:
+                bar.update(1)
+
+        try:
+            results = drive(self.engine, [(0, rid, prompt, p) for rid, prompt, p in zip(ids, prompts, params,
+                                                                                         strict=True)],
+                            on_output=count)
+        finally:
+            if bar is not None:
+                bar.close()
         return [results[rid] for rid in ids]

@@ -149,15 +149,7 @@ class LLMEngine:
         if config.quantization != "auto" and model_config.quantization != config.quantization:
             raise ValueError(f"quantization {config.quantization!r} was asked for but the model was built "
                              f"with quantization {model_config.quantization!r}")
-        limit = model_config.max_position_embeddings
-        max_len = limit if config.max_model_len is None else config.max_model_len
-        if max_len > limit:
-            raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings={limit}")
-        try:
-            config = config.replace(max_model_len=max_len)
-        except ValueError as e:
-            raise ValueError(f"with max_model_len resolved to {max_len} (the model's context length): {e}; "
-                             "set max_model_len explicitly") from None
+        config = config.resolved(model_config.max_position_embeddings)
         self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
         if config.tensor_parallel_size > 1 or config.tp_invariant_reduction:
             from detinfer.engine.tp_runner import make_runner  # rank 0 of a TP group (docs/tensor-parallel.md)

@@ -1,8 +1,8 @@
 """Helpers for tests that drive an engine and compare what requests got, bit for bit.
 
 `signature(out)` is everything a caller can observe about a finished request, with every float as its exact
-hex string (so -0.0 vs 0.0 or one ULP differ); `drive(engine, requests)` adds each request at its arrival
-step and steps the engine until every request has finished, returning their signatures.
+hex string (so -0.0 vs 0.0 or one ULP differ); `drive(engine, requests)` runs the requests with
+`engine.drive.drive` and returns their signatures.
 """
 
 from __future__ import annotations
@@ -10,10 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from detinfer.engine.drive import Arrival as TimedRequest
+from detinfer.engine.drive import drive as run_to_completion
 from detinfer.engine.outputs import RequestOutput
-
-# (arrival step, request id, prompt (ids or text), SamplingParams)
-TimedRequest = tuple[int, str, Any, Any]
 
 
 def exact(x: float | None) -> str | None:
@@ -55,31 +54,10 @@ def signature(out: RequestOutput) -> Signature:
 
 
 def drive(engine, requests: Sequence[TimedRequest], *, max_steps: int = 1000,
-          on_output: Callable[[Any, RequestOutput], None] | None = None,
-          after_step: Callable[[Any], None] | None = None,
-          signature_of: Callable[[RequestOutput], Any] = signature) -> dict[str, Any]:
-    """Add each request at its arrival step, step until all finished; {request id: signature_of(final
-    output)}. `on_output`
-    sees every streamed output (e.g. to abort mid-stream), `after_step` runs after every step (e.g. invariant
-    checks). A request finishing twice, or `max_steps` steps without the end, fails."""
-    pending = sorted(requests, key=lambda r: r[0])
-    results: dict[str, Any] = {}
-    step = 0
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][0] <= step:
-            _, rid, prompt, params = pending.pop(0)
-            engine.add_request(rid, prompt, params)
-        for out in engine.step():
-            if out.finished:
-                assert out.request_id not in results, f"request {out.request_id} finished twice"
-                results[out.request_id] = signature_of(out)
-            elif on_output is not None:
-                on_output(engine, out)
-        if after_step is not None:
-            after_step(engine)
-        step += 1
-        assert step < max_steps, f"the engine made no progress in {max_steps} steps"
-    return results
+          signature_of: Callable[[RequestOutput], Any] = signature, **hooks: Any) -> dict[str, Any]:
+    """`engine.drive.drive` (its `on_output` / `after_step` hooks) -> {request id: signature_of(final output)}."""
+    finals = run_to_completion(engine, requests, max_steps=max_steps, **hooks)
+    return {rid: signature_of(out) for rid, out in finals.items()}
 
 
 class CoreStepGate:

@@ -12,11 +12,18 @@ import os
 
 import torch
 
+from detinfer.constants import FP32_DOT_PRECISION, LOW_DOT_PRECISION
+
 # dtypes the Triton kernels take; they all accumulate in fp32.
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # head_dims the attention kernels take (here, not in kernels/attention.py, so that choosing a backend
 # does not import Triton).
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """`input_precision` of a kernel's tl.dot for inputs of `dtype` (see constants.py)."""
+    return FP32_DOT_PRECISION if dtype == torch.float32 else LOW_DOT_PRECISION
 
 
 def interpreting() -> bool:

@@ -27,8 +27,16 @@ import numbers
 import torch
 import triton
 
+from detinfer.constants import ATTENTION_SPLIT_SIZE
 from detinfer.kernels import attention_kernels as K
-from detinfer.kernels._launch import SUPPORTED_HEAD_DIMS, check_kernel_inputs, interpreting, next_pow2, sm_count
+from detinfer.kernels._launch import (
+    SUPPORTED_HEAD_DIMS,
+    check_kernel_inputs,
+    dot_precision,
+    interpreting,
+    next_pow2,
+    sm_count,
+)
 from detinfer.kernels._pdl import launch_options, use_pdl
 from detinfer.kernels.attention_ref import attention_contiguous_ref, paged_attention_ref
 
@@ -39,7 +47,7 @@ __all__ = ["DEFAULT_SPLIT_SIZE", "SUPPORTED_HEAD_DIMS", "attention_contiguous", 
 # function of the batch. 256 = 4 tiles of 64 keys: against 512 it gives small decode batches twice the
 # parallel programs (bs=1 kv=512: 14.8 vs 19.4 us on the H100), loses at bs<=8 with 32k contexts (a
 # merge chain twice as long) and ties at bs>=64 and in prefill (docs/performance.md, "Attention").
-DEFAULT_SPLIT_SIZE = 256
+DEFAULT_SPLIT_SIZE = ATTENTION_SPLIT_SIZE  # (constants.py)
 MAX_GROUP = 128  # query heads per kv head the tile can hold (MQA models go up to ~71 -> 128 padded)
 SCHEDULES = ("auto", "parallel", "sequential")
 _NOMINAL_SMS = 132  # used off-GPU (interpreter), where the schedule only matters for test coverage
@@ -199,7 +207,6 @@ def _launch(q, k, v, out, *, paged: bool, cu_q, kv_lens, bt, key_start, num_seqs
     gp, bt_, bm, warps = _tile_shape(d, q.dtype, group, max_q_len)
     bn = block_n_for(d)
     fixed = interpreting()
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 dots exact-ish; 16-bit unaffected
     has_window = window is not None
     pdl = use_pdl(q.device)
     splits_per_program = 1
@@ -222,7 +229,7 @@ def _launch(q, k, v, out, *, paged: bool, cu_q, kv_lens, bt, key_start, num_seqs
         window if has_window else 0, hq, num_splits, splits_per_program, scale * math.log2(math.e),
         GROUP=group, GROUP_PAD=gp, BLOCK_T=bt_, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, PAGED=paged,
         SPLIT_PARALLEL=parallel, HAS_WINDOW=has_window, MASK_ALL=_TUNE["mask_all"], FIXED_ORDER_DOT=fixed,
-        PRECISION=precision, MULTI_SPLIT=splits_per_program > 1, USE_PDL=pdl,
+        PRECISION=dot_precision(q.dtype), MULTI_SPLIT=splits_per_program > 1, USE_PDL=pdl,
         # fusion off: see the kernels' module doc.
         num_warps=warps, enable_fp_fusion=False, **launch_options(pdl),
         num_stages=_num_stages(d, parallel, splits_per_program, split_size, num_splits * split_size, bn))

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from detinfer.kernels._fold import fold_sum
-from detinfer.kernels._launch import check_kernel_inputs, interpreting
+from detinfer.kernels._launch import check_kernel_inputs, dot_precision, interpreting
 from detinfer.kernels.linear_backward import matmul_det
 
 __all__ = ["attention_backward", "attention_backward_ref", "attention_forward_ref", "kernel_supports"]
@@ -259,7 +259,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     n_tiles = tile_start.shape[0]
     if n_tiles == 0:
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    precision = dot_precision(q.dtype)
     warps = 4 if (interpreting() or block <= 32) else 8
     scale_log2 = scale * math.log2(math.e)
     _dq_kernel[(n_tiles, hq)](q, k, v, dout, delta, dq, lse, tile_start, tile_seq1, tile_seq0,

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from detinfer.kernels import matmul as mm
 from detinfer.kernels._fold import fold_sum
-from detinfer.kernels._launch import KERNEL_DTYPES, check_kernel_inputs
+from detinfer.kernels._launch import KERNEL_DTYPES, check_kernel_inputs, dot_precision
 from detinfer.kernels.matmul_ref import REF_BLOCK_K, _ref_bnk
 
 __all__ = ["BLOCK_T", "TOKEN_CHUNK_MULTIPLE", "bias_grad", "linear_backward", "linear_backward_ref", "matmul_det",
@@ -114,7 +114,7 @@ def weight_grad(dy: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = No
     grid = (triton.cdiv(n, bn) * triton.cdiv(k, bk),)
     _weight_grad_kernel[grid](dy, x, dw, t, n, k, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
                               dw.stride(0), dw.stride(1), BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=BLOCK_T, GROUP_N=8,
-                              PRECISION="ieee" if dy.dtype == torch.float32 else "tf32", ACCUMULATE=out is not None,
+                              PRECISION=dot_precision(dy.dtype), ACCUMULATE=out is not None,
                               num_warps=8 if bn * bk >= 128 * 128 else 4, num_stages=3)
     return dw
 

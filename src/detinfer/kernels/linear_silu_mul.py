@@ -34,7 +34,7 @@ import triton.language as tl
 
 from detinfer.kernels import matmul as mm
 from detinfer.kernels._direct import LaunchCache
-from detinfer.kernels._launch import interpreting
+from detinfer.kernels._launch import dot_precision, interpreting
 from detinfer.kernels._pdl import launch_options, pdl_start, prefetch_rows_l2, use_pdl
 from detinfer.kernels.matmul import _add_bias, _load_a_block, _load_b_block, _tile_coords
 from detinfer.kernels.matmul_configs import MatmulConfig
@@ -188,7 +188,7 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if cfg.tma and _tma_launch(x2, weight, out, tensors[3], has_bias, rows, i, k, cfg, grid, pdl):
         return out
     constexprs = dict(HAS_BIAS=has_bias, EVEN_K=k % bk == 0,
-                      PRECISION=mm.FP32_DOT_PRECISION if x.dtype == torch.float32 else "tf32",  # as `linear`
+                      PRECISION=dot_precision(x.dtype),
                       LIBDEVICE=not interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
                       USE_PDL=pdl, **mm._prefetch(pdl, rows, k, swk, weight.element_size()))
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl))

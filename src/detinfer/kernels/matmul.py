@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from detinfer.kernels._direct import LaunchCache
-from detinfer.kernels._launch import KERNEL_DTYPES, check_kernel_inputs, interpreting, sm_count
+from detinfer.kernels._launch import KERNEL_DTYPES, check_kernel_inputs, dot_precision, interpreting, sm_count
 from detinfer.kernels._pdl import launch_options, pdl_start, prefetch_rows_l2, use_pdl
 from detinfer.kernels.matmul_configs import MatmulConfig, select_config
 from detinfer.kernels.matmul_ref import (  # noqa: F401
@@ -41,11 +41,7 @@ from detinfer.kernels.matmul_ref import (  # noqa: F401
     matmul_ref,
 )
 
-__all__ = ["matmul", "bmm", "linear", "matmul_ref", "bmm_ref", "linear_ref", "FP32_DOT_PRECISION"]
-
-# fp32 inputs: full IEEE fp32 products, like torch's default (allow_tf32 off). tf32 would be faster but
-# loses 13 mantissa bits per product.
-FP32_DOT_PRECISION = "ieee"
+__all__ = ["matmul", "bmm", "linear", "matmul_ref", "bmm_ref", "linear_ref"]
 
 
 @triton.jit
@@ -320,7 +316,7 @@ def _run(a, sa, b, sb, c, sc, bias, nb: int, m: int, n: int, k: int, cfg: Matmul
         sa, sb, sc = (0, sa[1], sa[2]), (0, sb[1], sb[2]), (0, sc[1], sc[2])
     constexprs = dict(
         HAS_BIAS=has_bias, EVEN_K=k % bk == 0,
-        PRECISION=FP32_DOT_PRECISION if a.dtype == torch.float32 else "tf32",  # "tf32" is ignored for 16-bit
+        PRECISION=dot_precision(a.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, USE_PDL=pdl,
         **_prefetch(pdl and nb == 1, m, k, sb[1], b.element_size()))
     scalars = (m, n, k, *sa, *sb, *sc)

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from detinfer.kernels._launch import KERNEL_DTYPES, check_kernel_inputs
+from detinfer.kernels._launch import KERNEL_DTYPES, check_kernel_inputs, dot_precision
 from detinfer.kernels.activations import silu_cpu
 from detinfer.kernels.matmul_ref import _acc_dtype
 from detinfer.kernels.moe_combine import combine_slots, combine_slots_ref
@@ -322,7 +322,6 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor, 
     inter = two_i // 2
     x = x.contiguous()
     w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # "tf32" is ignored for 16-bit inputs
     config_for = expert_config if config_for is None else config_for
     cfg_up = config_for(inter, H, x.dtype, x.device)
     cfg_down = config_for(H, inter, x.dtype, x.device)
@@ -337,7 +336,7 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor, 
         grid = (tiles, triton.cdiv(n, cfg.block_n))
         _expert_gemm_kernel[grid](a, w, out, pair_ids, tile_expert, n, kdim, k, a.stride(0), w.stride(0),
                                   w.stride(1), out.stride(0), GATHER_TOKENS=gather, SWIGLU=gather,
-                                  PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                                  PRECISION=dot_precision(x.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                                   BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y.view(T, k, H)
 

@@ -178,11 +178,12 @@ def check_checkpoint(model_dir: str | Path, config: ModelConfig) -> dict[str, Pa
 def load_model(model_dir: str | Path, dtype: torch.dtype | str | None = None,
                device: torch.device | str = "cpu", mode: str = "deterministic", *,
                attention: str = "auto") -> tuple[Transformer, ModelConfig]:
-    """Build the model for `model_dir`, weights in `dtype` (None: the checkpoint's) on `device`, computing
-    with the numerics backend `Ops(mode, device, dtype)` (`attention`: see detinfer.ops.backend)."""
+    """Build the model for `model_dir`, weights in `dtype` (None: the checkpoint's; "auto": as
+    `dtypes.resolve_dtype` decides for `device`) on `device`, computing with the numerics backend
+    `Ops(mode, device, dtype)` (`attention`: see detinfer.ops.backend)."""
     config = ModelConfig.from_dir(model_dir)
-    dtype = resolve_dtype(dtype, config.dtype)
     device = torch.device(device)
+    dtype = resolve_dtype(dtype, config.dtype, device)
     ops = Ops(mode, device, dtype, head_dim=config.head_dim, attention=attention)
     return model_from_state(config, ops, load_state(model_dir, config, dtype, device)), config
 

@@ -5,7 +5,7 @@ worker one of these (not tensors), and every rank builds only its own shard from
 - `CheckpointWeights`: a HF safetensors directory; each rank reads only its slices (models/loader.py
   `load_state`).
 - `RandomWeights`: a random-model preset's seeded weights; each rank draws only its slices
-  (models/random_weights.py), the same bits TP=1 draws for them.
+  (models/random_weights.py), the same bits TP=1 draws for them. `random_model` builds a whole one.
 """
 
 from __future__ import annotations
@@ -46,3 +46,13 @@ def build_full_model(weights, config: ModelConfig, ops: Ops) -> Transformer:
     from detinfer.models.loader import model_from_state
 
     return model_from_state(config, ops, weights.state(config, 0, 1, torch.device(ops.device)))
+
+
+@torch.no_grad()
+def random_model(config: ModelConfig, *, seed: int = 0, mode: str = "deterministic",
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16) -> Transformer:
+    """The one builder of a random-weight model: `config`'s Transformer with `RandomWeights(seed, dtype)`
+    drawn on `device`, ops in `mode`. (`LLMEngine.from_weights(RandomWeights(...), ...)` is the same under
+    an engine, also sharded.)"""
+    device = torch.device(device)
+    return build_full_model(RandomWeights(seed, dtype), config, Ops(mode, device, dtype, head_dim=config.head_dim))

@@ -59,6 +59,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
+from detinfer.constants import MODES
 from detinfer.kernels._fold import fold_sum
 from detinfer.kernels._launch import KERNEL_DTYPES, SUPPORTED_HEAD_DIMS, interpreting
 from detinfer.kernels.activations import silu_cpu
@@ -67,7 +68,6 @@ from detinfer.kernels.scan import cumsum_ref
 from detinfer.ops._kernel_modules import kernel_module as _kernels
 from detinfer.ops.fp8_ops import Fp8Ops
 
-MODES = ("deterministic", "fast")
 ATTENTION_BACKENDS = ("auto", "kernel", "ref")
 # dtypes the kernels run correctly in Triton's CPU interpreter (its bf16 math is wrong).
 _INTERPRETER_DENSE_DTYPES = frozenset({torch.float32, torch.float16})
@@ -160,6 +160,18 @@ class Ops(Fp8Ops):
             return F.linear(x, weight, bias)
         mm = _kernels("matmul")
         return (mm.linear if self._kernel(x, weight, bias) else mm.linear_ref)(x, weight, bias)
+
+    def linear_backward(self, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                        dw_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gradients of y = linear(x [T, K], weight [N, K]) (no bias) for dy [T, N]: (dx in x.dtype, dW fp32,
+        added into `dw_out` when given). Deterministic: the fixed-order kernels (or their reference);
+        fast: two stock matmuls."""
+        if self.deterministic:
+            dx, dw, _ = _kernels("linear_backward").linear_backward(dy, x, weight, False, dw_out=dw_out)
+            return dx, dw
+        dx = torch.mm(dy, weight.to(dy.dtype)).to(x.dtype)
+        part = torch.mm(dy.t(), x.to(dy.dtype)).to(torch.float32)
+        return dx, (part if dw_out is None else dw_out.add_(part))
 
     def linear_tree(self, x: torch.Tensor, weight: torch.Tensor, num_chunks: int) -> torch.Tensor:
         """x [..., K] @ weight[N, K]^T as `num_chunks` fp32 K-chunk partials added in a fixed pairwise tree ->

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from detinfer.cli_util import Interrupted
-from detinfer.engine.config import ENGINE_MODES, EngineConfig
+from detinfer.constants import MODES
+from detinfer.engine.config import EngineConfig
 from detinfer.models.hub import resolve_model_path
 from detinfer.repro.analysis import summarize
 from detinfer.repro.experiment import ReproConfig, run_offline
@@ -32,9 +33,8 @@ def _check_prompt(prompt: str) -> None:
 
 def _engine_for(mode: str, model_dir, random_model, engine_config: EngineConfig, device, random_seed: int):
     """(engine, prompt ids function, decode function, text_of, what) for one mode."""
-    from detinfer.dtypes import dtype_name, resolve_dtype
-    from detinfer.engine.llm_engine import LLMEngine, resolve_device
-    from detinfer.models.weight_sources import RandomWeights
+    from detinfer.dtypes import dtype_name
+    from detinfer.engine.llm_engine import LLMEngine
     from detinfer.repro import random_model as rm
 
     config = engine_config.replace(mode=mode)
@@ -42,12 +42,8 @@ def _engine_for(mode: str, model_dir, random_model, engine_config: EngineConfig,
         engine = LLMEngine(model_dir, config, device)
         tok = engine.tokenizer
         return engine, tok, (lambda ids: tok.decode(ids, skip_special_tokens=False)), None, f"model {model_dir}"
-    dev = resolve_device(device)
-    # "auto" as for checkpoints: bf16 on a GPU, fp32 on a CPU (the CPU kernels' dtype).
-    dtype = resolve_dtype(config.dtype, None, dev)
-    # Under tensor parallelism every rank draws only its own slices of the random weights.
-    engine = LLMEngine.from_weights(RandomWeights(random_seed, dtype), rm.preset_config(random_model), config, dev)
-    what = f"random {random_model} (seed {random_seed}, {dtype_name(dtype)} on {dev})"
+    engine = rm.random_engine(random_model, config, device, random_seed)
+    what = f"random {random_model} (seed {random_seed}, {dtype_name(engine.dtype)} on {engine.device})"
     return engine, None, rm.decode_ids, (lambda c: rm.decode_ids(c.token_ids)), what
 
 
@@ -77,8 +73,8 @@ def repro_offline(model_dir: str | Path | None, prompt: str, cfg: ReproConfig, *
     if model_dir is not None:  # a directory or a hub id; fail here, before any mode runs
         model_dir = resolve_model_path(model_dir)
     modes = tuple(modes)
-    if not modes or any(m not in ENGINE_MODES for m in modes) or len(set(modes)) != len(modes):
-        raise ValueError(f"modes must be distinct values of {ENGINE_MODES}, got {modes!r}")
+    if not modes or any(m not in MODES for m in modes) or len(set(modes)) != len(modes):
+        raise ValueError(f"modes must be distinct values of {MODES}, got {modes!r}")
     engine_config = EngineConfig() if engine_config is None else engine_config
     sections = []
     for i, mode in enumerate(modes):

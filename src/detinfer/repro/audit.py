@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from detinfer.cli_util import INTERRUPTED_EXIT_STATUS, Parser, add_model_argument, interrupt_handling, model_path
+from detinfer.constants import MODES
 from detinfer.engine.config import EngineConfig, add_dataclass_args, check_int, from_args
 
 SCENARIOS = ("alone again", "batch", "chunked")
@@ -252,19 +253,14 @@ def report(findings: list[Finding], label: str, lines_too: bool = True) -> str:
 
 def build_runner(model_dir, random_model, mode: str, engine_config: EngineConfig, device, random_seed: int):
     """(ModelRunner, vocab size) for a checkpoint or a random-weight preset, in `mode`, steps eager."""
-    from detinfer.dtypes import resolve_dtype
-    from detinfer.engine.llm_engine import LLMEngine, resolve_device
-    from detinfer.models.weight_sources import RandomWeights
-    from detinfer.repro.random_model import preset_config
+    from detinfer.engine.llm_engine import LLMEngine
+    from detinfer.repro.random_model import random_engine
 
-    dev = resolve_device(device)
     config = engine_config.replace(mode=mode, enforce_eager=True)
     if random_model:
-        mc = preset_config(random_model)
-        dtype = resolve_dtype(config.dtype, mc.dtype, dev)
-        engine = LLMEngine.from_weights(RandomWeights(random_seed, dtype), mc, config, dev)
+        engine = random_engine(random_model, config, device, random_seed)
     else:
-        engine = LLMEngine(model_dir, config, dev)  # a directory or a hub id
+        engine = LLMEngine(model_dir, config, device)  # a directory or a hub id
     return engine.runner, engine.model_config.vocab_size
 
 
@@ -285,7 +281,7 @@ def build_parser() -> Parser:
     p.add_argument("--device", default=None, help="torch device (default: cuda if available)")
     add_dataclass_args(p, AuditConfig)
     add_dataclass_args(p, EngineConfig)
-    p.add_argument("--mode", choices=("deterministic", "fast", "both"), default="deterministic",
+    p.add_argument("--mode", choices=(*MODES, "both"), default="deterministic",
                    help="ops to audit; both: fast, then deterministic (default: deterministic)")
     p.set_defaults(**{k: None for k in CPU_DEFAULTS})  # None: not given, filled in by device in main
     for action in p._actions:

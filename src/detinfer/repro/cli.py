@@ -29,10 +29,11 @@ from detinfer.cli_util import (
     interrupt_handling,
     model_path,
 )
+from detinfer.constants import MODES as ENGINE_MODES
 from detinfer.engine.config import EngineConfig, add_dataclass_args, from_args
 from detinfer.repro.experiment import ReproConfig
 
-MODES = ("deterministic", "fast", "both")
+MODES = (*ENGINE_MODES, "both")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -142,61 +142,63 @@ def run_offline(engine, prompt_ids: Sequence[int], cfg: ReproConfig, *,
     without a tokenizer (whose outputs carry no text)."""
     from tqdm import tqdm
 
+    from detinfer.engine.drive import drive
     from detinfer.engine.sampling_params import SamplingParams
 
     if engine.has_unfinished_requests():
         raise ValueError("the engine already has unfinished requests; the experiment needs it idle")
     params = sampling_params(cfg)
     plan = make_plan(cfg)
-    runs_at: dict[str, Event] = {}
+    arrivals = [(ev.step, f"run-{ev.run}", list(prompt_ids), params) if ev.run is not None else
+                (ev.step, f"bg-{i}", encode(ev.prompt),
+                 SamplingParams(max_tokens=ev.max_tokens, temperature=ev.temperature, seed=ev.seed))
+                for i, ev in enumerate(plan)]
+    run_events = {f"run-{ev.run}": ev for ev in plan if ev.run is not None}
+    runs_at: dict[str, tuple[Event, int]] = {}  # a run's request id -> (its event, requests in flight then)
     done: dict[int, Completion] = {}
-    step, i, start = 0, 0, time.perf_counter()
+    start = time.perf_counter()
     # Progress in generated tokens of the N runs (a bar counting finished runs sat at 0 for minutes on a CPU):
     # the total is N * max_tokens; a run that stops early is topped up to max_tokens when it finishes.
     bar = tqdm(total=cfg.n * cfg.max_tokens, desc=label or "runs", unit="tok", disable=not progress,
                postfix={"runs done": f"0/{cfg.n}"})
     shown: dict[str, int] = {}
+
+    def add(rid: str, prompt: list[int], p) -> None:
+        in_flight = engine.get_num_unfinished_requests()
+        try:
+            engine.add_request(rid, prompt, p)
+        except ValueError as e:
+            if rid in run_events:
+                raise
+            raise ValueError(f"the engine refused a background request ({e}); lower "
+                             "--background-prompt-words / --background-max-tokens") from None
+        if rid in run_events:
+            runs_at[rid] = (run_events[rid], in_flight)
+
+    def on_output(out, step: int) -> None:
+        if out.request_id not in runs_at:
+            return
+        if progress:
+            have = cfg.max_tokens if out.finished else len(out.outputs[0].token_ids)
+            bar.update(have - shown.get(out.request_id, 0))
+            shown[out.request_id] = have
+        if out.finished:
+            ev, in_flight = runs_at.pop(out.request_id)
+            meta = {"arrival_step": ev.step, "finish_step": step, "in_flight_at_arrival": in_flight,
+                    "background_planned": ev.load}
+            c = out.outputs[0]
+            if text_of is not None:
+                c = _with_text(c, text_of(c))
+            done[ev.run] = completion_from_engine(ev.run, c, meta)
+            bar.set_postfix({"runs done": f"{len(done)}/{cfg.n}"}, refresh=False)
+
     try:
-        while i < len(plan) or engine.has_unfinished_requests():
-            if not engine.has_unfinished_requests() and plan[i].step > step:
-                step = plan[i].step  # nothing in flight: jump to the next arrival
-            while i < len(plan) and plan[i].step <= step:
-                ev = plan[i]
-                in_flight = engine.get_num_unfinished_requests()
-                if ev.run is not None:
-                    engine.add_request(f"run-{ev.run}", list(prompt_ids), params)
-                    runs_at[f"run-{ev.run}"] = (ev, step, in_flight)
-                else:
-                    try:
-                        engine.add_request(f"bg-{i}", encode(ev.prompt), SamplingParams(
-                            max_tokens=ev.max_tokens, temperature=ev.temperature, seed=ev.seed))
-                    except ValueError as e:
-                        raise ValueError(f"the engine refused a background request ({e}); lower "
-                                         "--background-prompt-words / --background-max-tokens") from None
-                i += 1
-            for out in engine.step():
-                if progress and out.request_id in runs_at:
-                    have = cfg.max_tokens if out.finished else len(out.outputs[0].token_ids)
-                    bar.update(have - shown.get(out.request_id, 0))
-                    shown[out.request_id] = have
-                if out.finished and out.request_id in runs_at:
-                    ev, arrived, in_flight = runs_at.pop(out.request_id)
-                    meta = {"arrival_step": arrived, "finish_step": step, "in_flight_at_arrival": in_flight,
-                            "background_planned": ev.load}
-                    c = out.outputs[0]
-                    if text_of is not None:
-                        c = _with_text(c, text_of(c))
-                    done[ev.run] = completion_from_engine(ev.run, c, meta)
-                    bar.set_postfix({"runs done": f"{len(done)}/{cfg.n}"}, refresh=False)
-            step += 1
+        drive(engine, arrivals, add=add, on_output=on_output)
     except KeyboardInterrupt:  # Ctrl-C: hand back the runs that finished
-        bar.close()
         finished = [done[r] for r in sorted(done)]
         raise Interrupted((finished, _extra(engine, plan, start)), f"after {len(done)} of {cfg.n} runs") from None
     finally:
         bar.close()
-        for rid in list(runs_at):
-            engine.abort_request(rid)
     return [done[r] for r in range(cfg.n)], _extra(engine, plan, start)
 
 

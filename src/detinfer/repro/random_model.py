@@ -24,8 +24,7 @@ import torch
 from detinfer.models.config import ModelConfig
 from detinfer.models.families import preset_hf_config, preset_names
 from detinfer.models.transformer import Transformer
-from detinfer.models.weight_sources import RandomWeights, build_full_model
-from detinfer.ops import Ops
+from detinfer.models.weight_sources import RandomWeights, random_model
 
 # name -> HF config.json dict of every registered family's presets (each family module defines its own).
 PRESETS: dict[str, dict] = {name: preset_hf_config(name) for name in preset_names()}
@@ -36,14 +35,23 @@ def preset_config(name: str) -> ModelConfig:
     return ModelConfig.from_dict(preset_hf_config(name))
 
 
-@torch.no_grad()
 def build_random_model(name: str, *, mode: str = "deterministic", device: torch.device | str = "cpu",
                        dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> tuple[Transformer, ModelConfig]:
     """The preset's Transformer with seeded random weights, `dtype` on `device`, ops in `mode`."""
     config = preset_config(name)
-    device = torch.device(device)
-    ops = Ops(mode, device, dtype, head_dim=config.head_dim)
-    return build_full_model(RandomWeights(seed, dtype), config, ops), config
+    return random_model(config, seed=seed, mode=mode, device=device, dtype=dtype), config
+
+
+def random_engine(name: str, config, device, seed: int):
+    """An `LLMEngine` (`config`: an EngineConfig) over the preset's seeded random weights; dtype "auto" is
+    resolved as for a checkpoint (the preset's dtype on a GPU, fp32 on a CPU). Under tensor parallelism
+    every rank draws only its own slices."""
+    from detinfer.dtypes import resolve_dtype
+    from detinfer.engine.llm_engine import LLMEngine, resolve_device
+
+    model_config, dev = preset_config(name), resolve_device(device)
+    dtype = resolve_dtype(config.dtype, model_config.dtype, dev)
+    return LLMEngine.from_weights(RandomWeights(seed, dtype), model_config, config, dev)
 
 
 def encode_bytes(text: str) -> list[int]:

@@ -14,9 +14,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from detinfer.engine.config import DTYPES, MAX_SEED, check_choice, check_float, check_int
+from detinfer.constants import ENGINE_DTYPES, MODES
+from detinfer.engine.config import MAX_SEED, check_choice, check_float, check_int
 
-ARMS = ("deterministic", "fast", "fast-tis")
+ARMS = (*MODES, "fast-tis")
 LOSS_NORMS = ("token", "sequence", "constant")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 MAX_TEMPERATURE = 100.0
@@ -143,7 +144,7 @@ class RLConfig:
         "Optimizer updates of linear warmup from 0 to lr."))
     dtype: str = field(default="auto", metadata=_help(
         "Engine weight dtype (auto: the checkpoint's on GPU, float32 on CPU). 16-bit engines train fp32 "
-        "master weights.", choices=DTYPES))
+        "master weights.", choices=ENGINE_DTYPES))
     max_num_seqs: int = field(default=256, metadata=_help("Engine: most sequences sampled at once."))
     max_num_batched_tokens: int = field(default=8192, metadata=_help("Engine: token budget of one step."))
     enforce_eager: bool = field(default=False, metadata=_help("Engine: no CUDA graphs."))
@@ -167,7 +168,7 @@ class RLConfig:
         check_int("checkpoint_every", self.checkpoint_every, minimum=0)
         self._check_data()
         self._check_rollout_and_loss()
-        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("dtype", self.dtype, ENGINE_DTYPES)
         check_int("max_num_seqs", self.max_num_seqs, minimum=1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
         _check_bool("enforce_eager", self.enforce_eager)

@@ -29,9 +29,8 @@ saving, with no bit promise beyond what stock PyTorch gives.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from detinfer.kernels.linear_backward import TOKEN_CHUNK_MULTIPLE, linear_backward
+from detinfer.kernels.linear_backward import TOKEN_CHUNK_MULTIPLE
 from detinfer.kernels.log_softmax_backward import log_softmax_gather_backward_ref
 
 __all__ = ["LOGPROB_CHUNK_ROWS", "ChunkedLogprobFn", "LogprobHead", "check_chunk_rows", "chunked_logprobs"]
@@ -50,22 +49,18 @@ def check_chunk_rows(chunk_rows) -> int:
 
 
 class LogprobHead:
-    """The output layer's ops for one mode. Deterministic: the engine's linear and log_softmax forward
-    (`base` is the engine's Ops), the fixed-order backward kernels; fast: stock torch ops."""
+    """The output layer's ops: `base` (an Ops) decides them for its mode. Deterministic: the engine's linear
+    and log_softmax forward, the fixed-order backward kernels; fast: stock torch ops."""
 
     def __init__(self, base, chunk_rows: int = LOGPROB_CHUNK_ROWS):
         self.base, self.chunk_rows = base, check_chunk_rows(chunk_rows)
-        self.deterministic = bool(base.deterministic)
 
     def log_distribution(self, hidden: torch.Tensor, weight: torch.Tensor,
                          temperature: float = 1.0) -> tuple[torch.Tensor, torch.dtype]:
         """-> ([rows, V] fp32 log_softmax of the logits / temperature, the dtype the output linear
         computed in)."""
-        if self.deterministic:
-            logits = self.base.linear(hidden, weight)  # = base.logits before its .float()
-            return self.base.log_softmax(_tempered(logits.float(), temperature), dim=-1), logits.dtype
-        logits = F.linear(hidden, weight)
-        return torch.log_softmax(_tempered(logits.float(), temperature), dim=-1), logits.dtype
+        logits = self.base.linear(hidden, weight)  # = base.logits before its .float()
+        return self.base.log_softmax(_tempered(logits.float(), temperature), dim=-1), logits.dtype
 
     def backward(self, grad: torch.Tensor, logprobs: torch.Tensor, targets: torch.Tensor, logits_dtype,
                  hidden: torch.Tensor, weight: torch.Tensor, dw: torch.Tensor | None, temperature: float = 1.0):
@@ -73,13 +68,7 @@ class LogprobHead:
         # LogprobFn's backward, the backward of `/ temperature` (autograd's: the same division of the
         # gradient), then the backward of `.float()` (a cast back to the linear's dtype)
         dz = _tempered(log_softmax_gather_backward_ref(grad, logprobs, targets).to(torch.float32), temperature)
-        dy = dz.to(logits_dtype)
-        if self.deterministic:
-            dh, dw, _ = linear_backward(dy, hidden, weight, False, dw_out=dw)
-            return dh, dw
-        dh = torch.mm(dy, weight.to(dy.dtype)).to(hidden.dtype)
-        part = torch.mm(dy.t(), hidden.to(dy.dtype)).to(torch.float32)
-        return dh, (part if dw is None else dw.add_(part))
+        return self.base.linear_backward(dz.to(logits_dtype), hidden, weight, dw_out=dw)
 
 
 def _tempered(x: torch.Tensor, temperature: float) -> torch.Tensor:

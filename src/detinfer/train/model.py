@@ -39,6 +39,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from detinfer.constants import MODES
 from detinfer.train.adapter import (
     DifferentiableOps,
     PackedPagedAttention,
@@ -49,8 +50,6 @@ from detinfer.train.fast_attention import build_fast_attention, resolve_fast_att
 from detinfer.train.logprobs import LOGPROB_CHUNK_ROWS, LogprobHead, chunked_logprobs
 
 __all__ = ["MODES", "TrainableModel", "pack_padded"]
-
-MODES = ("deterministic", "fast")
 
 
 def _resolve(source):
@@ -271,8 +270,7 @@ class TrainableModel:
         cu = _cu_list([0, n] if cu_seqlens is None else cu_seqlens, n)
         ids = token_ids.to(device=self.model.embed_tokens.device, dtype=torch.int64)
         _, logits = self.forward_runner.run(ids, self._positions_of(cu, ids.device), self._attention(cu, ids.device))
-        log_softmax = self.ops.log_softmax if self.mode == "deterministic" else torch.log_softmax
-        return log_softmax(logits, dim=-1)
+        return self.ops.log_softmax(logits, dim=-1)  # fp32 logits: the mode's log_softmax
 
     @staticmethod
     def _positions_of(cu: list[int], dev: torch.device) -> torch.Tensor:

@@ -1,11 +1,10 @@
-"""Helpers shared by the training tests and benchmarks: random models of real shapes, sampling with the
-engine while other requests arrive, comparing a trainer's logprobs with the sampler's, and running a
-function in N gloo processes (data-parallel tests)."""
+"""Helpers shared by the training tests and benchmarks: random models of real shapes, comparing a trainer's
+logprobs with the sampler's (engine.testing.sample_under_load), and running a function in N gloo processes
+(data-parallel tests)."""
 
 from __future__ import annotations
 
 import datetime
-import math
 import os
 import tempfile
 import time
@@ -18,7 +17,7 @@ import torch.distributed as dist
 from detinfer.models.config import ModelConfig
 from detinfer.models.families import preset_hf_config
 from detinfer.models.transformer import Transformer
-from detinfer.ops import Ops
+from detinfer.models.weight_sources import random_model as build_random
 
 _QWEN3 = preset_hf_config("qwen3-8b")
 SHAPES: dict[str, dict] = {
@@ -37,60 +36,16 @@ SHAPES: dict[str, dict] = {
 }
 
 
-@torch.no_grad()
 def random_model(shape: str, *, layers: int | None = None, mode: str = "deterministic",
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
                  seed: int = 0) -> tuple[Transformer, ModelConfig]:
-    """A Transformer of a named shape (`SHAPES`), optionally truncated to `layers`, seeded random weights
-    (linear ~ N(0, 1/in), norms ~ N(1, 0.1)) drawn on `device` in fp32 and cast to `dtype`."""
+    """A Transformer of a named shape (`SHAPES`), optionally truncated to `layers`, with the seeded random
+    weights of models.weight_sources.random_model."""
     cfg = dict(SHAPES[shape])
     if layers is not None:
         cfg["num_hidden_layers"] = layers
     config = ModelConfig.from_dict(cfg)
-    device = torch.device(device)
-    with torch.device("meta"):
-        model = Transformer(config, Ops(mode, device, dtype, head_dim=config.head_dim))
-    gen = torch.Generator(device=device).manual_seed(seed)
-    for name, p in sorted(model.named_parameters()):
-        t = torch.empty(tuple(p.shape), device=device, dtype=torch.float32)
-        if name.endswith("norm.weight"):
-            t.normal_(1.0, 0.1, generator=gen)
-        elif name.endswith(".bias"):
-            t.normal_(0.0, 0.1, generator=gen)
-        else:
-            t.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=gen)
-        *path, leaf = name.split(".")
-        owner = model
-        for part in path:
-            owner = getattr(owner, part)
-        setattr(owner, leaf, torch.nn.Parameter(t.to(dtype), requires_grad=False))
-    model.rotary.reset_parameters(device)
-    model.eval()
-    return model, config
-
-
-def sample_under_load(engine, prompts: Sequence[Sequence[int]], params: Sequence, *, arrive_every: int = 1):
-    """Add request i at engine step i * arrive_every (so prompts prefill while others decode), step to the
-    end. Returns [(token ids of prompt + completion, expected [len - 1] fp32 logprobs)] in prompt order:
-    the engine's prompt logprobs (if asked) then its output logprobs."""
-    pending = list(enumerate(zip(prompts, params)))
-    final, step = {}, 0
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][0] * arrive_every <= step:
-            i, (p, sp) = pending.pop(0)
-            engine.add_request(f"r{i}", list(p), sp)
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-        step += 1
-    result = []
-    for i in range(len(prompts)):
-        o = final[f"r{i}"]
-        seq = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
-        lps = [e.logprob for e in o.prompt_logprobs[1:]] if o.prompt_logprobs is not None else []
-        lps += [e.logprob for e in o.outputs[0].logprobs]
-        result.append((seq, torch.tensor(lps, dtype=torch.float32)))
-    return result
+    return build_random(config, seed=seed, mode=mode, device=device, dtype=dtype), config
 
 
 def pack(seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:
