@@ -1,8 +1,8 @@
 """The device side of one engine step: inputs in, sampled ids and logprobs out, without waiting for the device.
 
-`launch_step` enqueues a step's work and returns at once (on CUDA): the host lists the step needs go up in
-one pinned buffer per tensor with non-blocking copies (a pageable copy may wait for the device, which would
-undo the overlap), the forward pass and the sampler run on the device, and every result the host needs
+`launch_step` enqueues a step's work and returns at once (on CUDA): the host lists the step needs go up
+through `paged_kv.upload` (pinned memory, non-blocking copies: a pageable copy may wait for the device,
+which would undo the overlap), the forward pass and the sampler run on the device, and every result the host needs
 (sampled ids; each logprob row's chosen logprob, rank and top-k) is packed into one int64 tensor that comes
 back with ONE non-blocking device->host copy, completed by an event. `LaunchedStep.read()` waits for that
 event and unpacks.
@@ -23,18 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
+from detinfer.cache.paged_kv import upload
 from detinfer.engine.outputs import TokenLogprob
 from detinfer.engine.sampler import compute_logprobs, sample
 from detinfer.engine.scheduler import ScheduledBatch
 from detinfer.engine.sequence import PENDING_TOKEN, Sequence
-
-
-def to_device(rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    """[len(rows), n] int64 on `device` from equal-length host rows; on CUDA through one pinned buffer and a
-    non-blocking copy (the host does not wait for the device)."""
-    cuda = device.type == "cuda"
-    host = torch.tensor(rows, dtype=torch.int64, pin_memory=cuda)
-    return host.to(device, non_blocking=True) if cuda else host
 
 
 def fill_pending(values: list[int], sources: list[int], known: torch.Tensor | None,
@@ -42,8 +35,8 @@ def fill_pending(values: list[int], sources: list[int], known: torch.Tensor | No
     """[n] int64 on `device`: values[i] where it is a token id, else known[sources[i]] (a select on the
     device); `known` may be None when no value is pending."""
     if known is None or PENDING_TOKEN not in values:
-        return to_device([values], device)[0]
-    both = to_device([values, sources], device)
+        return upload(values, torch.int64, device)
+    both = upload([values, sources], torch.int64, device)
     return torch.where(both[0] >= 0, both[0], known[both[1]])
 
 
@@ -165,7 +158,7 @@ def launch_step(runner, log_softmax, batch: ScheduledBatch, pending: SampledIds 
         seqs = [items[i].seq for i in sample_items]
         if logits_mask is not None:
             logits = logits_mask(logits, rows, seqs)
-        picked = logits if rows == list(range(logits.shape[0])) else logits[to_device([rows], dev)[0]]
+        picked = logits if rows == list(range(logits.shape[0])) else logits[upload(rows, torch.int64, dev)]
         history = any(s.params.needs_history for s in seqs)  # the engine resolved their histories first
         drawn = sample(picked, [s.params for s in seqs], [s.seed for s in seqs],
                        [items[i].output_position for i in sample_items], [s.sample_index for s in seqs],
@@ -178,7 +171,7 @@ def launch_step(runner, log_softmax, batch: ScheduledBatch, pending: SampledIds 
         top_k = max(d.k for d in dests)
         sources = [sampled.index.get(d.seq.seq_id, 0) for d in dests]
         targets = fill_pending([d.target for d in dests], sources, drawn, dev)
-        lp = compute_logprobs(logits[to_device([lp_rows], dev)[0]], targets, top_k, log_softmax, validate=False)
+        lp = compute_logprobs(logits[upload(lp_rows, torch.int64, dev)], targets, top_k, log_softmax, validate=False)
 
         def bits(x: torch.Tensor) -> torch.Tensor:  # fp32 -> its bit pattern as int64
             return x.contiguous().view(torch.int32).to(torch.int64)

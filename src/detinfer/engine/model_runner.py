@@ -41,7 +41,6 @@ import torch
 from detinfer.cache.layout import StepLayout
 from detinfer.cache.paged_kv import (
     KVCacheSpec,
-    StepMetadata,
     allocate_kv_cache,
     num_blocks_for_bytes,
     step_tensors,
@@ -51,10 +50,11 @@ from detinfer.engine.config import EngineConfig
 from detinfer.engine.cuda_graphs import (
     GraphShape,
     StepGraphs,
+    StepInputs,
     decode_batch_sizes,
     graph_shapes,
     mixed_token_sizes,
-    pad_layout,
+    padded_logits,
     pick_shape,
     static_buffer_bytes,
 )
@@ -155,16 +155,15 @@ class ModelRunner:
         shape = self.graph_shape(layout) if self.use_graphs else None
         if shape is not None:
             return self._run_graph(layout, shape, input_ids)
-        return self._run_eager(layout, input_ids=input_ids)
+        return self._run_eager(layout, input_ids)
 
     def graph_shape(self, layout: StepLayout) -> GraphShape | None:
         """The captured shape this step replays (None: it runs eagerly), whether or not graphs are on."""
         return pick_shape(layout, self._shapes, self.graph_sizes, self.mixed_graph_tokens, self.kv_capacity)
 
-    def _run_eager(self, layout: StepLayout, meta: StepMetadata | None = None,
-                   input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def _run_eager(self, layout: StepLayout, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         dev = self.device
-        meta = step_tensors(layout, dev) if meta is None else meta
+        meta = step_tensors(layout, dev)
         if input_ids is not None:
             meta = dataclasses.replace(meta, input_ids=input_ids)
         attn = PagedAttention(self.kv_cache, meta, self.ops, self.model_config.softmax_scale, None)
@@ -175,31 +174,21 @@ class ModelRunner:
             hidden = hidden[upload(layout.logit_rows, torch.int64, dev)]
         return self.model.compute_logits(hidden)
 
-    def _run_graph(self, layout: StepLayout, shape: GraphShape | None = None,
+    def _run_graph(self, layout: StepLayout, shape: GraphShape,
                    input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        shape = self.graph_shape(layout) if shape is None else shape
-        self.graphs.prepare(layout, shape)
-        if input_ids is not None:  # device ids of pending tokens (overlapped scheduling) over the host's
-            self.graphs.input_ids(shape)[:input_ids.shape[0]].copy_(input_ids)
-        return self.graphs.replay(shape, len(layout.logit_rows))
+        return self.graphs.run(layout, shape, input_ids)
 
     @torch.inference_mode()
     def run_padded_eager(self, layout: StepLayout, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Test hook: the step padded exactly as its graph would pad it and run eagerly with the graph's
-        attention bounds (the shape's max_q_len and max_kv_len, full-width tables);
-        returns the real rows' logits. Proves on any device that the padding is harmless."""
+        """Test hook: the step with the inputs and forward of its graph (`StepInputs.fill` into buffers of
+        its shape, `padded_logits`), run eagerly; returns the real rows' logits. Proves on any device that
+        the padding is harmless."""
         shape = self.graph_shape(layout)
         if shape is None:
             raise ValueError(f"no graph shape holds this step ({layout.num_tokens} tokens, "
                              f"{len(layout.query_lens)} sequences, {len(layout.logit_rows)} logits rows)")
-        padded = pad_layout(layout, shape)
-        meta = dataclasses.replace(step_tensors(padded, self.device, max_blocks=self.max_blocks_per_seq),
-                                   max_q_len=shape.max_q_len, max_kv_len=shape.max_kv_len)
-        if input_ids is not None:  # the real tokens' device ids (overlapped scheduling), padding after them
-            ids = meta.input_ids.clone()
-            ids[:input_ids.shape[0]] = input_ids
-            meta = dataclasses.replace(meta, input_ids=ids)
-        return self._run_eager(padded, meta)[:len(layout.logit_rows)]
+        meta, rows = StepInputs([shape], self.max_blocks_per_seq, self.device).fill(layout, shape, input_ids)
+        return padded_logits(self, meta, rows)[:len(layout.logit_rows)]
 
     # -- KV pool sizing ------------------------------------------------------------------------------
     def _blocks_per_byte_budget(self, budget: int) -> int:
