@@ -28,6 +28,14 @@ the sequential / split-parallel schedule and the pipeline depth, which the kerne
 same bits. Fast mode uses the same padding; its kernels pick work splits from the padded shape and the
 kv bound, so its bits may move with the bucket (what fast mode trades for speed).
 
+Mixed steps use whole-step graphs over padded token buckets, not piecewise graphs (every op but attention
+captured, attention eager in between): both keep the bits (the argument above), but piecewise graphs
+still launch attention and the KV write eagerly in every layer (2 x num_layers launches plus
+num_layers + 1 graph launches per step, a few ms of host time for 36 layers), where a whole-step graph is
+one launch. What the padded graph costs is GPU time on padding rows (at most 25% of a step above 128
+tokens, see `mixed_token_sizes`) and idle attention programs for padding sequences, which exit at once;
+large steps are compute-bound, so cuda_graph_max_tokens caps the graphed sizes.
+
 Inputs are refreshed by one host->device copy per buffer (`StepInputs.fill`, through `paged_kv.upload`,
 the engine's one upload path: int64 ids/positions/slots/logits rows, int32 kv lens / cu_q_lens, and the
 used columns of the block tables); token ids the previous step sampled on the device are copied over the
@@ -202,9 +210,6 @@ class StepInputs:
             self.i64[:input_ids.shape[0]].copy_(input_ids)
         return self.views(shape)
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.i64, self.i32, self.tables))
-
 
 def padded_logits(runner, meta: StepMetadata, rows: torch.Tensor, attn_out: torch.Tensor | None = None
                   ) -> torch.Tensor:
@@ -236,7 +241,9 @@ class StepGraphs:
         self.pool_bytes = 0
 
     def static_bytes(self) -> int:
-        return self.inputs.nbytes() + sum(t.numel() * t.element_size() for t in (self._attn_out, self._logits))
+        cfg = self.runner.model_config
+        return static_buffer_bytes(list(self.shapes.values()), self.inputs.width, cfg.q_size, cfg.vocab_size,
+                                   self._attn_out.element_size())
 
     # -- capture ---------------------------------------------------------------------------------------
     def capture(self) -> None:

@@ -10,26 +10,10 @@ Every numeric op, attention and the KV write included, is the model's numerics b
 `detinfer.ops.backend`, which also says when attention runs the Triton kernels and when the pure-torch
 `paged_attention_ref` + `write_kv_ref`); the runner only checks that it matches the engine's mode.
 
-CUDA graphs (CUDA, kernel backend, unless enforce_eager; `engine.cuda_graphs` has the shapes, the padding and
-the capture): decode-only steps replay a graph per batch size (one captured for short KV, one for the
-table's capacity), steps with prefill chunks a graph per token count (up to
-EngineConfig.cuda_graph_max_tokens), padded to the smallest captured shape that holds them.
-Padding tokens write no KV (slot -1) and belong to no sequence; padding sequences have no query and no key.
-Every op outside attention is row-wise and batch-invariant in deterministic mode, and attention's
-reduction order is fixed by its split size anchored at key 0, not by the grid or the bounds a graph is
-captured with (max_q_len = the token count, max_kv_len = the table's capacity or the short bound): so a
-real row gets the same bits in a graph of any size as in an eager step of its own batch. In fast mode the
-same padding is used, but its kernels pick work splits from the padded shape, so bits may move with the graph
-size. Under tensor parallelism every rank's runner captures the same graphs, collectives inside (`tp_group`,
-engine/tp_runner.py).
-
-Mixed steps use whole-step graphs over padded token buckets, not piecewise graphs (every op but attention
-captured, attention eager in between): both keep the bits (the argument above), but piecewise graphs
-still launch attention and the KV write eagerly in every layer (2 x num_layers launches plus
-num_layers + 1 graph launches per step, a few ms of host time for 36 layers), where a whole-step graph is
-one launch. What the padded graph costs is GPU time on padding rows (at most 25% of a step above 128
-tokens, see `mixed_token_sizes`) and idle attention programs for padding sequences, which exit at once;
-large steps are compute-bound, so cuda_graph_max_tokens caps the graphed sizes.
+CUDA graphs (CUDA, kernel backend, unless enforce_eager): a step that fits a captured shape replays its
+graph, padded to it (`engine.cuda_graphs` has the shapes, the padding, why padding moves no bit in
+deterministic mode, and the capture); any other step runs eagerly. Under tensor parallelism every rank's
+runner captures the same graphs, collectives inside (`tp_group`, engine/tp_runner.py).
 """
 
 from __future__ import annotations
