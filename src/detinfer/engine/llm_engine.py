@@ -3,9 +3,9 @@
 One step: the scheduler picks a batch (decodes, then prefill chunks) -> the model runner computes
 the logits the batch needs -> the sampler draws a token for every sequence whose chunk reached its end
 (a pure function of the logits row, the request's seed, the output position and the sample index) ->
-logprobs if asked (all on the device, read back with one copy) -> each sampled token goes to its
-sequence's incremental detokenizer, which reports stop strings -> the scheduler records the step and
-decides every finish -> a `RequestOutput` for every request that progressed. The logits rows of each
+logprobs if asked (all on the device, read back with one copy) -> the scheduler records the step and
+decides every finish (asking `_text_stop`, which feeds the sequence's incremental detokenizer, for stop
+strings) -> a `RequestOutput` for every request that progressed. The logits rows of each
 sequence come from the batch's one layout (`ScheduledBatch.layout`), which the model runner computed the
 logits by.
 
