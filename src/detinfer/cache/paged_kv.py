@@ -125,7 +125,7 @@ def build_slot_mapping(block_lists: Sequence[Sequence[int]], starts: Sequence[in
         if pad_to < len(slots):
             raise ValueError(f"build_slot_mapping: pad_to {pad_to} < {len(slots)} real tokens")
         slots.extend([-1] * (pad_to - len(slots)))
-    return torch.tensor(slots, dtype=torch.int64, device=device)
+    return upload(slots, torch.int64, device)
 
 
 @dataclass(frozen=True)

@@ -139,9 +139,10 @@ def _input_ids(batch: ScheduledBatch, pending: SampledIds | None) -> torch.Tenso
     return fill_pending(layout.token_ids, sources, pending.ids, pending.ids.device)
 
 
-def launch_step(runner, log_softmax, batch: ScheduledBatch, pending: SampledIds | None,
+def launch_step(runner, batch: ScheduledBatch, pending: SampledIds | None,
                 eos_token_ids: frozenset[int] = frozenset(), logits_mask=None) -> LaunchedStep:
     """Enqueue one step (forward, sampling, logprobs, the copy back) and return without waiting for it.
+    `runner`: the engine's `ModelRunner` or `TensorParallelRunner` (its `execute` and its `ops`' log_softmax).
     eos_token_ids: the model's EOS ids (min_tokens masks them).
     `logits_mask(logits, rows, seqs) -> logits`, when given, masks the sampled rows (structured output's
     grammars, `GrammarMasks.mask_logits`) before both sampling and logprobs, so a grammar request's logprobs
@@ -171,7 +172,8 @@ def launch_step(runner, log_softmax, batch: ScheduledBatch, pending: SampledIds 
         top_k = max(d.k for d in dests)
         sources = [sampled.index.get(d.seq.seq_id, 0) for d in dests]
         targets = fill_pending([d.target for d in dests], sources, drawn, dev)
-        lp = compute_logprobs(logits[upload(lp_rows, torch.int64, dev)], targets, top_k, log_softmax, validate=False)
+        lp = compute_logprobs(logits[upload(lp_rows, torch.int64, dev)], targets, top_k, runner.ops.log_softmax,
+                              validate=False)
 
         def bits(x: torch.Tensor) -> torch.Tensor:  # fp32 -> its bit pattern as int64
             return x.contiguous().view(torch.int32).to(torch.int64)

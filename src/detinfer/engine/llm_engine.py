@@ -369,7 +369,7 @@ class LLMEngine:
 
     def _launch_step(self, batch: ScheduledBatch, pending: SampledIds | None) -> LaunchedStep:
         mask = self._grammars.mask_logits if self._grammars else None
-        return launch_step(self.runner, self.ops.log_softmax, batch, pending, self.scheduler.eos_token_ids, mask)
+        return launch_step(self.runner, batch, pending, self.scheduler.eos_token_ids, mask)
 
     def _resolve(self, launched: list[LaunchedStep]) -> list[str]:
         """Read launched steps back and process them: grammars, logprobs, then the scheduler's finishes

@@ -43,6 +43,8 @@ from detinfer.engine.cuda_graphs import (
     static_buffer_bytes,
 )
 from detinfer.engine.paged_attention import PagedAttention
+from detinfer.engine.sampler import sample
+from detinfer.engine.sampling_params import SamplingParams
 from detinfer.engine.scheduler import ScheduledBatch
 from detinfer.models.config import ModelConfig
 from detinfer.models.transformer import Transformer
@@ -224,9 +226,6 @@ class ModelRunner:
     def _profile_peak_bytes(self, total: int | None = None, sample_rows: bool = True) -> int:
         """Peak extra device memory of an eager step of `total` tokens (default max_num_batched_tokens)
         with logits for min(max_num_seqs, total) rows, plus sampling them (its temporaries only)."""
-        from detinfer.engine.sampler import sample
-        from detinfer.engine.sampling_params import SamplingParams
-
         cfg, dev, bs = self.model_config, self.device, self.block_size
         total = self.config.max_num_batched_tokens if total is None else total
         longest = min(total, self.config.max_model_len)
