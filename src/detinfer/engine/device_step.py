@@ -67,19 +67,24 @@ class LogprobDest:
     target: int  # the scored token id (PENDING_TOKEN: the token this step samples for `seq`)
 
 
+@dataclass
 class LaunchedStep:
-    """One launched batch: its sampled ids on the device, and the packed results on their way to the host."""
+    """One launched batch: its sampled ids on the device, and the packed results on their way to the host
+    (`host`, complete once `event` has passed; no event on CPU)."""
 
-    def __init__(self, batch: ScheduledBatch, sample_items: list[int], sampled: SampledIds,
-                 dests: list[LogprobDest], top_k: int, host: torch.Tensor, event):
-        self.batch, self.sample_items, self.sampled = batch, sample_items, sampled
-        self.dests, self.top_k, self._host, self._event = dests, top_k, host, event
+    batch: ScheduledBatch
+    sample_items: list[int]  # indices of the batch entries that were sampled
+    sampled: SampledIds
+    dests: list[LogprobDest]
+    top_k: int
+    host: torch.Tensor
+    event: torch.cuda.Event | None
 
     def read(self) -> tuple[list[int | None], list[tuple[LogprobDest, TokenLogprob]]]:
         """Wait for the step's results: (token per batch entry, None where not sampled; logprob entries)."""
-        if self._event is not None:
-            self._event.synchronize()
-        host, n = self._host, len(self.sample_items)
+        if self.event is not None:
+            self.event.synchronize()
+        host, n = self.host, len(self.sample_items)
         drawn = host[:n].tolist()
         tokens: list[int | None] = [None] * len(self.batch)
         for i, t in zip(self.sample_items, drawn):
