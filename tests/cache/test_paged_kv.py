@@ -18,6 +18,7 @@ from detinfer.cache import (
     gather_kv,
     num_blocks_for_bytes,
 )
+from detinfer.cache.paged_kv import upload
 
 
 def test_spec_pools_and_budget():
@@ -104,3 +105,37 @@ def test_check_step_metadata_accepts_valid_and_padding_rows():
     with pytest.raises(ValueError, match="max_kv_len"):
         check_step_metadata(*_md([0, 1], [16], [[0]]), block_size=16, num_blocks=4, num_tokens=1,
                             max_kv_len=15)
+
+
+@given(rows=st.integers(1, 5), cols=st.integers(1, 6), extra_rows=st.integers(0, 3), extra_cols=st.integers(0, 3),
+       seed=st.integers(0, 2**16))
+def test_upload_into_a_buffer_view_writes_only_the_view(rows, cols, extra_rows, extra_cols, seed):
+    """`upload(..., out=view)` (how CUDA-graph inputs are refreshed) fills exactly the view, strided or not,
+    and returns it; without `out` it makes a new tensor of the values."""
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randint(-2**40, 2**40, (rows, cols), generator=gen)
+    buffer = torch.full((rows + extra_rows, cols + extra_cols), 7, dtype=torch.int64)
+    expected = buffer.clone()
+    expected[:rows, :cols] = values
+    view = buffer[:rows, :cols]
+    assert upload(values.tolist(), torch.int64, "cpu", out=view) is view
+    assert torch.equal(buffer, expected)
+    assert torch.equal(upload(values.tolist(), torch.int64, "cpu"), values)
+    flat = torch.zeros(rows * cols + extra_cols, dtype=torch.int32)
+    upload(values.reshape(-1).remainder(1000).tolist(), torch.int32, "cpu", out=flat[:rows * cols])
+    assert torch.equal(flat[:rows * cols], values.reshape(-1).remainder(1000).to(torch.int32))
+    assert not flat[rows * cols:].any()
+
+
+@pytest.mark.gpu
+def test_gpu_upload_into_a_strided_device_view_is_exact():
+    """On CUDA the values go through pinned memory with a non-blocking copy; a strided destination (a graph's
+    block-table columns) gets exactly the values, the rest of the buffer is untouched."""
+    buffer = torch.full((6, 9), -3, dtype=torch.int32, device="cuda")
+    values = [[r * 10 + c for c in range(4)] for r in range(3)]
+    upload(values, torch.int32, "cuda", out=buffer[:3, :4])
+    torch.cuda.synchronize()
+    expected = torch.full((6, 9), -3, dtype=torch.int32)
+    expected[:3, :4] = torch.tensor(values, dtype=torch.int32)
+    assert torch.equal(buffer.cpu(), expected)
+    assert torch.equal(upload(values, torch.int64, "cuda").cpu(), torch.tensor(values))

@@ -76,10 +76,7 @@ def step(sched, runner, tokens=None, rng=None):
     runner.run(batch)
     it = iter(tokens or ())
     out = [(next(it, 7) if rng is None else rng.randrange(5)) if s.sample else None for s in batch.scheduled]
-    check = runner.stop_checker
-    stops = [check(s.seq, t) if check is not None and t is not None and not sched.stops_on_token(s.seq, t)
-             else None for s, t in zip(batch.scheduled, out)]
-    finished = sched.postprocess(batch, out, stops)
+    finished = sched.postprocess(batch, out, runner.stop_checker)
     sched.check_invariants()
     return batch, finished
 
@@ -199,8 +196,8 @@ def test_stop_conditions(params, tokens, reason, stop_reason, n_out):
 def test_stop_checker_and_max_model_len():
     calls = []
 
-    def checker(seq, token):  # the engine detokenizes the new token before the scheduler records it
-        calls.append(seq.output_token_ids + [token])
+    def checker(seq, token):  # asked once the token is recorded, unless it ends the sequence by itself
+        calls.append(seq.output_token_ids)
         return "END" if token == 6 else None
 
     sched, runner = make(stop_checker=checker)
@@ -208,6 +205,10 @@ def test_stop_checker_and_max_model_len():
     for t in (5, 6):
         step(sched, runner, [t])
     assert (seq.finish_reason, seq.stop_reason, calls) == ("stop", "END", [[5], [5, 6]])
+    (seq,) = sched.add_request("c", [1, 2], SamplingParams(max_tokens=None))
+    calls.clear()
+    step(sched, runner, [EOS])  # a stop token ends the sequence by itself: its text is never asked for
+    assert (seq.finish_reason, seq.stop_reason, calls) == ("stop", EOS, [])
     sched, runner = make(max_model_len=8)
     (seq,) = sched.add_request("b", range(1, 7), SamplingParams(max_tokens=None))
     drain(sched, runner)

@@ -84,18 +84,22 @@ def allocate_kv_cache(spec: KVCacheSpec, num_layers: int, device: torch.device |
     return pools
 
 
-def staged(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """Host values (nested lists) as a host tensor to copy to `device` with non_blocking=True: pinned for
-    CUDA, since a copy from pageable memory may wait for the device's queued work, and the engine prepares
-    a step while the previous one still runs (overlapped scheduling)."""
-    return torch.tensor(values, dtype=dtype, pin_memory=torch.device(device).type == "cuda")
+def upload(values, dtype: torch.dtype, device: torch.device | str, *, out: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """Host values (nested lists) on `device`, without waiting for the device: the one host->device path of
+    every step input (eager steps, CUDA-graph inputs, sampled-id gathers). On CUDA the values are written
+    once into pinned memory and copied with non_blocking=True: a copy from pageable memory may wait for the
+    device's queued work, and the engine prepares a step while the previous one still runs (overlapped
+    scheduling). The pinned block comes from torch's caching host allocator, which reuses it only after the
+    copy reading it has completed, so no step waits for the previous step's copies.
 
-
-def upload(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """Host values (nested lists) as a tensor on `device`, without waiting for the device (see `staged`)."""
-    if torch.device(device).type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return staged(values, dtype, device).to(device, non_blocking=True)
+    `out`: a device buffer (e.g. a CUDA graph's static input, which replay reads in place) to copy the
+    values into instead of a new tensor; it may be a strided view. Returns `out`, or the new tensor."""
+    cuda = torch.device(device).type == "cuda"
+    host = torch.tensor(values, dtype=dtype, pin_memory=cuda)
+    if out is not None:
+        return out.copy_(host.view(out.shape), non_blocking=True)
+    return host.to(device, non_blocking=True) if cuda else host.to(device)
 
 
 def build_block_tables(block_lists: Sequence[Sequence[int]], *, max_blocks: int | None = None,
@@ -121,7 +125,7 @@ def build_slot_mapping(block_lists: Sequence[Sequence[int]], starts: Sequence[in
         if pad_to < len(slots):
             raise ValueError(f"build_slot_mapping: pad_to {pad_to} < {len(slots)} real tokens")
         slots.extend([-1] * (pad_to - len(slots)))
-    return torch.tensor(slots, dtype=torch.int64, device=device)
+    return upload(slots, torch.int64, device)
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,19 @@ the sequential / split-parallel schedule and the pipeline depth, which the kerne
 same bits. Fast mode uses the same padding; its kernels pick work splits from the padded shape and the
 kv bound, so its bits may move with the bucket (what fast mode trades for speed).
 
-Inputs are refreshed by one host->device copy per buffer (int64 ids/positions/slots/logits rows, int32
-kv lens / cu_q_lens, and the used columns of the block tables); a caller that keeps sampled ids on the
-device can overwrite `input_ids(shape)` between `prepare` and `replay`. Every shape reads the full-width
+Mixed steps use whole-step graphs over padded token buckets, not piecewise graphs (every op but attention
+captured, attention eager in between): both keep the bits (the argument above), but piecewise graphs
+still launch attention and the KV write eagerly in every layer (2 x num_layers launches plus
+num_layers + 1 graph launches per step, a few ms of host time for 36 layers), where a whole-step graph is
+one launch. What the padded graph costs is GPU time on padding rows (at most 25% of a step above 128
+tokens, see `mixed_token_sizes`) and idle attention programs for padding sequences, which exit at once;
+large steps are compute-bound, so cuda_graph_max_tokens caps the graphed sizes.
+
+Inputs are refreshed by one host->device copy per buffer (`StepInputs.fill`, through `paged_kv.upload`,
+the engine's one upload path: int64 ids/positions/slots/logits rows, int32 kv lens / cu_q_lens, and the
+used columns of the block tables); token ids the previous step sampled on the device are copied over the
+ids buffer on the device. `ModelRunner.run_padded_eager` runs the same inputs and forward
+(`padded_logits`) eagerly, which is how the CPU tests check the padding. Every shape reads the full-width
 block table buffer: the kernel reads no column past a sequence's kv length, and its table width is only a
 mask bound, so a narrower view for the short graphs would change nothing.
 """
@@ -44,7 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from detinfer.cache.layout import StepLayout, padded_tables
-from detinfer.cache.paged_kv import StepMetadata
+from detinfer.cache.paged_kv import StepMetadata, upload
 from detinfer.constants import SHORT_KV_TOKENS  # kv bound of the short decode graphs: one attention split
 from detinfer.engine.paged_attention import PagedAttention
 
@@ -154,31 +164,69 @@ def pad_layout(layout: StepLayout, shape: GraphShape) -> StepLayout:
         logit_rows=layout.logit_rows + [0] * pad_r, logits_offsets=layout.logits_offsets + [n_rows] * pad_s)
 
 
+class StepInputs:
+    """The static input buffers of a set of shapes (shared: one step runs at a time) and `fill`, which copies
+    a step padded to its shape into them. int64: [ids | positions | slots] of `tokens` rows each, then the
+    logits row index; int32: [kv lens | cu_q_lens]; block tables [S, width]."""
+
+    def __init__(self, shapes: list[GraphShape], width: int, device: torch.device):
+        sizes = buffer_sizes(shapes, width)
+        self.width = width
+        self.i64 = torch.zeros(sizes["i64"], dtype=torch.int64, device=device)
+        self.i32 = torch.zeros(sizes["i32"], dtype=torch.int32, device=device)
+        self.tables = torch.zeros((max(s.seqs for s in shapes), width), dtype=torch.int32, device=device)
+
+    def views(self, shape: GraphShape) -> tuple[StepMetadata, torch.Tensor]:
+        """The step metadata and the [logit_rows] row index a step of `shape` reads (views of the buffers)."""
+        t, s, r = shape.tokens, shape.seqs, shape.logit_rows
+        meta = StepMetadata(cu_q_lens=self.i32[s:2 * s + 1], kv_lens=self.i32[:s], block_tables=self.tables[:s],
+                            slot_mapping=self.i64[2 * t:3 * t], max_q_len=shape.max_q_len,
+                            max_kv_len=shape.max_kv_len, input_ids=self.i64[:t], positions=self.i64[t:2 * t])
+        return meta, self.i64[3 * t:3 * t + r]
+
+    def fill(self, layout: StepLayout, shape: GraphShape,
+             input_ids: torch.Tensor | None = None) -> tuple[StepMetadata, torch.Tensor]:
+        """Copy `layout` padded to `shape` into the buffers (asynchronously, `paged_kv.upload`); `input_ids`
+        ([real tokens] int64 on the device: pending ids of overlapped scheduling) then replace the layout's
+        token ids. Returns `views(shape)`."""
+        padded = pad_layout(layout, shape)
+        i64 = padded.token_ids + padded.positions + padded.slots + padded.logit_rows
+        i32 = padded.kv_lens + padded.cu_q_lens
+        upload(i64, torch.int64, self.i64.device, out=self.i64[:len(i64)])
+        upload(i32, torch.int32, self.i32.device, out=self.i32[:len(i32)])
+        # Only the real sequences' tables, only the columns they use: a padding sequence has kv_len 0 and a
+        # real one reads no column past its own kv_len, so stale entries elsewhere are never read.
+        tables = layout.block_tables
+        width = min(self.width, max((len(t) for t in tables), default=0))
+        if width:
+            upload(padded_tables([t[:width] for t in tables], width), torch.int32, self.tables.device,
+                   out=self.tables[:len(tables), :width])
+        if input_ids is not None:
+            self.i64[:input_ids.shape[0]].copy_(input_ids)
+        return self.views(shape)
+
+
+def padded_logits(runner, meta: StepMetadata, rows: torch.Tensor, attn_out: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """The forward a graph captures: the model over a padded step's metadata, logits of the `rows` index
+    (fp32, one per row of the index). `attn_out`: the graph's fixed attention output buffer."""
+    attn = PagedAttention(runner.kv_cache, meta, runner.ops, runner.model_config.softmax_scale, attn_out)
+    hidden = runner.model(meta.input_ids, meta.positions, attn)
+    return runner.model.compute_logits(hidden.index_select(0, rows))
+
+
 class StepGraphs:
     """Static buffers and captured graphs of one model runner (see the module doc).
 
-    `run(layout, shape)` pads the step, copies it into the buffers, replays, and returns the [R, V] fp32
-    logits of the real rows: a view of the static logits buffer, valid until the next replay."""
+    `run(layout, shape, input_ids)` pads the step, copies it into the buffers, replays, and returns the
+    [R, V] fp32 logits of the real rows: a view of the static logits buffer, valid until the next replay."""
 
     def __init__(self, runner, shapes: list[GraphShape]):
         self.runner = runner
         self.shapes = {s.key: s for s in shapes}
-        self.width = runner.max_blocks_per_seq
-        sizes = buffer_sizes(shapes, self.width)
         cfg, dev = runner.model_config, runner.device
-        t_all, s_all, r_all = (max(getattr(s, f) for s in shapes) for f in ("tokens", "seqs", "logit_rows"))
-        # int64: per shape [ids | positions | slots] of `tokens` rows each, then the logits row index;
-        # int32: [kv lens | cu_q_lens]; block tables [S, width]. Host staging copies are pinned, so the
-        # copies are asynchronous (a pageable source makes CUDA wait for the stream first).
-        self._i64 = torch.zeros(sizes["i64"], dtype=torch.int64, device=dev)
-        self._i32 = torch.zeros(sizes["i32"], dtype=torch.int32, device=dev)
-        self._tables = torch.zeros((s_all, self.width), dtype=torch.int32, device=dev)
-        self._tables_flat = torch.zeros(s_all * self.width, dtype=torch.int32, device=dev)
-        pin = torch.cuda.is_available()
-        self._stage = {name: torch.zeros(n, dtype=t.dtype, pin_memory=pin) for name, n, t in (
-            ("i64", sizes["i64"], self._i64), ("i32", sizes["i32"], self._i32),
-            ("tables", s_all * self.width, self._tables))}
-        self._staged = torch.cuda.Event() if dev.type == "cuda" else None
+        self.inputs = StepInputs(shapes, runner.max_blocks_per_seq, dev)
+        t_all, r_all = max(s.tokens for s in shapes), max(s.logit_rows for s in shapes)
         # Attention rows of padding tokens are never written: zeroed once so they never hold NaN garbage.
         self._attn_out = torch.zeros((t_all, cfg.num_attention_heads, cfg.head_dim), dtype=runner.dtype,
                                      device=dev)
@@ -188,21 +236,9 @@ class StepGraphs:
         self.pool_bytes = 0
 
     def static_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self._i64, self._i32, self._tables, self._tables_flat,
-                                                          self._attn_out, self._logits))
-
-    def _views(self, shape: GraphShape):
-        t, s, r = shape.tokens, shape.seqs, shape.logit_rows
-        ids, pos, slots = self._i64[:t], self._i64[t:2 * t], self._i64[2 * t:3 * t]
-        rows = self._i64[3 * t:3 * t + r]
-        meta = StepMetadata(cu_q_lens=self._i32[s:2 * s + 1], kv_lens=self._i32[:s], block_tables=self._tables[:s],
-                            slot_mapping=slots, max_q_len=shape.max_q_len, max_kv_len=shape.max_kv_len,
-                            input_ids=ids, positions=pos)
-        return meta, rows
-
-    def input_ids(self, shape: GraphShape) -> torch.Tensor:
-        """The [tokens] int64 buffer the graph of `shape` reads its token ids from."""
-        return self._i64[:shape.tokens]
+        cfg = self.runner.model_config
+        return static_buffer_bytes(list(self.shapes.values()), self.inputs.width, cfg.q_size, cfg.vocab_size,
+                                   self._attn_out.element_size())
 
     # -- capture ---------------------------------------------------------------------------------------
     def capture(self) -> None:
@@ -214,18 +250,15 @@ class StepGraphs:
         with torch.inference_mode():
             for shape in sorted(self.shapes.values(), key=lambda s: (s.tokens, s.max_q_len, s.max_kv_len),
                                 reverse=True):
-                meta, rows = self._views(shape)
-                attn = PagedAttention(runner.kv_cache, meta, runner.ops, runner.model_config.softmax_scale,
-                                      self._attn_out[:shape.tokens])
+                meta, rows = self.inputs.views(shape)
 
-                def forward(shape=shape, meta=meta, rows=rows, attn=attn):
-                    hidden = runner.model(meta.input_ids, meta.positions, attn)
-                    logits = runner.model.compute_logits(hidden.index_select(0, rows))
+                def forward(shape=shape, meta=meta, rows=rows):
+                    logits = padded_logits(runner, meta, rows, self._attn_out[:shape.tokens])
                     self._logits[:shape.logit_rows].copy_(logits)
 
                 # All rows are padding here (slots -1, no sequence has a query): compiles and autotunes
                 # outside the capture (and outside the measured pool), writes nothing into the KV pools.
-                self.prepare(EMPTY_STEP, shape)
+                self.inputs.fill(EMPTY_STEP, shape)
                 forward()
                 forwards[shape] = forward
             torch.cuda.synchronize(dev)
@@ -239,7 +272,7 @@ class StepGraphs:
             # events of earlier collectives, which a process-wide capture would treat as an error.
             mode = "global" if getattr(runner, "tp_group", None) is None else "thread_local"
             for shape, forward in forwards.items():
-                self.prepare(EMPTY_STEP, shape)
+                self.inputs.fill(EMPTY_STEP, shape)
                 torch.cuda.synchronize(dev)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
@@ -262,35 +295,11 @@ class StepGraphs:
                            "GPU memory use may exceed gpu_memory_utilization", (self.pool_bytes + self.static_bytes())
                            / 2**20, reserve / 2**20)
 
-    # -- replay ----------------------------------------------------------------------------------------
-    def prepare(self, layout: StepLayout, shape: GraphShape) -> None:
-        """Copy the step, padded to `shape`, into the graph's input buffers (asynchronously)."""
-        padded = pad_layout(layout, shape)
-        if self._staged is not None:
-            self._staged.synchronize()  # the previous step's copies have read the staging buffers
-        i64 = padded.token_ids + padded.positions + padded.slots + padded.logit_rows
-        i32 = padded.kv_lens + padded.cu_q_lens
-        for name, values, dst in (("i64", i64, self._i64), ("i32", i32, self._i32)):
-            stage = self._stage[name][:len(values)]
-            stage.copy_(torch.tensor(values, dtype=stage.dtype))
-            dst[:len(values)].copy_(stage, non_blocking=True)
-        # Only the real sequences' tables, only the columns they use: a padding sequence has kv_len 0 and a
-        # real one reads no column past its own kv_len, so stale entries elsewhere are never read.
-        tables = layout.block_tables
-        width = min(self.width, max((len(t) for t in tables), default=0))
-        if width:
-            n = len(tables) * width
-            stage = self._stage["tables"][:n]
-            stage.copy_(torch.tensor(padded_tables([t[:width] for t in tables], width), dtype=torch.int32)
-                        .reshape(-1))
-            self._tables_flat[:n].copy_(stage, non_blocking=True)
-            self._tables[:len(tables), :width].copy_(self._tables_flat[:n].view(len(tables), width))
-        if self._staged is not None:
-            self._staged.record()
-
-    def replay(self, shape: GraphShape, num_logit_rows: int) -> torch.Tensor:
+    def run(self, layout: StepLayout, shape: GraphShape, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Fill the inputs (`StepInputs.fill`) and replay the graph of `shape`: the real rows' logits."""
+        self.inputs.fill(layout, shape, input_ids)
         self._graphs[shape.key].replay()
-        return self._logits[:num_logit_rows]
+        return self._logits[:len(layout.logit_rows)]
 
 
 def buffer_sizes(shapes: list[GraphShape], width: int) -> dict[str, int]:
@@ -305,5 +314,5 @@ def static_buffer_bytes(shapes: list[GraphShape], width: int, hidden_out: int, v
     sizes = buffer_sizes(shapes, width)
     t_all = max(s.tokens for s in shapes)
     r_all = max(s.logit_rows for s in shapes)
-    return 8 * sizes["i64"] + 4 * sizes["i32"] + 2 * 4 * sizes["tables"] + t_all * hidden_out * elem \
+    return 8 * sizes["i64"] + 4 * sizes["i32"] + 4 * sizes["tables"] + t_all * hidden_out * elem \
         + 4 * r_all * vocab

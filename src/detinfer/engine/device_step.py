@@ -1,8 +1,8 @@
 """The device side of one engine step: inputs in, sampled ids and logprobs out, without waiting for the device.
 
-`launch_step` enqueues a step's work and returns at once (on CUDA): the host lists the step needs go up in
-one pinned buffer per tensor with non-blocking copies (a pageable copy may wait for the device, which would
-undo the overlap), the forward pass and the sampler run on the device, and every result the host needs
+`launch_step` enqueues a step's work and returns at once (on CUDA): the host lists the step needs go up
+through `paged_kv.upload` (pinned memory, non-blocking copies: a pageable copy may wait for the device,
+which would undo the overlap), the forward pass and the sampler run on the device, and every result the host needs
 (sampled ids; each logprob row's chosen logprob, rank and top-k) is packed into one int64 tensor that comes
 back with ONE non-blocking device->host copy, completed by an event. `LaunchedStep.read()` waits for that
 event and unpacks.
@@ -23,18 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
+from detinfer.cache.paged_kv import upload
 from detinfer.engine.outputs import TokenLogprob
 from detinfer.engine.sampler import compute_logprobs, sample
 from detinfer.engine.scheduler import ScheduledBatch
 from detinfer.engine.sequence import PENDING_TOKEN, Sequence
-
-
-def to_device(rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    """[len(rows), n] int64 on `device` from equal-length host rows; on CUDA through one pinned buffer and a
-    non-blocking copy (the host does not wait for the device)."""
-    cuda = device.type == "cuda"
-    host = torch.tensor(rows, dtype=torch.int64, pin_memory=cuda)
-    return host.to(device, non_blocking=True) if cuda else host
 
 
 def fill_pending(values: list[int], sources: list[int], known: torch.Tensor | None,
@@ -42,8 +35,8 @@ def fill_pending(values: list[int], sources: list[int], known: torch.Tensor | No
     """[n] int64 on `device`: values[i] where it is a token id, else known[sources[i]] (a select on the
     device); `known` may be None when no value is pending."""
     if known is None or PENDING_TOKEN not in values:
-        return to_device([values], device)[0]
-    both = to_device([values, sources], device)
+        return upload(values, torch.int64, device)
+    both = upload([values, sources], torch.int64, device)
     return torch.where(both[0] >= 0, both[0], known[both[1]])
 
 
@@ -74,19 +67,24 @@ class LogprobDest:
     target: int  # the scored token id (PENDING_TOKEN: the token this step samples for `seq`)
 
 
+@dataclass
 class LaunchedStep:
-    """One launched batch: its sampled ids on the device, and the packed results on their way to the host."""
+    """One launched batch: its sampled ids on the device, and the packed results on their way to the host
+    (`host`, complete once `event` has passed; no event on CPU)."""
 
-    def __init__(self, batch: ScheduledBatch, sample_items: list[int], sampled: SampledIds,
-                 dests: list[LogprobDest], top_k: int, host: torch.Tensor, event):
-        self.batch, self.sample_items, self.sampled = batch, sample_items, sampled
-        self.dests, self.top_k, self._host, self._event = dests, top_k, host, event
+    batch: ScheduledBatch
+    sample_items: list[int]  # indices of the batch entries that were sampled
+    sampled: SampledIds
+    dests: list[LogprobDest]
+    top_k: int
+    host: torch.Tensor
+    event: torch.cuda.Event | None
 
     def read(self) -> tuple[list[int | None], list[tuple[LogprobDest, TokenLogprob]]]:
         """Wait for the step's results: (token per batch entry, None where not sampled; logprob entries)."""
-        if self._event is not None:
-            self._event.synchronize()
-        host, n = self._host, len(self.sample_items)
+        if self.event is not None:
+            self.event.synchronize()
+        host, n = self.host, len(self.sample_items)
         drawn = host[:n].tolist()
         tokens: list[int | None] = [None] * len(self.batch)
         for i, t in zip(self.sample_items, drawn):
@@ -146,9 +144,10 @@ def _input_ids(batch: ScheduledBatch, pending: SampledIds | None) -> torch.Tenso
     return fill_pending(layout.token_ids, sources, pending.ids, pending.ids.device)
 
 
-def launch_step(runner, log_softmax, batch: ScheduledBatch, pending: SampledIds | None,
+def launch_step(runner, batch: ScheduledBatch, pending: SampledIds | None,
                 eos_token_ids: frozenset[int] = frozenset(), logits_mask=None) -> LaunchedStep:
     """Enqueue one step (forward, sampling, logprobs, the copy back) and return without waiting for it.
+    `runner`: the engine's `ModelRunner` or `TensorParallelRunner` (its `execute` and its `ops`' log_softmax).
     eos_token_ids: the model's EOS ids (min_tokens masks them).
     `logits_mask(logits, rows, seqs) -> logits`, when given, masks the sampled rows (structured output's
     grammars, `GrammarMasks.mask_logits`) before both sampling and logprobs, so a grammar request's logprobs
@@ -165,7 +164,7 @@ def launch_step(runner, log_softmax, batch: ScheduledBatch, pending: SampledIds 
         seqs = [items[i].seq for i in sample_items]
         if logits_mask is not None:
             logits = logits_mask(logits, rows, seqs)
-        picked = logits if rows == list(range(logits.shape[0])) else logits[to_device([rows], dev)[0]]
+        picked = logits if rows == list(range(logits.shape[0])) else logits[upload(rows, torch.int64, dev)]
         history = any(s.params.needs_history for s in seqs)  # the engine resolved their histories first
         drawn = sample(picked, [s.params for s in seqs], [s.seed for s in seqs],
                        [items[i].output_position for i in sample_items], [s.sample_index for s in seqs],
@@ -178,7 +177,8 @@ def launch_step(runner, log_softmax, batch: ScheduledBatch, pending: SampledIds 
         top_k = max(d.k for d in dests)
         sources = [sampled.index.get(d.seq.seq_id, 0) for d in dests]
         targets = fill_pending([d.target for d in dests], sources, drawn, dev)
-        lp = compute_logprobs(logits[to_device([lp_rows], dev)[0]], targets, top_k, log_softmax, validate=False)
+        lp = compute_logprobs(logits[upload(lp_rows, torch.int64, dev)], targets, top_k, runner.ops.log_softmax,
+                              validate=False)
 
         def bits(x: torch.Tensor) -> torch.Tensor:  # fp32 -> its bit pattern as int64
             return x.contiguous().view(torch.int32).to(torch.int64)

@@ -3,9 +3,9 @@
 One step: the scheduler picks a batch (decodes, then prefill chunks) -> the model runner computes
 the logits the batch needs -> the sampler draws a token for every sequence whose chunk reached its end
 (a pure function of the logits row, the request's seed, the output position and the sample index) ->
-logprobs if asked (all on the device, read back with one copy) -> each sampled token goes to its
-sequence's incremental detokenizer, which reports stop strings -> the scheduler records the step and
-decides every finish -> a `RequestOutput` for every request that progressed. The logits rows of each
+logprobs if asked (all on the device, read back with one copy) -> the scheduler records the step and
+decides every finish (asking `_text_stop`, which feeds the sequence's incremental detokenizer, for stop
+strings) -> a `RequestOutput` for every request that progressed. The logits rows of each
 sequence come from the batch's one layout (`ScheduledBatch.layout`), which the model runner computed the
 logits by.
 
@@ -164,7 +164,6 @@ class LLMEngine:
         self.scheduler = Scheduler(config, num_kv_blocks=self.runner.num_kv_blocks, eos_token_ids=eos,
                                    vocab_size=model_config.vocab_size)
         self._requests: dict[str, _Request] = {}
-        self._seq_detok: dict[int, object] = {}  # seq_id -> its detokenizer (stop strings' lookup)
         self._grammars = None  # GrammarMasks, made by the first structured request (llguidance is optional)
         self._aborted: list[str] = []  # aborted requests whose final output is still owed
         self._inflight: list[LaunchedStep] = []  # launched, not read back yet (async scheduling)
@@ -223,8 +222,6 @@ class LLMEngine:
                                                          min_tokens=params.min_tokens) for _ in seqs]
         self._requests[request_id] = _Request(request_id, prompt_text, tuple(ids), params, seqs, detoks,
                                               [0.0] * len(seqs))
-        for seq, detok in zip(seqs, detoks):
-            self._seq_detok[seq.seq_id] = detok
 
     def _grammar_masks(self):
         if self._grammars is None:
@@ -250,10 +247,7 @@ class LLMEngine:
         req = self._requests.get(request_id)
         if req is None or request_id in self._aborted:
             return
-        for seq in self.scheduler.abort(request_id):
-            detok = self._seq_detok.get(seq.seq_id)
-            if detok is not None:
-                detok.finish()
+        self._finish_text(self.scheduler.abort(request_id))
         self._aborted.append(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -277,19 +271,16 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that progressed (cumulative outputs).
 
-        Without async_scheduling: schedule, launch, read back, process. With it the read-back and the
-        processing of a step move to the next call, after that call has launched the following step, so
-        the host's work runs while the device computes (see the module docstring)."""
+        Schedule, launch, resolve (read back and process). With async_scheduling the step resolved is the
+        previous one, after this one was launched, so the host's work runs while the device computes (see
+        the module docstring)."""
         start = time.perf_counter()
         outputs = [self._output(self._requests[rid]) for rid in self._aborted]
         self._aborted.clear()
         previous, self._inflight = self._inflight, []
         touched: list[str] = []
-        if previous and any(_needs_history(d.seq) and not d.seq.is_finished for d in _sampled(previous)):
-            # Penalties, bad words, token masks and grammars need every earlier token's id on the host:
-            # no overlap.
-            touched += self._resolve_or_abort(previous)
-            previous = []
+        if _needs_history(previous):  # the next step's sampling needs these ids on the host: no overlap
+            touched, previous = self._resolve_or_abort(previous), []
         batch = self.scheduler.schedule()
         self._counters["num_preemptions"] += len(batch.preempted)
         if not batch.is_empty:
@@ -307,8 +298,7 @@ class LLMEngine:
         pending = SampledIds.join([p.sampled for p in previous])
         try:
             try:
-                launched = [launch_step(self.runner, self.ops.log_softmax, batch, pending,
-                                        self.scheduler.eos_token_ids, self._logits_mask)]
+                launched = [self._launch_step(batch, pending)]
             except Exception as exc:
                 launched = self._isolate_failure(batch, exc, pending)
         except BaseException:
@@ -347,8 +337,7 @@ class LLMEngine:
             for rid, part in groups.items():
                 sub = ScheduledBatch(tuple(part), sum(item.query_len for item in part))
                 try:
-                    launched = launch_step(self.runner, self.ops.log_softmax, sub, pending,
-                                           self.scheduler.eos_token_ids, self._logits_mask)
+                    launched = self._launch_step(sub, pending)
                     launched.read()  # a failure on the device shows here, in this request's share
                     kept.append(launched)
                 except Exception as e:
@@ -370,15 +359,20 @@ class LLMEngine:
                 self.abort_request(rid)
             raise
 
+    def _launch_step(self, batch: ScheduledBatch, pending: SampledIds | None) -> LaunchedStep:
+        mask = self._grammars.mask_logits if self._grammars else None
+        return launch_step(self.runner, batch, pending, self.scheduler.eos_token_ids, mask)
+
     def _resolve(self, launched: list[LaunchedStep]) -> list[str]:
-        """Read launched steps back and process them: logprobs, detokenization and stop strings, the
-        scheduler's finishes. Returns the ids of the requests that progressed."""
+        """Read launched steps back and process them: grammars, logprobs, then the scheduler's finishes
+        (which ask `_text_stop` for stop strings). Returns the ids of the requests that progressed."""
         touched: list[str] = []
         for part in launched:
             tokens, entries = part.read()
-            complete = None
+            complete: set[int] = set()  # sequences whose grammar this step's token completed
             if self._grammars:  # before anything is recorded: a refused token ends its request alone, unrecorded
-                complete, refused = self._grammars.consume_step(part.batch, tokens)
+                done, refused = self._grammars.consume_step(part.batch, tokens)
+                complete = {item.seq.seq_id for item, c in zip(part.batch.scheduled, done) if c}
                 for rid, message in refused:
                     self._requests[rid].error = message
                     self.abort_request(rid)
@@ -391,37 +385,32 @@ class LLMEngine:
                 else:
                     seq.output_logprobs.append(entry)
                     self._requests[seq.request_id].cumulative_logprobs[seq.sample_index] += entry.logprob
-            live = [item.sample and not item.seq.is_finished for item in part.batch.scheduled]
-            stops: list = self._stop_strings(part.batch, tokens)
-            if complete is not None:  # a complete grammar stops its sequence (docs/structured-output.md)
-                stops = [s if s else (True if c else None) for s, c in zip(stops, complete)]
-            finished = self.scheduler.resolve(part.batch, tokens, stops)
-            for seq in finished:
-                detok = self._seq_detok.get(seq.seq_id)
-                if detok is not None:
-                    detok.finish()
-            self._counters["generation_tokens"] += sum(live)
-            touched += [item.seq.request_id for item, alive in zip(part.batch.scheduled, live) if alive]
-            touched += [seq.request_id for seq in finished]
+            live = [item.seq.request_id for item in part.batch.scheduled if item.sample and not item.seq.is_finished]
+            finished = self.scheduler.resolve(part.batch, tokens,
+                                              lambda seq, token, done=complete: self._text_stop(seq, token, done))
+            self._finish_text(finished)
+            self._counters["generation_tokens"] += len(live)
+            touched += live + [seq.request_id for seq in finished]
         return touched
 
-    def _stop_strings(self, batch: ScheduledBatch, tokens: list[int | None]) -> list[str | None]:
-        """Feed each sampled token to its sequence's detokenizer and report the stop string it completes.
-        A token that ends its sequence by itself (stop token, EOS) is not fed: its text is never shown; nor
-        is the token of a sequence that finished before it came back (discarded)."""
-        found: list[str | None] = [None] * len(tokens)
-        for i, (item, token) in enumerate(zip(batch.scheduled, tokens, strict=True)):
-            seq = item.seq
-            detok = self._seq_detok.get(seq.seq_id)
-            if token is None or detok is None or seq.is_finished or self.scheduler.stops_on_token(seq, token):
-                continue
+    def _text_stop(self, seq: Sequence, token: int, grammar_complete: set[int]) -> str | bool | None:
+        """The scheduler's `TextStop`: feed the token to the sequence's detokenizer and report the stop
+        string it completes, or True when it completed the sequence's grammar (docs/structured-output.md).
+        The scheduler asks only for tokens that do not end their sequence by themselves (a stop token's text
+        is never shown) and only for sequences not finished before the token came back."""
+        detok = self._requests[seq.request_id].detokenizers[seq.sample_index]
+        stop = None
+        if detok is not None:
             detok.add(token)
-            found[i] = detok.stopped
-        return found
+            stop = detok.stopped
+        return stop or seq.seq_id in grammar_complete
 
-    @property
-    def _logits_mask(self):
-        return self._grammars.mask_logits if self._grammars else None
+    def _finish_text(self, seqs: list[Sequence]) -> None:
+        """Release the text the finished sequences' detokenizers held back (a possible stop string's start)."""
+        for seq in seqs:
+            detok = self._requests[seq.request_id].detokenizers[seq.sample_index]
+            if detok is not None:
+                detok.finish()
 
     def _output(self, req: _Request) -> RequestOutput:
         params = req.params
@@ -441,7 +430,6 @@ class LLMEngine:
         if finished:
             del self._requests[req.request_id]
             for seq in req.seqs:
-                self._seq_detok.pop(seq.seq_id, None)
                 if self._grammars is not None:
                     self._grammars.release(seq.seq_id)
             self._counters["num_finished_requests"] += 1
@@ -462,12 +450,9 @@ class LLMEngine:
             last_step_tokens=c["last_step_tokens"])
 
 
-def _needs_history(seq: Sequence) -> bool:
-    """Whether sampling the sequence's next token needs its earlier tokens' ids on the host: the sampler's
-    (penalties, bad words, a token_mask: `SamplingParams.needs_history`) or its grammar's matcher."""
-    return seq.params.needs_history or seq.params.structured_outputs is not None
-
-
-def _sampled(launched: list[LaunchedStep]):
-    """The sampled entries of launched steps (their sequences' ids are pending until read back)."""
-    return [part.batch.scheduled[i] for part in launched for i in part.sample_items]
+def _needs_history(launched: list[LaunchedStep]) -> bool:
+    """Whether sampling a next token of a sequence these launched steps sampled for needs its earlier tokens'
+    ids on the host: the sampler's (penalties, bad words, a token_mask: `SamplingParams.needs_history`) or
+    its grammar's matcher. Then those steps are read back before the next one is scheduled."""
+    return any((item.seq.params.needs_history or item.seq.params.structured_outputs is not None)
+               and not item.seq.is_finished for part in launched for item in part.batch.scheduled if item.sample)

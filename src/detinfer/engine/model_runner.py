@@ -10,26 +10,10 @@ Every numeric op, attention and the KV write included, is the model's numerics b
 `detinfer.ops.backend`, which also says when attention runs the Triton kernels and when the pure-torch
 `paged_attention_ref` + `write_kv_ref`); the runner only checks that it matches the engine's mode.
 
-CUDA graphs (CUDA, kernel backend, unless enforce_eager; `engine.cuda_graphs` has the shapes, the padding and
-the capture): decode-only steps replay a graph per batch size (one captured for short KV, one for the
-table's capacity), steps with prefill chunks a graph per token count (up to
-EngineConfig.cuda_graph_max_tokens), padded to the smallest captured shape that holds them.
-Padding tokens write no KV (slot -1) and belong to no sequence; padding sequences have no query and no key.
-Every op outside attention is row-wise and batch-invariant in deterministic mode, and attention's
-reduction order is fixed by its split size anchored at key 0, not by the grid or the bounds a graph is
-captured with (max_q_len = the token count, max_kv_len = the table's capacity or the short bound): so a
-real row gets the same bits in a graph of any size as in an eager step of its own batch. In fast mode the
-same padding is used, but its kernels pick work splits from the padded shape, so bits may move with the graph
-size. Under tensor parallelism every rank's runner captures the same graphs, collectives inside (`tp_group`,
-engine/tp_runner.py).
-
-Mixed steps use whole-step graphs over padded token buckets, not piecewise graphs (every op but attention
-captured, attention eager in between): both keep the bits (the argument above), but piecewise graphs
-still launch attention and the KV write eagerly in every layer (2 x num_layers launches plus
-num_layers + 1 graph launches per step, a few ms of host time for 36 layers), where a whole-step graph is
-one launch. What the padded graph costs is GPU time on padding rows (at most 25% of a step above 128
-tokens, see `mixed_token_sizes`) and idle attention programs for padding sequences, which exit at once;
-large steps are compute-bound, so cuda_graph_max_tokens caps the graphed sizes.
+CUDA graphs (CUDA, kernel backend, unless enforce_eager): a step that fits a captured shape replays its
+graph, padded to it (`engine.cuda_graphs` has the shapes, the padding, why padding moves no bit in
+deterministic mode, and the capture); any other step runs eagerly. Under tensor parallelism every rank's
+runner captures the same graphs, collectives inside (`tp_group`, engine/tp_runner.py).
 """
 
 from __future__ import annotations
@@ -41,7 +25,6 @@ import torch
 from detinfer.cache.layout import StepLayout
 from detinfer.cache.paged_kv import (
     KVCacheSpec,
-    StepMetadata,
     allocate_kv_cache,
     num_blocks_for_bytes,
     step_tensors,
@@ -51,14 +34,17 @@ from detinfer.engine.config import EngineConfig
 from detinfer.engine.cuda_graphs import (
     GraphShape,
     StepGraphs,
+    StepInputs,
     decode_batch_sizes,
     graph_shapes,
     mixed_token_sizes,
-    pad_layout,
+    padded_logits,
     pick_shape,
     static_buffer_bytes,
 )
 from detinfer.engine.paged_attention import PagedAttention
+from detinfer.engine.sampler import sample
+from detinfer.engine.sampling_params import SamplingParams
 from detinfer.engine.scheduler import ScheduledBatch
 from detinfer.models.config import ModelConfig
 from detinfer.models.transformer import Transformer
@@ -155,16 +141,15 @@ class ModelRunner:
         shape = self.graph_shape(layout) if self.use_graphs else None
         if shape is not None:
             return self._run_graph(layout, shape, input_ids)
-        return self._run_eager(layout, input_ids=input_ids)
+        return self._run_eager(layout, input_ids)
 
     def graph_shape(self, layout: StepLayout) -> GraphShape | None:
         """The captured shape this step replays (None: it runs eagerly), whether or not graphs are on."""
         return pick_shape(layout, self._shapes, self.graph_sizes, self.mixed_graph_tokens, self.kv_capacity)
 
-    def _run_eager(self, layout: StepLayout, meta: StepMetadata | None = None,
-                   input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def _run_eager(self, layout: StepLayout, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         dev = self.device
-        meta = step_tensors(layout, dev) if meta is None else meta
+        meta = step_tensors(layout, dev)
         if input_ids is not None:
             meta = dataclasses.replace(meta, input_ids=input_ids)
         attn = PagedAttention(self.kv_cache, meta, self.ops, self.model_config.softmax_scale, None)
@@ -175,31 +160,21 @@ class ModelRunner:
             hidden = hidden[upload(layout.logit_rows, torch.int64, dev)]
         return self.model.compute_logits(hidden)
 
-    def _run_graph(self, layout: StepLayout, shape: GraphShape | None = None,
+    def _run_graph(self, layout: StepLayout, shape: GraphShape,
                    input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        shape = self.graph_shape(layout) if shape is None else shape
-        self.graphs.prepare(layout, shape)
-        if input_ids is not None:  # device ids of pending tokens (overlapped scheduling) over the host's
-            self.graphs.input_ids(shape)[:input_ids.shape[0]].copy_(input_ids)
-        return self.graphs.replay(shape, len(layout.logit_rows))
+        return self.graphs.run(layout, shape, input_ids)
 
     @torch.inference_mode()
     def run_padded_eager(self, layout: StepLayout, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Test hook: the step padded exactly as its graph would pad it and run eagerly with the graph's
-        attention bounds (the shape's max_q_len and max_kv_len, full-width tables);
-        returns the real rows' logits. Proves on any device that the padding is harmless."""
+        """Test hook: the step with the inputs and forward of its graph (`StepInputs.fill` into buffers of
+        its shape, `padded_logits`), run eagerly; returns the real rows' logits. Proves on any device that
+        the padding is harmless."""
         shape = self.graph_shape(layout)
         if shape is None:
             raise ValueError(f"no graph shape holds this step ({layout.num_tokens} tokens, "
                              f"{len(layout.query_lens)} sequences, {len(layout.logit_rows)} logits rows)")
-        padded = pad_layout(layout, shape)
-        meta = dataclasses.replace(step_tensors(padded, self.device, max_blocks=self.max_blocks_per_seq),
-                                   max_q_len=shape.max_q_len, max_kv_len=shape.max_kv_len)
-        if input_ids is not None:  # the real tokens' device ids (overlapped scheduling), padding after them
-            ids = meta.input_ids.clone()
-            ids[:input_ids.shape[0]] = input_ids
-            meta = dataclasses.replace(meta, input_ids=ids)
-        return self._run_eager(padded, meta)[:len(layout.logit_rows)]
+        meta, rows = StepInputs([shape], self.max_blocks_per_seq, self.device).fill(layout, shape, input_ids)
+        return padded_logits(self, meta, rows)[:len(layout.logit_rows)]
 
     # -- KV pool sizing ------------------------------------------------------------------------------
     def _blocks_per_byte_budget(self, budget: int) -> int:
@@ -251,9 +226,6 @@ class ModelRunner:
     def _profile_peak_bytes(self, total: int | None = None, sample_rows: bool = True) -> int:
         """Peak extra device memory of an eager step of `total` tokens (default max_num_batched_tokens)
         with logits for min(max_num_seqs, total) rows, plus sampling them (its temporaries only)."""
-        from detinfer.engine.sampler import sample
-        from detinfer.engine.sampling_params import SamplingParams
-
         cfg, dev, bs = self.model_config, self.device, self.block_size
         total = self.config.max_num_batched_tokens if total is None else total
         longest = min(total, self.config.max_model_len)

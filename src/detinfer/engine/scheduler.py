@@ -20,7 +20,7 @@ can never hang on them. `add_request` is the one place
 a prompt's token ids are validated and a sampled request's seed is drawn (when it gives none).
 
 After a step is launched, `advance(batch)` records its chunks as computed and gives every sampled
-sequence a pending token (its id is still on the device); `resolve(batch, tokens, stop_strings)` fills
+sequence a pending token (its id is still on the device); `resolve(batch, tokens, text_stop)` fills
 those ids in once they are read back and decides every finish. `postprocess` is both at once. With
 overlapped scheduling the engine calls `schedule()` for the next step between the two: a sequence with a
 pending token is then scheduled as a decode of that token (the device feeds it), unless the token ends it
@@ -29,9 +29,9 @@ that `resolve` finishes (stop token, EOS, stop string) may so have one more step
 writes K/V only into the sequence's own blocks (the correct K/V of its real last token) and its token is
 discarded.
 
-`resolve` decides every finish (stop token / EOS, stop string, length). Stop strings are text, which
-the scheduler does not have: the caller detokenizes first and passes what it found (`stop_strings`),
-for tokens that do not already end their sequence (`stops_on_token`).
+`resolve` decides every finish, in one place (`_finish_reason`): stop token / EOS, stop string, length.
+Stop strings are text, which the scheduler does not have: it asks the caller's `text_stop(seq, token)`
+(the engine detokenizes the token there) for each token that does not end its sequence by itself.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -56,6 +56,10 @@ from detinfer.engine.sequence import (
     check_prompt_ids,
     longest_prompt,
 )
+
+# (sequence, its sampled token) -> a stop string the token completes in the sequence's text, True for a stop
+# without a string, or None: the engine's detokenizer (and grammar) check, asked by `Scheduler.resolve`.
+TextStop = Callable[[Sequence, int], "str | bool | None"]
 
 
 @dataclass(frozen=True)
@@ -197,10 +201,6 @@ class Scheduler:
         """
         aborted = [s for s in self._requests.get(request_id, ()) if not s.is_finished]
         for seq in aborted:
-            if seq.status is SequenceStatus.RUNNING:
-                self.running.remove(seq)
-            else:
-                self.waiting.remove(seq)
             self._finish(seq, FINISH_ABORT)
         return aborted
 
@@ -299,12 +299,12 @@ class Scheduler:
 
     # -- after the step ------------------------------------------------------------------------------
     def postprocess(self, batch: ScheduledBatch, sampled_token_ids: Iterable[int | None],
-                    stop_strings: Iterable[str | bool | None] | None = None) -> list[Sequence]:
+                    text_stop: TextStop | None = None) -> list[Sequence]:
         """Record a computed step whose sampled ids are known: `advance` then `resolve`."""
         tokens = list(sampled_token_ids)
         self._check_tokens(batch, tokens)
         self.advance(batch)
-        return self.resolve(batch, tokens, stop_strings)
+        return self.resolve(batch, tokens, text_stop)
 
     def advance(self, batch: ScheduledBatch) -> None:
         """Record that `batch` was launched: its chunks count as computed (the device computes them before
@@ -325,30 +325,22 @@ class Scheduler:
             self.block_manager.commit_computed(seq)
 
     def resolve(self, batch: ScheduledBatch, sampled_token_ids: Iterable[int | None],
-                stop_strings: Iterable[str | bool | None] | None = None) -> list[Sequence]:
-        """Fill in the ids `advance(batch)` left pending and decide finishes. `sampled_token_ids[i]` is
-        the token sampled for `batch.scheduled[i]` (an int where `sample` is True, None elsewhere);
-        `stop_strings[i]`, when given, is truthy if the caller found a stop string in that sequence's text
-        with this token (a string: recorded as its stop_reason). Sequences finished since (aborted, or
-        finished by an earlier step's token) are skipped: their token is discarded. A sequence preempted
-        since still gets its token, and may finish while waiting. Returns the sequences that finished."""
+                text_stop: TextStop | None = None) -> list[Sequence]:
+        """Fill in the ids `advance(batch)` left pending and decide finishes (`_finish_reason`).
+        `sampled_token_ids[i]` is the token sampled for `batch.scheduled[i]` (an int where `sample` is True,
+        None elsewhere). Sequences finished since (aborted, or finished by an earlier step's token) are
+        skipped: their token is discarded. A sequence preempted since still gets its token, and may finish
+        while waiting. Returns the sequences that finished."""
         tokens = list(sampled_token_ids)
         self._check_tokens(batch, tokens)
-        stops = [None] * len(tokens) if stop_strings is None else list(stop_strings)
-        if len(stops) != len(tokens):
-            raise ValueError(f"resolve: got {len(stops)} stop-string results for {len(tokens)} sequences")
         finished: list[Sequence] = []
-        for item, token, stop in zip(batch.scheduled, tokens, stops, strict=True):
+        for item, token in zip(batch.scheduled, tokens, strict=True):
             seq = item.seq
             if not item.sample or seq.is_finished:
                 continue
             seq.resolve_token(item.output_position, token)
-            reason = self._stop_reason(seq, token, stop, item.output_position + 1)
+            reason = self._finish_reason(seq, token, item.output_position + 1, text_stop)
             if reason is not None:
-                if seq.status is SequenceStatus.RUNNING:
-                    self.running.remove(seq)
-                else:
-                    self.waiting.remove(seq)
                 self._finish(seq, reason)
                 finished.append(seq)
         for item in batch.scheduled:
@@ -368,30 +360,31 @@ class Scheduler:
                 raise ValueError(f"postprocess: sequence {item.seq.seq_id} was not sampled this step, "
                                  f"so its token must be None, got {token!r}")
 
-    def stops_on_token(self, seq: Sequence, token: int) -> bool:
-        """Whether `token` ends `seq` by itself (a stop token id, or EOS unless ignored): its text is then
-        never shown, so the caller does not detokenize it."""
-        params = seq.params
-        return token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
-
     def _ends_by_length(self, seq: Sequence, num_outputs: int) -> bool:
         """Whether a sequence with `num_outputs` output tokens is done by length (max_tokens, max_model_len)."""
         max_tokens = seq.params.max_tokens
         return ((max_tokens is not None and num_outputs >= max_tokens)
                 or seq.num_prompt_tokens + num_outputs >= self.config.max_model_len)
 
-    def _stop_reason(self, seq: Sequence, token: int, stop_string: str | bool | None,
-                     num_outputs: int) -> str | None:
-        """Why `seq` ends with `token`, its output number `num_outputs` (later pending ones not counted)."""
-        if self.stops_on_token(seq, token):
+    def _finish_reason(self, seq: Sequence, token: int, num_outputs: int, text_stop: TextStop | None
+                       ) -> str | None:
+        """The one stop decision: why `seq` ends with `token`, its output number `num_outputs` (later
+        pending ones not counted), or None. A stop token id, or EOS unless ignored, ends it by itself: its
+        text is never shown, so `text_stop` is not asked. Otherwise `text_stop(seq, token)` (the engine
+        detokenizes the token there) reports a stop string (recorded as the stop_reason) or True (a stop
+        without one: a complete grammar). Then length."""
+        params = seq.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             seq.stop_reason = token
             return FINISH_STOP
-        if stop_string:
-            seq.stop_reason = stop_string if isinstance(stop_string, str) else None
+        stop = None if text_stop is None else text_stop(seq, token)
+        if stop:
+            seq.stop_reason = stop if isinstance(stop, str) else None
             return FINISH_STOP
         return FINISH_LENGTH if self._ends_by_length(seq, num_outputs) else None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
         self.block_manager.free(seq)
         seq.drop_pending()
         seq.status = SequenceStatus.FINISHED

@@ -136,10 +136,6 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:self.num_known_tokens]
 
     @property
-    def last_token_id(self) -> int:
-        return self.token_ids[-1]
-
-    @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
