@@ -48,6 +48,8 @@ def _safetensors():
 
 
 # The engine settings that bound or shape what a run samples (EngineConfig fields).
+# RLConfig fields added after checkpoint format 2 was defined: a checkpoint without one ran at its default.
+NEWER_FIELDS = ("tensor_parallel_size", "tp_invariant_reduction", "layout", "trainer_ranks")
 ENGINE_IDENTITY_FIELDS = ("max_model_len", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens")
 
 
@@ -177,6 +179,8 @@ def check_compatible(state: dict, config: RLConfig, arm: str, task_name: str) ->
         raise ValueError(f"the checkpoint trained task {state['task']!r}, not {task_name!r}")
     saved, now = state["config"], config.to_dict()
     allowed = resumable_changes(config)
+    # a field newer than the checkpoint ran at its default (the behaviour before the field existed)
+    saved = {**{k: v for k, v in RLConfig().to_dict().items() if k in NEWER_FIELDS}, **saved}
     changed = sorted(k for k in now if k not in allowed and (k not in saved or saved[k] != now[k]))
     if changed:
         diffs = ", ".join(f"{k}: {saved.get(k, '(absent)')!r} -> {now[k]!r}" for k in changed)
@@ -228,7 +232,7 @@ def load_checkpoint(trainer, directory: str | Path, identity: dict | None = None
                 group[impl] = now[impl]
         groups.append(group)
     trainer.optimizer.load_state_dict({"state": per_param, "param_groups": groups})
-    trainer.trainer.push_weights()  # engine tensors <- restored weights; stale prefix cache dropped
+    trainer.push_weights()  # engine tensors (and a tensor-parallel sampler's) <- restored weights; prefix cache dropped
     trainer.step_index = int(state["step"])
     trainer.history = list(state["history"])
     if trainer.fingerprint() != state["weights_hash"]:

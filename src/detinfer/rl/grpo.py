@@ -49,12 +49,11 @@ import torch
 from detinfer.engine.config import MAX_SEED
 from detinfer.rl.config import ARMS, RLConfig, arm_engine_mode
 from detinfer.rl.data import build_task_and_eval, encode_prompt
+from detinfer.rl.engines import build_engines, push_to_sampler
 from detinfer.rl.loss import build_optimizer, clipped_objective, k3_kl, lr_at, token_norms
 from detinfer.rl.metrics import group_advantages, mismatch_stats, weights_fingerprint
 from detinfer.rl.rewards import RewardModel, RewardScores, overlong_punishment, parse_reward_config
 from detinfer.rl.tasks import Example, Task, epoch_of_step, examples_for_step
-
-KV_BLOCK_SIZE = 16
 
 
 def request_seed(seed: int, step: int, prompt_index: int) -> int:
@@ -143,27 +142,25 @@ class GRPOTrainer:
             if model.engine.config.mode != self.mode:
                 raise ValueError(f"arm {arm!r} samples in {self.mode} mode; the given LLM runs in "
                                  f"{model.engine.config.mode} mode")
-            self.llm = model
+            if c.tensor_parallel_size > 1:
+                raise ValueError("tensor_parallel_size > 1 builds its own sampler and trainer engines: give the "
+                                 "model as a directory, not a built LLM")
+            self.llm = self.train_llm = model
+            self._owns_engines = False
         else:
             seqs = max(c.prompts_per_step * c.n_samples, len(self.eval_examples))
-            # A KV pool that holds a whole step's sequences at max_model_len (prompts within a group share
-            # their blocks besides), sized explicitly: the default would fill the GPU the trainer needs.
-            blocks = seqs * -(-max_model_len // KV_BLOCK_SIZE) + 1
-            self.llm = LLM(str(model), device=device, mode=self.mode, dtype=c.dtype, block_size=KV_BLOCK_SIZE,
-                           num_kv_blocks=blocks, max_model_len=max_model_len,
-                           max_num_seqs=min(c.max_num_seqs, seqs),
-                           max_num_batched_tokens=max(c.max_num_batched_tokens, min(c.max_num_seqs, seqs)),
-                           enforce_eager=c.enforce_eager)
-        self.engine = self.llm.engine
+            self.llm, self.train_llm = build_engines(model, c, self.mode, device, max_model_len, seqs)
+            self._owns_engines = True
+        self.engine = self.llm.engine  # the sampler's (tensor parallel: rank 0 of it)
         self.tokenizer = self.engine.tokenizer
-        self.device = self.engine.device
+        self.device = self.train_llm.engine.device  # where the trainer's tensors live
         # The reference policy for the KL penalty: a frozen copy of the initial weights, kept only when
         # used (it costs one more copy of the weights in memory and a no-grad forward per micro-batch).
         self.reference = None
         if c.kl_coef > 0:
-            ref_model = copy.deepcopy(self.engine.runner.model)
+            ref_model = copy.deepcopy(self.train_llm.engine.runner.model)
             self.reference = TrainableModel(ref_model, mode=self.mode, master_weights=False)
-        self.trainer = TrainableModel(self.llm, mode=self.mode)
+        self.trainer = TrainableModel(self.train_llm, mode=self.mode)
         self.optimizer = build_optimizer(self.trainer.named_parameters(), c)
         self.step_index = 0  # steps done
         self.history: list[dict] = []
@@ -299,8 +296,14 @@ class GRPOTrainer:
             group["lr"] = lr
         self.optimizer.step()
         self.trainer.zero_grad()
-        self.trainer.push_weights()  # in-place copy into the engine's tensors + prefix cache dropped
+        self.push_weights()
         return captured
+
+    def push_weights(self) -> None:
+        """The trained weights into the engine's tensors in place, and from there into a tensor-parallel
+        sampler (rl/engines.py); every sampler's prefix cache dropped (its K/V are the old weights')."""
+        self.trainer.push_weights()
+        push_to_sampler(self.llm, self.train_llm)
 
     def _pack(self, r: Rollout, batch: Sequence[int]):
         ids, cu, positions = [], [0], []
@@ -402,4 +405,7 @@ class GRPOTrainer:
         self.trainer.close()
         if self.reference is not None:
             self.reference.close()
-        self.llm = self.engine = self.trainer = self.reference = self.optimizer = None
+        if self._owns_engines and self.llm is not self.train_llm:
+            self.llm.close()  # a tensor-parallel sampler's worker processes
+            self.train_llm.close()
+        self.llm = self.train_llm = self.engine = self.trainer = self.reference = self.optimizer = None

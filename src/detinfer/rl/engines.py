@@ -1,0 +1,96 @@
+"""The engines of a GRPO run: one, or a tensor-parallel sampler beside a one-process trainer's engine.
+
+tensor_parallel_size 1: one engine samples and its model is trained in place (the colocated loop of
+grpo.py). tensor_parallel_size N > 1: the sampler is a TP=N engine (rank 0 in this process, workers in their
+own), and the trainer trains a one-process (TP=1) engine's model on the trainer's device. After every update
+the trainer's weights, in the engine's dtype (bf16 engines: the fp32 masters rounded, the bits the trainer's
+forward uses), are pushed into the sampler: each rank's shards in buckets over the TP group
+(distributed/weight_push.py), then the sampler's prefix cache is dropped.
+
+Bits: a TP=N forward sums o_proj / down_proj over ranks. With `tp_invariant_reduction` both engines cut those
+reductions into the same fixed chunks and add them in the same pairwise tree (distributed/layers.py), so the
+trainer's logprob of a sampled token has the sampler's bits at every TP size dividing the model's chunk count;
+deterministic mode therefore requires the flag at TP > 1 (`check_parallel_config`).
+
+Layouts (GPUs): colocated puts the sampler's ranks on cuda:b..b+N-1 from the trainer's GPU b on (the trainer's
+engine and sampler rank 0 share GPU b); split on the GPUs after the trainer's, cuda:b+1..b+N. On a CPU both
+are the same processes on the same cores.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from detinfer.rl.config import RLConfig
+
+KV_BLOCK_SIZE = 16
+
+
+def check_parallel_config(config: RLConfig, mode: str) -> None:
+    """ValueError naming the flags when the sampler's bits could not be the trainer's."""
+    tp = config.tensor_parallel_size
+    if mode == "deterministic" and tp > 1 and not config.tp_invariant_reduction:
+        raise ValueError(f"tensor_parallel_size={tp} (--tensor-parallel-size) in deterministic mode needs "
+                         "tp_invariant_reduction (--tp-invariant-reduction): the one-process trainer reproduces a "
+                         "tensor-parallel sampler's logprobs bit for bit only when both sum the row-parallel "
+                         "layers in the same fixed chunk tree")
+
+
+def sampler_device(trainer_device: torch.device, config: RLConfig) -> torch.device:
+    """Where the sampler's rank 0 runs (its other ranks on the following GPUs): see the module doc."""
+    if trainer_device.type != "cuda" or config.layout == "colocated":
+        return trainer_device
+    base = trainer_device.index if trainer_device.index is not None else torch.cuda.current_device()
+    first = base + config.trainer_ranks
+    need, count = first + config.tensor_parallel_size, torch.cuda.device_count()
+    if need > count:
+        raise ValueError(f"layout 'split' (--layout) puts the trainer on cuda:{base} and the sampler's "
+                         f"{config.tensor_parallel_size} ranks on cuda:{first}..{need - 1}, but only {count} GPUs "
+                         "are visible; use --layout colocated or fewer --tensor-parallel-size ranks")
+    return torch.device("cuda", first)
+
+
+def build_engines(model, config: RLConfig, mode: str, device, max_model_len: int, seqs: int):
+    """(sampler LLM, trainer LLM); the same object at tensor_parallel_size 1. `seqs`: the most sequences a
+    step samples at once (the sampler's KV pool holds them all at max_model_len)."""
+    from detinfer.engine import LLM
+    from detinfer.engine.llm_engine import resolve_device
+
+    c = config
+    check_parallel_config(c, mode)
+    invariant = c.tp_invariant_reduction and mode == "deterministic"
+    # A KV pool that holds a whole step's sequences at max_model_len (prompts within a group share their blocks
+    # besides), sized explicitly: the default would fill the GPU the trainer needs.
+    blocks = seqs * -(-max_model_len // KV_BLOCK_SIZE) + 1
+    sampling = dict(mode=mode, dtype=c.dtype, block_size=KV_BLOCK_SIZE, num_kv_blocks=blocks,
+                    max_model_len=max_model_len, max_num_seqs=min(c.max_num_seqs, seqs),
+                    max_num_batched_tokens=max(c.max_num_batched_tokens, min(c.max_num_seqs, seqs)),
+                    enforce_eager=c.enforce_eager, tp_invariant_reduction=invariant)
+    if c.tensor_parallel_size == 1:
+        llm = LLM(str(model), device=device, **sampling)
+        return llm, llm
+    trainer_device = resolve_device(device)
+    # The trainer's engine never samples: its model is what trains (scoring builds its own temporary KV
+    # cache), so it gets the smallest pool and no CUDA graphs.
+    trainer = LLM(str(model), device=trainer_device, mode=mode, dtype=c.dtype, block_size=KV_BLOCK_SIZE,
+                  num_kv_blocks=-(-max_model_len // KV_BLOCK_SIZE) + 1, max_model_len=max_model_len,
+                  max_num_seqs=1, max_num_batched_tokens=max_model_len, enforce_eager=True,
+                  tp_invariant_reduction=invariant)
+    try:
+        sampler = LLM(str(model), device=sampler_device(trainer_device, c),
+                      tensor_parallel_size=c.tensor_parallel_size, **sampling)
+    except BaseException:
+        trainer.close()
+        raise
+    return sampler, trainer
+
+
+@torch.no_grad()
+def push_to_sampler(sampler, trainer) -> None:
+    """The trainer engine's weights (its own tensors: the bits its forward uses) into the sampler, in place;
+    the sampler's prefix cache is dropped. Nothing to do when they are one engine."""
+    if sampler is trainer:
+        return
+    from detinfer.engine.admin import push_weights
+
+    push_weights(sampler.engine, {n: p.detach() for n, p in trainer.engine.runner.model.named_parameters()})
