@@ -40,6 +40,17 @@ def test_tp2_sampler_mismatch_is_exactly_zero_and_equals_the_one_process_run(sto
     assert [r["sample_text"] for r in a] == [r["sample_text"] for r in b]
 
 
+def test_split_layout_at_tp1_is_the_one_engine_run_bit_for_bit(stories_dir, tmp_path):
+    """Split at TP=1: a sampler engine of its own (on GPUs: the next GPU), fed by the push after every update."""
+    split, one = tmp_path / "split", tmp_path / "one"
+    assert rl_main([str(stories_dir), *SMALL, "--layout", "split", "--check", "--out", str(split)]) == 0
+    assert rl_main([str(stories_dir), *SMALL, "--out", str(one)]) == 0
+    a, b = _history(split), _history(one)
+    assert all(r["mismatch_bits_differ"] == 0 and r["mismatch_tokens"] > 0 for r in a)
+    assert [r["weights_hash"] for r in a] == [r["weights_hash"] for r in b]
+    assert len({r["weights_hash"] for r in a}) == 2
+
+
 def test_without_the_push_the_tp_sampler_goes_stale(stories_dir, monkeypatch):
     monkeypatch.setattr(rl_engines, "push_to_sampler", lambda sampler, trainer: None)
     monkeypatch.setattr("detinfer.rl.grpo.push_to_sampler", lambda sampler, trainer: None)

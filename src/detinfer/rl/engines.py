@@ -1,8 +1,9 @@
 """The engines of a GRPO run: one, or a tensor-parallel sampler beside a one-process trainer's engine.
 
-tensor_parallel_size 1: one engine samples and its model is trained in place (the colocated loop of
-grpo.py). tensor_parallel_size N > 1: the sampler is a TP=N engine (rank 0 in this process, workers in their
-own), and the trainer trains a one-process (TP=1) engine's model on the trainer's device. After every update
+tensor_parallel_size 1, colocated: one engine samples and its model is trained in place (the one-GPU loop of
+grpo.py). Otherwise (tensor_parallel_size N > 1, or the split layout) the sampler is an engine of its own, at
+TP=N (rank 0 in this process, workers in their own), and the trainer trains a one-process (TP=1) engine's
+model on the trainer's device. After every update
 the trainer's weights, in the engine's dtype (bf16 engines: the fp32 masters rounded, the bits the trainer's
 forward uses), are pushed into the sampler: each rank's shards in buckets over the TP group
 (distributed/weight_push.py), then the sampler's prefix cache is dropped.
@@ -13,8 +14,9 @@ trainer's logprob of a sampled token has the sampler's bits at every TP size div
 deterministic mode therefore requires the flag at TP > 1 (`check_parallel_config`).
 
 Layouts (GPUs): colocated puts the sampler's ranks on cuda:b..b+N-1 from the trainer's GPU b on (the trainer's
-engine and sampler rank 0 share GPU b); split on the GPUs after the trainer's, cuda:b+1..b+N. On a CPU both
-are the same processes on the same cores.
+engine and sampler rank 0 share GPU b; at N = 1 they are one engine); split on the GPUs after the trainer's,
+cuda:b+1..b+N (at N = 1 on 2 GPUs: trainer on cuda:0, sampler on cuda:1, the weights copied across after
+every update). On a CPU both layouts run the same processes on the same cores.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def build_engines(model, config: RLConfig, mode: str, device, max_model_len: int
                     max_model_len=max_model_len, max_num_seqs=min(c.max_num_seqs, seqs),
                     max_num_batched_tokens=max(c.max_num_batched_tokens, min(c.max_num_seqs, seqs)),
                     enforce_eager=c.enforce_eager, tp_invariant_reduction=invariant)
-    if c.tensor_parallel_size == 1:
+    if c.tensor_parallel_size == 1 and c.layout == "colocated":
         llm = LLM(str(model), device=device, **sampling)
         return llm, llm
     trainer_device = resolve_device(device)
@@ -77,8 +79,8 @@ def build_engines(model, config: RLConfig, mode: str, device, max_model_len: int
                   max_num_seqs=1, max_num_batched_tokens=max_model_len, enforce_eager=True,
                   tp_invariant_reduction=invariant)
     try:
-        sampler = LLM(str(model), device=sampler_device(trainer_device, c),
-                      tensor_parallel_size=c.tensor_parallel_size, **sampling)
+        where = sampler_device(trainer_device, c)
+        sampler = LLM(str(model), device=where, tensor_parallel_size=c.tensor_parallel_size, **sampling)
     except BaseException:
         trainer.close()
         raise
