@@ -24,6 +24,7 @@ def _history(out):
     return [json.loads(line) for line in (out / "deterministic" / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_tp2_sampler_mismatch_is_exactly_zero_and_equals_the_one_process_run(stories_dir, tmp_path, capsys):
     tp2, tp1 = tmp_path / "tp2", tmp_path / "tp1"
     assert rl_main([str(stories_dir), *SMALL, "--tensor-parallel-size", "2", "--tp-invariant-reduction",
@@ -40,6 +41,7 @@ def test_tp2_sampler_mismatch_is_exactly_zero_and_equals_the_one_process_run(sto
     assert [r["sample_text"] for r in a] == [r["sample_text"] for r in b]
 
 
+@pytest.mark.slow
 def test_split_layout_at_tp1_is_the_one_engine_run_bit_for_bit(stories_dir, tmp_path):
     """Split at TP=1: a sampler engine of its own (on GPUs: the next GPU), fed by the push after every update."""
     split, one = tmp_path / "split", tmp_path / "one"
@@ -51,6 +53,7 @@ def test_split_layout_at_tp1_is_the_one_engine_run_bit_for_bit(stories_dir, tmp_
     assert len({r["weights_hash"] for r in a}) == 2
 
 
+@pytest.mark.slow
 def test_without_the_push_the_tp_sampler_goes_stale(stories_dir, monkeypatch):
     monkeypatch.setattr(rl_engines, "push_to_sampler", lambda sampler, trainer: None)
     monkeypatch.setattr("detinfer.rl.grpo.push_to_sampler", lambda sampler, trainer: None)
