@@ -13,6 +13,7 @@ import torch
 
 from detinfer.rl import GRPOTrainer, RLConfig
 from detinfer.rl import engines as rl_engines
+from detinfer.rl.checkpoint import check_compatible
 from detinfer.rl.cli import main as rl_main
 from detinfer.rl.engines import check_parallel_config, sampler_device
 
@@ -95,3 +96,15 @@ def test_layouts_place_the_sampler(monkeypatch):
     assert sampler_device(gpu0, RLConfig(tensor_parallel_size=2, layout="split")) == torch.device("cuda", 1)
     with pytest.raises(ValueError, match=r"layout 'split' \(--layout\).*cuda:1..3, but only 3 GPUs"):
         sampler_device(gpu0, RLConfig(tensor_parallel_size=3, layout="split"))
+
+
+def test_resume_may_change_the_layout_and_older_checkpoints_count_as_the_defaults():
+    config = RLConfig(task="emit-token")
+    state = {"arm": "deterministic", "task": "emit-token", "config": config.replace(layout="split").to_dict()}
+    check_compatible(state, config, "deterministic", "emit-token")  # the layout moves no bit
+    older = {k: v for k, v in config.to_dict().items()
+             if k not in ("tensor_parallel_size", "tp_invariant_reduction", "layout", "trainer_ranks")}
+    check_compatible({**state, "config": older}, config, "deterministic", "emit-token")
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 1 -> 2"):
+        check_compatible({**state, "config": older}, config.replace(tensor_parallel_size=2), "deterministic",
+                         "emit-token")

@@ -13,7 +13,8 @@ new weights, and a stream of new requests cannot starve the load.
 Weight loads are atomic: every tensor is read and validated (names, shapes, stored dtypes, finite values)
 before the first one is copied, so a bad checkpoint leaves the served weights untouched. The copy is in place
 (`Tensor.copy_`), so CUDA graphs captured over the weights stay valid; the prefix cache is then dropped (its
-blocks hold the old weights' K/V).
+blocks hold the old weights' K/V). Under tensor parallelism rank 0 takes the full tensors and scatters each
+rank its shards in buckets (`push_weights`, distributed/weight_push.py); `weights_fingerprint` needs TP=1.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ def _help(text: str, **extra: Any) -> dict:
 @dataclass(frozen=True)
 class RLConfig:
     """A GRPO run: prompts (a built-in generator or a dataset), rewards, rollout sampling, the loss and
-    the optimizer. Every field shapes the trajectory except `steps` and `checkpoint_every`, so a
+    the optimizer. Every field shapes the trajectory except `steps`, `checkpoint_every` and `layout`, so a
     checkpoint refuses to resume under any other change (see `RESUMABLE_CHANGES`)."""
 
     task: str = field(default="addition", metadata=_help(
