@@ -1,10 +1,18 @@
 """New full weights pushed into a running TP=2 engine (rank 0 scatters each rank its shards, in buckets) give
 the bits of a fresh TP=2 engine built on those weights; the admin load path works at TP=2; bad input changes
-nothing. CPU, gloo, 2 processes; dense and MoE (expert-parallel shards)."""
+nothing; a dead worker is an error, not a hang; bucket plans keep the model's order, one dtype and the byte bound
+(property). CPU, gloo, 2 processes; dense and MoE (expert-parallel shards)."""
+
+import os
+import signal
+import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from detinfer.distributed.weight_push import plan_buckets
 from detinfer.engine import EngineConfig, LLMEngine, SamplingParams
 from detinfer.engine.admin import load_weights, push_weights, run_admin, weights_sha256
 from detinfer.models.config import ModelConfig
@@ -123,3 +131,48 @@ def test_a_subset_push_changes_only_those_tensors(tmp_path):
         assert generate(engine) == fresh_outputs(a, tensor_parallel_size=2)
     finally:
         engine.close()
+
+
+def test_a_worker_dead_before_a_push_is_an_error_not_a_hang(tmp_path):
+    a, b = two_checkpoints(tmp_path, "llama")
+    engine = LLMEngine(a, EngineConfig(tensor_parallel_size=2, **ENGINE), device="cpu")
+    try:
+        worker = engine.runner._procs[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(timeout=30)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="worker rank 1 failed"):
+            push_weights(engine, full_state(b))
+        with pytest.raises(RuntimeError, match="worker rank 1 failed"):  # and the engine says so from then on
+            push_weights(engine, full_state(b))
+        assert time.monotonic() - start < 60
+    finally:
+        engine.close()
+
+
+class _Named(torch.nn.Module):
+    def __init__(self, shapes_and_dtypes):
+        super().__init__()
+        for i, (shape, dtype) in enumerate(shapes_and_dtypes):
+            self.register_parameter(f"p{i}", torch.nn.Parameter(torch.empty(shape, dtype=dtype, device="meta")))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(1, 9), min_size=1, max_size=3),
+                          st.sampled_from([torch.float32, torch.bfloat16])), min_size=1, max_size=12),
+       st.integers(1, 2048), st.data())
+def test_bucket_plans_keep_model_order_one_dtype_and_the_byte_bound(params, bucket_bytes, data):
+    model = _Named(params)
+    named = dict(model.named_parameters())
+    wanted = data.draw(st.lists(st.sampled_from(sorted(named)), unique=True, min_size=1))
+    buckets = plan_buckets(model, wanted, bucket_bytes)
+    flat = [n for b in buckets for n in b]
+    assert flat == [n for n in named if n in wanted]  # every name once, in the model's order
+    for b in buckets:
+        assert len({named[n].dtype for n in b}) == 1
+        size = sum(named[n].numel() * named[n].element_size() for n in b)
+        assert size <= bucket_bytes or len(b) == 1  # a larger tensor travels alone
+    for prev, nxt in zip(buckets, buckets[1:]):  # greedy: a bucket closes only when the next tensor must not join
+        first = named[nxt[0]]
+        joined = sum(named[n].numel() * named[n].element_size() for n in prev) + first.numel() * first.element_size()
+        assert named[prev[-1]].dtype != first.dtype or joined > bucket_bytes

@@ -85,6 +85,11 @@ def test_bad_parallel_flags_name_the_flag(stories_dir, tmp_path, capsys):
     assert "--tp-invariant-reduction" in capsys.readouterr().err
     assert rl_main([str(stories_dir), *SMALL, "--trainer-ranks", "2", "--out", str(tmp_path / "r")]) == 2
     assert "--trainer-ranks" in capsys.readouterr().err
+    from detinfer.engine import LLM
+
+    llm = LLM(str(stories_dir), device="cpu", max_model_len=64, num_kv_blocks=16, block_size=16)
+    with pytest.raises(ValueError, match="give the model as a directory"):
+        GRPOTrainer(llm, RLConfig(task="emit-token", layout="split"), "deterministic")
 
 
 def test_layouts_place_the_sampler(monkeypatch):

@@ -142,9 +142,9 @@ class GRPOTrainer:
             if model.engine.config.mode != self.mode:
                 raise ValueError(f"arm {arm!r} samples in {self.mode} mode; the given LLM runs in "
                                  f"{model.engine.config.mode} mode")
-            if c.tensor_parallel_size > 1:
-                raise ValueError("tensor_parallel_size > 1 builds its own sampler and trainer engines: give the "
-                                 "model as a directory, not a built LLM")
+            if c.tensor_parallel_size > 1 or c.layout == "split":
+                raise ValueError("tensor_parallel_size > 1 and layout 'split' build their own sampler and trainer "
+                                 "engines: give the model as a directory, not a built LLM")
             self.llm = self.train_llm = model
             self._owns_engines = False
         else:
