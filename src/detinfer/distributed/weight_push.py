@@ -75,21 +75,23 @@ def plan_buckets(model: torch.nn.Module, names, bucket_bytes: int = DEFAULT_BUCK
     return buckets
 
 
+@torch.no_grad()
 def send_bucket(group: TPGroup, model: torch.nn.Module, model_config: ModelConfig, names: list[str],
                 state: Mapping[str, torch.Tensor]) -> None:
     """Rank 0's side of one bucket: every rank's slices of the full tensors, packed per rank and scattered."""
     params = dict(model.named_parameters())
-    dtype, device = params[names[0]].dtype, params[names[0]].device
+    first, numel = params[names[0]], sum(params[n].numel() for n in names)
     parts = []
     for r in range(group.size):
-        pieces = []
+        flat, at = torch.empty(numel, dtype=first.dtype, device=first.device), 0
         for name in names:
             full = state[name]
             piece = take_shard(full, shard_spec(name, tuple(full.shape), model_config, r, group.size))
-            pieces.append(piece.to(device=device, dtype=dtype).reshape(-1))  # a cast rounds as copy_ would
-        parts.append(torch.cat(pieces))
-    mine = group.scatter(torch.empty_like(parts[0]), parts)
-    _unpack(params, names, mine)
+            # one copy moves and casts (rounding as the engine's own copy_ would) straight into the buffer
+            flat[at:at + piece.numel()].view(piece.shape).copy_(piece)
+            at += piece.numel()
+        parts.append(flat)
+    _unpack(params, names, group.scatter(torch.empty_like(parts[0]), parts))
 
 
 def receive_bucket(group: TPGroup, model: torch.nn.Module, names: list[str]) -> None:
