@@ -55,6 +55,22 @@ def test_split_layout_at_tp1_is_the_one_engine_run_bit_for_bit(stories_dir, tmp_
 
 
 @pytest.mark.slow
+def test_bf16_engines_push_the_rounded_masters_mismatch_zero(stories_dir):
+    """16-bit engines: the trainer steps fp32 masters, rounds them into its engine, and that engine's bf16
+    tensors (the bits its forward uses) are what the TP=2 sampler gets."""
+    config = RLConfig(task="emit-token", steps=2, prompts_per_step=2, n_samples=3, max_tokens=8, lr=3e-2,
+                      dtype="bfloat16", tensor_parallel_size=2, tp_invariant_reduction=True)
+    trainer = GRPOTrainer(stories_dir, config, "deterministic", device="cpu", max_model_len=64)
+    try:
+        assert trainer.trainer.master_weights and trainer.engine.dtype == torch.bfloat16
+        history = [trainer.step(), trainer.step()]
+    finally:
+        trainer.close()
+    assert all(h["mismatch_tokens"] > 0 and h["mismatch_bits_differ"] == 0 for h in history)
+    assert history[0]["weights_hash"] != history[1]["weights_hash"]
+
+
+@pytest.mark.slow
 def test_without_the_push_the_tp_sampler_goes_stale(stories_dir, monkeypatch):
     monkeypatch.setattr(rl_engines, "push_to_sampler", lambda sampler, trainer: None)
     monkeypatch.setattr("detinfer.rl.grpo.push_to_sampler", lambda sampler, trainer: None)
