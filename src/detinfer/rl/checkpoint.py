@@ -139,15 +139,8 @@ def save_checkpoint(trainer, directory: str | Path, identity: dict | None = None
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    named = trainer.named_parameters()
-    save_file({n: p.detach().cpu().contiguous() for n, p in named}, str(tmp / "weights.safetensors"))
-    opt_tensors = {}
-    for name, p in named:
-        for key, value in trainer.optimizer.state.get(p, {}).items():
-            if isinstance(value, torch.Tensor):
-                opt_tensors[f"{name}::{key}"] = value.detach().cpu().contiguous()
-            else:  # plain numbers (older torch kept `step` as a float)
-                opt_tensors[f"{name}::{key}"] = torch.tensor(value, dtype=torch.float64)
+    weights, opt_tensors = trainer.checkpoint_tensors()  # full tensors (data-parallel ranks: gathered)
+    save_file(weights, str(tmp / "weights.safetensors"))
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     groups = [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.state_dict()["param_groups"]]
     state = {"format": CHECKPOINT_FORMAT, "step": trainer.step_index, "arm": trainer.arm,

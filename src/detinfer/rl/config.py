@@ -161,7 +161,8 @@ class RLConfig:
         "Where the sampler's ranks run: colocated (from the trainer's GPU on: cuda:0..N-1, sharing it) or split "
         "(on the GPUs after the trainer's: cuda:1..N). The same thing on a CPU.", choices=LAYOUTS))
     trainer_ranks: int = field(default=1, metadata=_help(
-        "Trainer processes (FSDP data parallel). Only 1 is supported by detinfer rl so far."))
+        "Trainer processes: data parallel, each trainer an FSDP2 shard (fixed-order gradient sum); rank r on the "
+        "r-th GPU from the trainer's. Must divide prompts_per_step * n_samples and mini_batch_seqs."))
 
     def __post_init__(self):
         if not isinstance(self.task, str) or not self.task:
@@ -193,10 +194,16 @@ class RLConfig:
         _check_bool("tp_invariant_reduction", self.tp_invariant_reduction)
         check_choice("layout", self.layout, LAYOUTS)
         check_int("trainer_ranks", self.trainer_ranks, minimum=1)
-        if self.trainer_ranks > 1:
-            raise ValueError(f"trainer_ranks={self.trainer_ranks} (--trainer-ranks): a data-parallel (FSDP) trainer "
-                             "is not supported by detinfer rl yet; allowed: 1 (one trainer process, with the "
-                             "sampler on tensor_parallel_size ranks)")
+        ranks = self.trainer_ranks
+        if ranks > 1:  # every rank scores an equal block of each mini-batch (rl/trainer_ranks.py)
+            seqs = self.prompts_per_step * self.n_samples
+            for what, value in (("prompts_per_step * n_samples", seqs), ("mini_batch_seqs", self.mini_batch_seqs)):
+                if value is not None and value % ranks:
+                    raise ValueError(f"trainer_ranks={ranks} (--trainer-ranks) splits each mini-batch into equal "
+                                     f"blocks, but {what} = {value} is not a multiple of it")
+            if self.kl_coef > 0:
+                raise ValueError(f"kl_coef > 0 (--kl-coef) is not supported with trainer_ranks={ranks} "
+                                 "(--trainer-ranks) yet; allowed: kl_coef 0, or trainer_ranks 1")
 
     def _check_data(self) -> None:
         for name in ("dataset", "dataset_config", "system_prompt", "eval_dataset"):

@@ -68,16 +68,11 @@ def build_engines(model, config: RLConfig, mode: str, device, max_model_len: int
                     max_model_len=max_model_len, max_num_seqs=min(c.max_num_seqs, seqs),
                     max_num_batched_tokens=max(c.max_num_batched_tokens, min(c.max_num_seqs, seqs)),
                     enforce_eager=c.enforce_eager, tp_invariant_reduction=invariant)
-    if c.tensor_parallel_size == 1 and c.layout == "colocated":
+    if c.tensor_parallel_size == 1 and c.layout == "colocated" and c.trainer_ranks == 1:
         llm = LLM(str(model), device=device, **sampling)
         return llm, llm
     trainer_device = resolve_device(device)
-    # The trainer's engine never samples: its model is what trains (scoring builds its own temporary KV
-    # cache), so it gets the smallest pool and no CUDA graphs.
-    trainer = LLM(str(model), device=trainer_device, mode=mode, dtype=c.dtype, block_size=KV_BLOCK_SIZE,
-                  num_kv_blocks=-(-max_model_len // KV_BLOCK_SIZE) + 1, max_model_len=max_model_len,
-                  max_num_seqs=1, max_num_batched_tokens=max_model_len, enforce_eager=True,
-                  tp_invariant_reduction=invariant)
+    trainer = build_trainer_engine(model, c, mode, trainer_device, max_model_len)
     try:
         where = sampler_device(trainer_device, c)
         sampler = LLM(str(model), device=where, tensor_parallel_size=c.tensor_parallel_size, **sampling)
@@ -85,6 +80,17 @@ def build_engines(model, config: RLConfig, mode: str, device, max_model_len: int
         trainer.close()
         raise
     return sampler, trainer
+
+
+def build_trainer_engine(model, config: RLConfig, mode: str, device, max_model_len: int):
+    """The engine whose model the trainer trains when the sampler is another engine. It never samples (scoring
+    builds its own temporary KV cache), so it gets the smallest pool and no CUDA graphs."""
+    from detinfer.engine import LLM
+
+    return LLM(str(model), device=device, mode=mode, dtype=config.dtype, block_size=KV_BLOCK_SIZE,
+               num_kv_blocks=-(-max_model_len // KV_BLOCK_SIZE) + 1, max_model_len=max_model_len,
+               max_num_seqs=1, max_num_batched_tokens=max_model_len, enforce_eager=True,
+               tp_invariant_reduction=config.tp_invariant_reduction and mode == "deterministic")
 
 
 @torch.no_grad()

@@ -49,11 +49,20 @@ import torch
 from detinfer.engine.config import MAX_SEED
 from detinfer.rl.config import ARMS, RLConfig, arm_engine_mode
 from detinfer.rl.data import build_task_and_eval, encode_prompt
-from detinfer.rl.engines import build_engines, push_to_sampler
+from detinfer.rl.engines import build_engines, build_trainer_engine, push_to_sampler
 from detinfer.rl.loss import build_optimizer, clipped_objective, k3_kl, lr_at, token_norms
 from detinfer.rl.metrics import group_advantages, mismatch_stats, weights_fingerprint
 from detinfer.rl.rewards import RewardModel, RewardScores, overlong_punishment, parse_reward_config
 from detinfer.rl.tasks import Example, Task, epoch_of_step, examples_for_step
+from detinfer.rl.trainer_ranks import (
+    full,
+    gathered_checkpoint,
+    merged_across_ranks,
+    push_gathered,
+    rank_block,
+    shareable,
+    summed_across_ranks,
+)
 
 
 def request_seed(seed: int, step: int, prompt_index: int) -> int:
@@ -122,8 +131,7 @@ class GRPOTrainer:
     whose mode matches the arm. `task`: a `Task` (bring your own) or None for config.dataset / config.task."""
 
     def __init__(self, model, config: RLConfig | None = None, arm: str = "deterministic", *,
-                 task: Task | str | None = None, device=None, max_model_len: int = 512):
-        from detinfer.engine import LLM
+                 task: Task | str | None = None, device=None, max_model_len: int = 512, _follower: bool = False):
         from detinfer.train import TrainableModel
 
         self.config = RLConfig() if config is None else config
@@ -136,24 +144,16 @@ class GRPOTrainer:
             raise ValueError("the fast-tis arm needs temperature 1: its weight pi_trainer / pi_sampler uses the "
                              "engine's logprobs, which are of the untempered distribution")
         self.arm, self.mode = arm, arm_engine_mode(arm)
-        self.task, self.eval_examples = build_task_and_eval(c, task)
-        self.rewards = RewardModel(parse_reward_config(c.reward_funcs, c.reward_weights), self.task)
-        if isinstance(model, LLM):
-            if model.engine.config.mode != self.mode:
-                raise ValueError(f"arm {arm!r} samples in {self.mode} mode; the given LLM runs in "
-                                 f"{model.engine.config.mode} mode")
-            if c.tensor_parallel_size > 1 or c.layout == "split":
-                raise ValueError("tensor_parallel_size > 1 and layout 'split' build their own sampler and trainer "
-                                 "engines: give the model as a directory, not a built LLM")
-            self.llm = self.train_llm = model
-            self._owns_engines = False
+        # data-parallel trainer ranks (rl/trainer_ranks.py): rank 0 samples and leads, the others follow
+        self.dp_size, self.dp_rank, self._followers, self._fingerprint = c.trainer_ranks, 0, None, None
+        if _follower:
+            import torch.distributed as dist
+
+            self.dp_rank, self.task, self.eval_examples, self.rewards = dist.get_rank(), None, [], None
         else:
-            seqs = max(c.prompts_per_step * c.n_samples, len(self.eval_examples))
-            self.llm, self.train_llm = build_engines(model, c, self.mode, device, max_model_len, seqs)
-            self._owns_engines = True
-        self.engine = self.llm.engine  # the sampler's (tensor parallel: rank 0 of it)
-        self.tokenizer = self.engine.tokenizer
-        self.device = self.train_llm.engine.device  # where the trainer's tensors live
+            self.task, self.eval_examples = build_task_and_eval(c, task)
+            self.rewards = RewardModel(parse_reward_config(c.reward_funcs, c.reward_weights), self.task)
+        self._build_engines(model, device, max_model_len, _follower)
         # The reference policy for the KL penalty: a frozen copy of the initial weights, kept only when
         # used (it costs one more copy of the weights in memory and a no-grad forward per micro-batch).
         self.reference = None
@@ -161,9 +161,50 @@ class GRPOTrainer:
             ref_model = copy.deepcopy(self.train_llm.engine.runner.model)
             self.reference = TrainableModel(ref_model, mode=self.mode, master_weights=False)
         self.trainer = TrainableModel(self.train_llm, mode=self.mode)
-        self.optimizer = build_optimizer(self.trainer.named_parameters(), c)
+        if self.dp_size > 1:
+            from detinfer.train.fsdp import FSDPTrainer
+
+            self.trainer = FSDPTrainer(self.trainer)
+        # sharded AdamW: the single-tensor loop, whose elementwise update of a shard is the full tensor's
+        self.optimizer = build_optimizer(self.trainer.named_parameters(), c, single_tensor=self.dp_size > 1)
         self.step_index = 0  # steps done
         self.history: list[dict] = []
+        if self.dp_size > 1:
+            self.refresh_fingerprint()
+
+    def _build_engines(self, model, device, max_model_len: int, follower: bool) -> None:
+        from detinfer.engine import LLM
+
+        c = self.config
+        if isinstance(model, LLM):
+            if model.engine.config.mode != self.mode:
+                raise ValueError(f"arm {self.arm!r} samples in {self.mode} mode; the given LLM runs in "
+                                 f"{model.engine.config.mode} mode")
+            if c.tensor_parallel_size > 1 or c.layout == "split" or c.trainer_ranks > 1:
+                raise ValueError("tensor_parallel_size > 1, layout 'split' and trainer_ranks > 1 build their own "
+                                 "sampler and trainer engines: give the model as a directory, not a built LLM")
+            self.llm = self.train_llm = model
+            self._owns_engines = False
+        elif follower:  # no sampler: rank 0 samples
+            self.llm, self.train_llm = None, build_trainer_engine(model, c, self.mode, device, max_model_len)
+            self._owns_engines = True
+        else:
+            if self.dp_size > 1:
+                from detinfer.engine.llm_engine import resolve_device
+                from detinfer.rl.trainer_ranks import Followers
+
+                self._followers = Followers(model, c, self.arm, resolve_device(device), max_model_len)
+            seqs = max(c.prompts_per_step * c.n_samples, len(self.eval_examples))
+            try:
+                self.llm, self.train_llm = build_engines(model, c, self.mode, device, max_model_len, seqs)
+            except BaseException:
+                if self._followers is not None:
+                    self._followers.close()
+                raise
+            self._owns_engines = True
+        self.engine = None if self.llm is None else self.llm.engine  # the sampler's (TP: rank 0 of it)
+        self.tokenizer = None if self.engine is None else self.engine.tokenizer
+        self.device = self.train_llm.engine.device  # where the trainer's tensors live
 
     # -- one step ------------------------------------------------------------------------------------
     def step(self) -> dict:
@@ -174,7 +215,11 @@ class GRPOTrainer:
         _sync(self.device)
         t1 = time.perf_counter()
         with ctrl_c_deferred():  # the weights, optimizer state, step count and history change together
+            if self._followers is not None:  # the other trainer ranks join this update
+                self._followers.send("update", (self.step_index, shareable(rollout)))
             stats = self.update(rollout)
+            if self.dp_size > 1:
+                self.refresh_fingerprint()
             _sync(self.device)
             t2 = time.perf_counter()
             self.step_index += 1
@@ -261,8 +306,10 @@ class GRPOTrainer:
                 if capture:
                     before = first_lps
                 done += 1
+        if self.dp_size > 1:
+            totals = summed_across_ranks(totals, ("loss", "clip_tokens", "tis_clipped", "tokens"))
         scored = sorted(before)
-        trainer_lp = torch.cat([before[j] for j in scored]) if scored else torch.zeros(0)
+        trainer_lp = torch.cat([before[j].cpu() for j in scored]) if scored else torch.zeros(0)
         sampler_lp = torch.tensor([x for j in scored for x in r.sampler_logprobs[j]], dtype=torch.float32)
         mismatch = mismatch_stats(trainer_lp.cpu(), sampler_lp)
         tokens = max(1, totals["tokens"])
@@ -280,6 +327,10 @@ class GRPOTrainer:
         norms = token_norms([len(r.completion_ids[j]) for j in seqs], [keep[j] for j in seqs], c.loss_norm,
                             c.max_tokens)
         captured, offset = {}, 0
+        if self.dp_size > 1:  # this rank's block of the mini-batch, and its tokens' share of the norms
+            mine = rank_block(seqs, self.dp_rank, self.dp_size)
+            offset = sum(len(r.completion_ids[j]) for j in seqs[:seqs.index(mine[0])])
+            seqs = mine
         for mstart in range(0, len(seqs), c.train_batch_seqs):
             micro = seqs[mstart:mstart + c.train_batch_seqs]
             count = sum(len(r.completion_ids[j]) for j in micro)
@@ -287,10 +338,12 @@ class GRPOTrainer:
             offset += count
             if capture:
                 captured.update(lps)
+        if capture and self.dp_size > 1:
+            captured = merged_across_ranks(captured)
         grad_norm = None
         params = list(self.trainer.parameters())
-        if c.max_grad_norm is not None:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, c.max_grad_norm))
+        if c.max_grad_norm is not None:  # (over DTensor shards: the global norm, on every rank)
+            grad_norm = float(full(torch.nn.utils.clip_grad_norm_(params, c.max_grad_norm)))
             totals["grad_norm"] += grad_norm
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -302,6 +355,9 @@ class GRPOTrainer:
     def push_weights(self) -> None:
         """The trained weights into the engine's tensors in place, and from there into a tensor-parallel
         sampler (rl/engines.py); every sampler's prefix cache dropped (its K/V are the old weights')."""
+        if self.dp_size > 1:  # the full weights, gathered from the shards, into rank 0's sampler
+            push_gathered(self.trainer.named_parameters(), self.llm)
+            return
         self.trainer.push_weights()
         push_to_sampler(self.llm, self.train_llm)
 
@@ -329,12 +385,14 @@ class GRPOTrainer:
     def _score_no_grad(self, r: Rollout, seqs, temperature: float) -> dict[int, torch.Tensor]:
         """Trainer logprobs of sequences `seqs`' completion tokens under the current weights, no autograd."""
         out, seqs = {}, list(seqs)
+        if self.dp_size > 1:
+            seqs = rank_block(seqs, self.dp_rank, self.dp_size)
         for start in range(0, len(seqs), self.config.train_batch_seqs):
             micro = seqs[start:start + self.config.train_batch_seqs]
             token_ids, cu, index = self._pack(r, micro)
             lp = self.trainer.score(token_ids, cu, positions=index, temperature=temperature)
             out.update(self._split(r, micro, lp))
-        return out
+        return merged_across_ranks(out) if self.dp_size > 1 else out
 
     def _micro_batch(self, r: Rollout, batch: Sequence[int], advantages, old, norms, totals: dict):
         c = self.config
@@ -398,14 +456,32 @@ class GRPOTrainer:
         return list(self.trainer.named_parameters())
 
     def fingerprint(self) -> str:
+        if self.dp_size > 1:  # computed by every rank together after each update (a collective)
+            return self._fingerprint
         return weights_fingerprint(self.named_parameters())
+
+    def refresh_fingerprint(self) -> None:
+        """Trainer ranks > 1: the fingerprint of the full weights, gathered tensor by tensor (every rank)."""
+        self._fingerprint = weights_fingerprint((n, full(p)) for n, p in self.trainer.named_parameters())
+
+    def checkpoint_tensors(self) -> tuple[dict, dict]:
+        """({name: weight}, {name::key: AdamW state}) on the CPU, full tensors (trainer ranks > 1: gathered
+        from the shards, every rank taking part; rank 0 tells the others)."""
+        if self._followers is not None:
+            self._followers.send("checkpoint")
+        return gathered_checkpoint(list(self.trainer.named_parameters()) if self.dp_size > 1
+                                   else self.named_parameters(), self.optimizer)
 
     def close(self) -> None:
         """Release the trainer's hooks and the engine (frees GPU memory for the next arm)."""
-        self.trainer.close()
+        if self.dp_size == 1:  # (FSDP took over the trainer's weights: nothing of its own to release)
+            self.trainer.close()
+        if self._followers is not None:
+            self._followers.close()
         if self.reference is not None:
             self.reference.close()
         if self._owns_engines and self.llm is not self.train_llm:
-            self.llm.close()  # a tensor-parallel sampler's worker processes
+            if self.llm is not None:
+                self.llm.close()  # a tensor-parallel sampler's worker processes
             self.train_llm.close()
         self.llm = self.train_llm = self.engine = self.trainer = self.reference = self.optimizer = None
