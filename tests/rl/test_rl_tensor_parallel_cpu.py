@@ -86,8 +86,8 @@ def test_without_the_push_the_tp_sampler_goes_stale(stories_dir, monkeypatch):
 
 
 def test_bad_parallel_flags_name_the_flag(stories_dir, tmp_path, capsys):
-    with pytest.raises(ValueError, match=r"--trainer-ranks.*allowed: 1"):
-        RLConfig(trainer_ranks=2)
+    with pytest.raises(ValueError, match="trainer_ranks"):
+        RLConfig(trainer_ranks=0)
     with pytest.raises(ValueError, match="layout"):
         RLConfig(layout="sideways")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
@@ -99,8 +99,8 @@ def test_bad_parallel_flags_name_the_flag(stories_dir, tmp_path, capsys):
     check_parallel_config(needs_flag, "fast")  # fast mode makes no bitwise claim
     assert rl_main([str(stories_dir), *SMALL, "--tensor-parallel-size", "2", "--out", str(tmp_path / "r")]) == 2
     assert "--tp-invariant-reduction" in capsys.readouterr().err
-    assert rl_main([str(stories_dir), *SMALL, "--trainer-ranks", "2", "--out", str(tmp_path / "r")]) == 2
-    assert "--trainer-ranks" in capsys.readouterr().err
+    assert rl_main([str(stories_dir), *SMALL, "--trainer-ranks", "4", "--out", str(tmp_path / "r")]) == 2
+    assert "--trainer-ranks" in capsys.readouterr().err  # 2 prompts x 3 samples do not split over 4 ranks
     from detinfer.engine import LLM
 
     llm = LLM(str(stories_dir), device="cpu", max_model_len=64, num_kv_blocks=16, block_size=16)

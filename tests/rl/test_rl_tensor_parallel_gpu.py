@@ -1,8 +1,8 @@
 """`detinfer rl` on several GPUs (bf16, fp32 masters, CUDA graphs): a TP=2 sampler with tp_invariant_reduction
 beside a one-process trainer, weights pushed after every update. Colocated (sampler on cuda:0-1, trainer on
 cuda:0) and split (trainer cuda:0, sampler cuda:1-2: needs 3 GPUs; at TP=1 the sampler on cuda:1) give mismatch
-exactly 0 at every step and the one-GPU run's weights hash at every step. Skipped (shown as skipped) without
-2 GPUs."""
+exactly 0 at every step and the one-GPU run's weights hash at every step; two FSDP trainer ranks beside the
+TP=2 sampler give mismatch 0 and reruns with the same bits. Skipped (shown as skipped) without 2 GPUs."""
 
 import pytest
 import torch
@@ -38,3 +38,15 @@ def test_tp2_sampler_colocated_and_split_mismatch_zero_and_one_gpu_bits(tiny_dir
 def test_split_layout_at_tp1_on_two_gpus(tiny_dir, tmp_path, two_gpus):  # noqa: F811
     one_gpu = _hashes(_run(tiny_dir, tmp_path / "one"))
     assert _hashes(_run(tiny_dir, tmp_path / "split", config=CFG.replace(layout="split"))) == one_gpu
+
+
+def test_two_trainer_ranks_beside_a_tp2_sampler(tiny_dir, tmp_path, two_gpus):  # noqa: F811
+    """FSDP=2 trainer ranks (cuda:0, cuda:1) + TP=2 sampler (cuda:0-1), colocated; split (trainer ranks on
+    cuda:0-1, sampler on cuda:2-3) with 4 GPUs. (The one-GPU run steps fused AdamW, the sharded run the
+    single-tensor loop: their weights differ in rounding, so only the mismatch and reruns are compared.)"""
+    config = CFG.replace(tp_invariant_reduction=True, tensor_parallel_size=2, trainer_ranks=2)
+    first = _hashes(_run(tiny_dir, tmp_path / "col", config=config))
+    assert len(set(first)) == len(first)
+    assert _hashes(_run(tiny_dir, tmp_path / "col2", config=config)) == first  # a rerun: the same bits
+    if GPUS >= 4:
+        assert _hashes(_run(tiny_dir, tmp_path / "split", config=config.replace(layout="split"))) == first

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from detinfer.rl.config import RLConfig
+from detinfer.rl.config import RLConfig, arm_engine_mode
 
 KV_BLOCK_SIZE = 16
 
@@ -50,6 +50,41 @@ def sampler_device(trainer_device: torch.device, config: RLConfig) -> torch.devi
                          f"{config.tensor_parallel_size} ranks on cuda:{first}..{need - 1}, but only {count} GPUs "
                          "are visible; use --layout colocated or fewer --tensor-parallel-size ranks")
     return torch.device("cuda", first)
+
+
+def run_engines(model, config: RLConfig, arm: str, device, max_model_len: int, *, follower: bool = False,
+                eval_size: int = 0):
+    """A GRPO run's engines: (sampler LLM or None, trainer LLM, rl.trainer_ranks.Followers or None, whether
+    the run owns the engines). `model`: a directory or hub id, or a built LLM (used as both, not owned).
+    `follower`: a data-parallel trainer rank > 0 (no sampler: rank 0 samples); rank 0 of several trainer ranks
+    starts the others first, so that they load while it does."""
+    from detinfer.engine import LLM
+
+    c, mode = config, arm_engine_mode(arm)
+    if isinstance(model, LLM):
+        if model.engine.config.mode != mode:
+            raise ValueError(f"arm {arm!r} samples in {mode} mode; the given LLM runs in "
+                             f"{model.engine.config.mode} mode")
+        if c.tensor_parallel_size > 1 or c.layout == "split" or c.trainer_ranks > 1:
+            raise ValueError("tensor_parallel_size > 1, layout 'split' and trainer_ranks > 1 build their own "
+                             "sampler and trainer engines: give the model as a directory, not a built LLM")
+        return model, model, None, False
+    if follower:
+        return None, build_trainer_engine(model, c, mode, device, max_model_len), None, True
+    followers = None
+    if c.trainer_ranks > 1:
+        from detinfer.engine.llm_engine import resolve_device
+        from detinfer.rl.trainer_ranks import Followers
+
+        followers = Followers(model, c, arm, resolve_device(device), max_model_len)
+    try:
+        sampler, trainer = build_engines(model, c, mode, device, max_model_len,
+                                         max(c.prompts_per_step * c.n_samples, eval_size))
+    except BaseException:
+        if followers is not None:
+            followers.close()
+        raise
+    return sampler, trainer, followers, True
 
 
 def build_engines(model, config: RLConfig, mode: str, device, max_model_len: int, seqs: int):

@@ -49,7 +49,7 @@ import torch
 from detinfer.engine.config import MAX_SEED
 from detinfer.rl.config import ARMS, RLConfig, arm_engine_mode
 from detinfer.rl.data import build_task_and_eval, encode_prompt
-from detinfer.rl.engines import build_engines, build_trainer_engine, push_to_sampler
+from detinfer.rl.engines import push_to_sampler, run_engines
 from detinfer.rl.loss import build_optimizer, clipped_objective, k3_kl, lr_at, token_norms
 from detinfer.rl.metrics import group_advantages, mismatch_stats, weights_fingerprint
 from detinfer.rl.rewards import RewardModel, RewardScores, overlong_punishment, parse_reward_config
@@ -153,7 +153,11 @@ class GRPOTrainer:
         else:
             self.task, self.eval_examples = build_task_and_eval(c, task)
             self.rewards = RewardModel(parse_reward_config(c.reward_funcs, c.reward_weights), self.task)
-        self._build_engines(model, device, max_model_len, _follower)
+        self.llm, self.train_llm, self._followers, self._owns_engines = run_engines(
+            model, c, arm, device, max_model_len, follower=_follower, eval_size=len(self.eval_examples))
+        self.engine = None if self.llm is None else self.llm.engine  # the sampler's (TP: rank 0 of it)
+        self.tokenizer = None if self.engine is None else self.engine.tokenizer
+        self.device = self.train_llm.engine.device  # where the trainer's tensors live
         # The reference policy for the KL penalty: a frozen copy of the initial weights, kept only when
         # used (it costs one more copy of the weights in memory and a no-grad forward per micro-batch).
         self.reference = None
@@ -171,40 +175,6 @@ class GRPOTrainer:
         self.history: list[dict] = []
         if self.dp_size > 1:
             self.refresh_fingerprint()
-
-    def _build_engines(self, model, device, max_model_len: int, follower: bool) -> None:
-        from detinfer.engine import LLM
-
-        c = self.config
-        if isinstance(model, LLM):
-            if model.engine.config.mode != self.mode:
-                raise ValueError(f"arm {self.arm!r} samples in {self.mode} mode; the given LLM runs in "
-                                 f"{model.engine.config.mode} mode")
-            if c.tensor_parallel_size > 1 or c.layout == "split" or c.trainer_ranks > 1:
-                raise ValueError("tensor_parallel_size > 1, layout 'split' and trainer_ranks > 1 build their own "
-                                 "sampler and trainer engines: give the model as a directory, not a built LLM")
-            self.llm = self.train_llm = model
-            self._owns_engines = False
-        elif follower:  # no sampler: rank 0 samples
-            self.llm, self.train_llm = None, build_trainer_engine(model, c, self.mode, device, max_model_len)
-            self._owns_engines = True
-        else:
-            if self.dp_size > 1:
-                from detinfer.engine.llm_engine import resolve_device
-                from detinfer.rl.trainer_ranks import Followers
-
-                self._followers = Followers(model, c, self.arm, resolve_device(device), max_model_len)
-            seqs = max(c.prompts_per_step * c.n_samples, len(self.eval_examples))
-            try:
-                self.llm, self.train_llm = build_engines(model, c, self.mode, device, max_model_len, seqs)
-            except BaseException:
-                if self._followers is not None:
-                    self._followers.close()
-                raise
-            self._owns_engines = True
-        self.engine = None if self.llm is None else self.llm.engine  # the sampler's (TP: rank 0 of it)
-        self.tokenizer = None if self.engine is None else self.engine.tokenizer
-        self.device = self.train_llm.engine.device  # where the trainer's tensors live
 
     # -- one step ------------------------------------------------------------------------------------
     def step(self) -> dict:
