@@ -2,11 +2,14 @@
 fixed-order gradient sum) beside a TP=2 sampler. Mismatch exactly 0 at every step; with one micro-batch per rank
 per update and no clipping (whose global norm FSDP reduces in its own order) the run is the one-trainer run bit
 for bit: weights hash per step, and the checkpoint's weights and AdamW state, gathered from the shards. Bad
-combinations are refused naming the flags."""
+combinations are refused naming the flags; a dead trainer rank is an error naming it."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 
 import pytest
 import torch
@@ -70,3 +73,21 @@ def test_bad_trainer_rank_combinations_name_the_flags(stories_dir, tmp_path):
     llm = LLM(str(stories_dir), device="cpu", max_model_len=64, num_kv_blocks=16, block_size=16)
     with pytest.raises(ValueError, match="give the model as a directory"):
         GRPOTrainer(llm, config, "deterministic")
+
+
+@pytest.mark.slow
+def test_a_dead_trainer_rank_is_an_error_naming_it_not_a_hang(stories_dir):
+    config = RLConfig(task="emit-token", steps=3, prompts_per_step=2, n_samples=3, max_tokens=8, lr=3e-2,
+                      trainer_ranks=2, train_batch_seqs=3)
+    trainer = GRPOTrainer(stories_dir, config, "deterministic", device="cpu", max_model_len=64)
+    try:
+        trainer.step()
+        follower = trainer._followers.procs[0]
+        os.kill(follower.pid, signal.SIGKILL)
+        follower.join(timeout=30)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"trainer rank 1 of 2 failed \(exit code -9"):
+            trainer.step()
+        assert time.monotonic() - start < 60
+    finally:
+        trainer.close()

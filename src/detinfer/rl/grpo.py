@@ -185,11 +185,12 @@ class GRPOTrainer:
         _sync(self.device)
         t1 = time.perf_counter()
         with ctrl_c_deferred():  # the weights, optimizer state, step count and history change together
-            if self._followers is not None:  # the other trainer ranks join this update
-                self._followers.send("update", (self.step_index, shareable(rollout)))
-            stats = self.update(rollout)
-            if self.dp_size > 1:
-                self.refresh_fingerprint()
+            with contextlib.nullcontext() if self._followers is None else self._followers.guard():
+                if self._followers is not None:  # the other trainer ranks join this update
+                    self._followers.send("update", (self.step_index, shareable(rollout)))
+                stats = self.update(rollout)
+                if self.dp_size > 1:
+                    self.refresh_fingerprint()
             _sync(self.device)
             t2 = time.perf_counter()
             self.step_index += 1

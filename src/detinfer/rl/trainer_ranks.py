@@ -22,6 +22,7 @@ notices the closed sockets; NCCL after the group's timeout), and the run stops w
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import signal
 import traceback
@@ -71,6 +72,20 @@ class Followers:
 
     def send(self, command: str, payload=None) -> None:
         dist.broadcast_object_list([command, payload], src=0)
+
+    @contextlib.contextmanager
+    def guard(self):
+        """A collective section: an error there caused by a trainer rank's exit is raised naming that rank."""
+        try:
+            yield
+        except Exception as e:
+            for rank, proc in enumerate(self.procs, 1):
+                proc.join(timeout=2.0)
+                if not proc.is_alive():
+                    raise RuntimeError(f"trainer rank {rank} of {len(self.procs) + 1} failed (exit code "
+                                       f"{proc.exitcode}; its traceback, if any, is on stderr): the run stops "
+                                       f"({type(e).__name__}: {str(e)[:200]})") from e
+            raise
 
     def close(self) -> None:
         if dist.is_initialized():
