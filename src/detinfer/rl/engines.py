@@ -53,11 +53,11 @@ def sampler_device(trainer_device: torch.device, config: RLConfig) -> torch.devi
 
 
 def run_engines(model, config: RLConfig, arm: str, device, max_model_len: int, *, follower: bool = False,
-                eval_size: int = 0):
+                eval_size: int = 0, trainer_class=None):
     """A GRPO run's engines: (sampler LLM or None, trainer LLM, rl.trainer_ranks.Followers or None, whether
     the run owns the engines). `model`: a directory or hub id, or a built LLM (used as both, not owned).
     `follower`: a data-parallel trainer rank > 0 (no sampler: rank 0 samples); rank 0 of several trainer ranks
-    starts the others first, so that they load while it does."""
+    starts the others first (each building a `trainer_class`), so that they load while it does."""
     from detinfer.engine import LLM
 
     c, mode = config, arm_engine_mode(arm)
@@ -76,7 +76,7 @@ def run_engines(model, config: RLConfig, arm: str, device, max_model_len: int, *
         from detinfer.engine.llm_engine import resolve_device
         from detinfer.rl.trainer_ranks import Followers
 
-        followers = Followers(model, c, arm, resolve_device(device), max_model_len)
+        followers = Followers(trainer_class, model, c, arm, resolve_device(device), max_model_len)
     try:
         sampler, trainer = build_engines(model, c, mode, device, max_model_len,
                                          max(c.prompts_per_step * c.n_samples, eval_size))

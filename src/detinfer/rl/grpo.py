@@ -28,7 +28,10 @@ fast-tis corrects it with its truncated weight). The mismatch statistics compare
 logprobs with the trainer's before the first update: every token when there is one update or a recompute
 pass, else the first mini-batch's tokens.
 
-The sampler and the trainer share the model's weight tensors: nothing is reloaded between steps.
+On one GPU the sampler and the trainer share the model's weight tensors: nothing is reloaded between steps.
+A tensor-parallel or split sampler is an engine of its own, fed by a weight push after every update
+(rl/engines.py); with trainer_ranks > 1 the trainer is FSDP-sharded over processes that follow this one
+(rl/trainer_ranks.py).
 """
 
 from __future__ import annotations
@@ -154,7 +157,8 @@ class GRPOTrainer:
             self.task, self.eval_examples = build_task_and_eval(c, task)
             self.rewards = RewardModel(parse_reward_config(c.reward_funcs, c.reward_weights), self.task)
         self.llm, self.train_llm, self._followers, self._owns_engines = run_engines(
-            model, c, arm, device, max_model_len, follower=_follower, eval_size=len(self.eval_examples))
+            model, c, arm, device, max_model_len, follower=_follower, eval_size=len(self.eval_examples),
+            trainer_class=type(self))
         self.engine = None if self.llm is None else self.llm.engine  # the sampler's (TP: rank 0 of it)
         self.tokenizer = None if self.engine is None else self.engine.tokenizer
         self.device = self.train_llm.engine.device  # where the trainer's tensors live

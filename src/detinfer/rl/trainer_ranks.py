@@ -44,7 +44,7 @@ def trainer_device(device: torch.device, rank: int) -> torch.device:
 class Followers:
     """Rank 0's handle on ranks 1..T-1 and the default process group they share."""
 
-    def __init__(self, model, config, arm: str, device: torch.device, max_model_len: int,
+    def __init__(self, trainer_class, model, config, arm: str, device: torch.device, max_model_len: int,
                  timeout_s: float = DEFAULT_TIMEOUT_S):
         import torch.multiprocessing as mp
 
@@ -58,7 +58,7 @@ class Followers:
         store = master_store(size, timeout_s=timeout_s)
         ctx = mp.get_context("spawn")
         self.procs = [ctx.Process(target=follower_main, name=f"detinfer-rl-trainer{r}",
-                                  args=(r, size, store.port, str(model), config, arm,
+                                  args=(trainer_class, r, size, store.port, str(model), config, arm,
                                         str(trainer_device(device, r)), max_model_len, timeout_s))
                       for r in range(1, size)]
         for proc in self.procs:
@@ -116,16 +116,15 @@ def _join_group(rank: int, size: int, store, device: torch.device, timeout_s: fl
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def follower_main(rank: int, size: int, port: int, model: str, config, arm: str, device: str, max_model_len: int,
-                  timeout_s: float) -> None:
-    """Trainer rank `rank` (> 0): build the same trainer as rank 0 (no sampler), then follow its commands."""
+def follower_main(trainer_class, rank: int, size: int, port: int, model: str, config, arm: str, device: str,
+                  max_model_len: int, timeout_s: float) -> None:
+    """Trainer rank `rank` (> 0): build the same trainer as rank 0 (`trainer_class`: GRPOTrainer, passed in so
+    that this module does not import grpo.py, which imports it), no sampler; then follow rank 0's commands."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; it stops us
     try:
         store = dist.TCPStore("127.0.0.1", port, size, False, timeout=datetime.timedelta(seconds=timeout_s))
         _join_group(rank, size, store, torch.device(device), timeout_s)
-        from detinfer.rl.grpo import GRPOTrainer
-
-        trainer = GRPOTrainer(model, config, arm, device=device, max_model_len=max_model_len, _follower=True)
+        trainer = trainer_class(model, config, arm, device=device, max_model_len=max_model_len, _follower=True)
         while True:
             box = [None, None]
             dist.broadcast_object_list(box, src=0)
