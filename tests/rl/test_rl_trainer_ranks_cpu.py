@@ -1,7 +1,8 @@
 """`detinfer rl --trainer-ranks 2` on CPU (gloo; stories260k): two data-parallel trainer ranks (FSDP2 shards,
 fixed-order gradient sum) beside a TP=2 sampler. Mismatch exactly 0 at every step; with one micro-batch per rank
 per update and no clipping (whose global norm FSDP reduces in its own order) the run is the one-trainer run bit
-for bit: weights hash per step, and the checkpoint's weights and AdamW state, gathered from the shards. Bad
+for bit: weights hash per step, and the checkpoint's weights and AdamW state, gathered from the shards; a
+resumed run (each rank restoring its shards) continues it bit for bit, and --export-hf writes its weights. Bad
 combinations are refused naming the flags; a dead trainer rank is an error naming it."""
 
 from __future__ import annotations
@@ -48,6 +49,26 @@ def test_two_trainer_ranks_mismatch_zero_and_the_one_trainer_runs_bits(stories_d
 
 
 @pytest.mark.slow
+def test_two_trainer_ranks_resume_and_export_as_one_trainer_does(stories_dir, tmp_path):
+    """A checkpoint of the gathered shards, read back into shards by both ranks: the resumed run continues the
+    one-trainer run's bits; --export-hf writes the gathered weights."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    first = list(SMALL)
+    first[SMALL.index("--steps") + 1] = "1"
+    assert rl_main([str(stories_dir), *first, "--trainer-ranks", "2", "--out", str(two)]) == 0
+    assert rl_main([str(stories_dir), *SMALL, "--trainer-ranks", "2", "--resume", "--export-hf", "--out",
+                    str(two)]) == 0
+    assert rl_main([str(stories_dir), *SMALL, "--export-hf", "--out", str(one)]) == 0
+    a, b = _history(two), _history(one)
+    assert [r["weights_hash"] for r in a] == [r["weights_hash"] for r in b] and len(a) == 2
+    for got, want in zip(_checkpoint(two), _checkpoint(one)):
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    hf_two = load_file(str(two / "deterministic" / "hf" / "model.safetensors"))
+    hf_one = load_file(str(one / "deterministic" / "hf" / "model.safetensors"))
+    assert sorted(hf_two) == sorted(hf_one) and all(torch.equal(hf_two[k], hf_one[k]) for k in hf_one)
+
+
+@pytest.mark.slow
 def test_two_trainer_ranks_with_clipping_keep_mismatch_zero(stories_dir, tmp_path):
     config = RLConfig(task="emit-token", steps=2, prompts_per_step=2, n_samples=3, max_tokens=8, lr=3e-2,
                       trainer_ranks=2, train_batch_seqs=2, max_grad_norm=0.5)  # TP=1 sampler of its own
@@ -65,9 +86,6 @@ def test_bad_trainer_rank_combinations_name_the_flags(stories_dir, tmp_path):
     with pytest.raises(ValueError, match=r"--kl-coef.*--trainer-ranks"):
         RLConfig(trainer_ranks=2, kl_coef=0.1)
     config = RLConfig(task="emit-token", trainer_ranks=2, prompts_per_step=2, n_samples=2)
-    for option in ("resume", "export_hf"):
-        with pytest.raises(ValueError, match=f"--{option.replace('_', '-')} is not supported with trainer_ranks"):
-            run_arm(stories_dir, config, "deterministic", tmp_path / "r", device="cpu", log=None, **{option: True})
     from detinfer.engine import LLM
 
     llm = LLM(str(stories_dir), device="cpu", max_model_len=64, num_kv_blocks=16, block_size=16)

@@ -57,10 +57,6 @@ def run_arm(model, config: RLConfig, arm: str, out: str | Path | None = None, *,
     from detinfer.rl.grpo import GRPOTrainer
 
     _check_output_options(model, out, tensorboard, export_hf)
-    if config.trainer_ranks > 1 and (resume or export_hf):
-        raise ValueError(f"{'--resume' if resume else '--export-hf'} is not supported with trainer_ranks > 1 "
-                         "(--trainer-ranks) yet: the checkpoint is written (full weights and AdamW state), but "
-                         "not yet read back into shards; run with --trainer-ranks 1 to resume or export")
     started = time.perf_counter()
     if log:
         log(f"[{arm}] loading {model if isinstance(model, (str, Path)) else type(model).__name__} "
@@ -102,7 +98,8 @@ def run_arm(model, config: RLConfig, arm: str, out: str | Path | None = None, *,
         if export_hf:
             from detinfer.rl.export import export_hf as export
 
-            hf_dir = export(trainer, arm_dir / "hf", _local_model_dir(model), overwrite=True)
+            weights = trainer if trainer.dp_size == 1 else trainer.checkpoint_tensors()[0]  # (gathered)
+            hf_dir = export(weights, arm_dir / "hf", _local_model_dir(model), overwrite=True)
             if log:
                 log(f"[{arm}] exported the trained weights (weights {trainer.fingerprint()}) to {hf_dir}")
         return trainer.history

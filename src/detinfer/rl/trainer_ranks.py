@@ -13,6 +13,7 @@ before every collective section, so every rank enters the same collectives in th
                                 bucket by bucket and rank 0 pushes them into the sampler; then the weights'
                                 fingerprint over the gathered tensors.
   ("checkpoint", None)          gather the full weights and AdamW moments for rank 0 to write.
+  ("resume", directory)         restore this rank's shards of a checkpoint rank 0 validated.
   ("stop", None)                leave.
 
 The sampler's logprobs keep the trainer's bits: each rank's forward runs on the all-gathered weights (a data
@@ -26,6 +27,7 @@ import contextlib
 import datetime
 import signal
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -135,6 +137,10 @@ def follower_main(trainer_class, rank: int, size: int, port: int, model: str, co
                 trainer.refresh_fingerprint()
             elif command == "checkpoint":
                 trainer.checkpoint_tensors()
+            elif command == "resume":  # rank 0 validated the checkpoint; restore this rank's shards of it
+                from detinfer.rl.checkpoint import read_state, restore_tensors
+
+                restore_tensors(trainer, Path(payload), read_state(payload))
             elif command == "stop":
                 break
             else:
@@ -189,6 +195,27 @@ def full(t):
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def copy_full_into(p: torch.Tensor, full_tensor: torch.Tensor) -> None:
+    """`p` <- the full tensor (a DTensor shard: its own slice of it, cut locally on every rank)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(p, DTensor):
+        p.copy_(full_tensor)
+        return
+    mine = distribute_tensor(full_tensor.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+    p.to_local().copy_(mine.to_local())
+
+
+def in_param_layout(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """An optimizer state tensor read whole, laid out like its parameter (a DTensor shard's own slice; a
+    state of another shape, AdamW's step count, stays as it is)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(p, DTensor) or tuple(value.shape) != tuple(p.shape):
+        return value
+    return distribute_tensor(value.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
 
 
 PUSH_BUCKET_BYTES = 1 << 28  # full fp32 tensors gathered at a time for the push (bounds the memory it takes)
