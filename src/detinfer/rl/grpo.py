@@ -42,6 +42,7 @@ import math
 import random
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -383,6 +384,12 @@ class GRPOTrainer:
     def refresh_fingerprint(self) -> None:
         """Trainer ranks > 1: the fingerprint of the full weights, gathered tensor by tensor (every rank)."""
         self._fingerprint = weights_fingerprint((n, full(p)) for n, p in self.trainer.named_parameters())
+
+    def restore_shards(self, directory: str) -> None:
+        """A trainer rank > 0's part of a resume: its shards of the checkpoint rank 0 validated."""
+        from detinfer.rl.checkpoint import read_state, restore_tensors
+
+        restore_tensors(self, Path(directory), read_state(directory))
 
     def checkpoint_tensors(self) -> tuple[dict, dict]:
         """({name: weight}, {name::key: AdamW state}) on the CPU, full tensors (trainer ranks > 1: gathered

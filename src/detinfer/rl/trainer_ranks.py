@@ -27,7 +27,6 @@ import contextlib
 import datetime
 import signal
 import traceback
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -138,9 +137,7 @@ def follower_main(trainer_class, rank: int, size: int, port: int, model: str, co
             elif command == "checkpoint":
                 trainer.checkpoint_tensors()
             elif command == "resume":  # rank 0 validated the checkpoint; restore this rank's shards of it
-                from detinfer.rl.checkpoint import read_state, restore_tensors
-
-                restore_tensors(trainer, Path(payload), read_state(payload))
+                trainer.restore_shards(payload)
             elif command == "stop":
                 break
             else:
