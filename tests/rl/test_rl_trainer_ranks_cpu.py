@@ -109,3 +109,16 @@ def test_a_dead_trainer_rank_is_an_error_naming_it_not_a_hang(stories_dir):
         assert time.monotonic() - start < 60
     finally:
         trainer.close()
+
+
+@pytest.mark.slow
+def test_rank_zero_failing_to_build_its_sampler_ends_the_other_ranks(stories_dir):
+    config = RLConfig(task="emit-token", prompts_per_step=2, n_samples=2, trainer_ranks=2, tensor_parallel_size=3,
+                      tp_invariant_reduction=True)  # 3 does not divide stories260k's 8 heads
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not fit"):
+        GRPOTrainer(stories_dir, config, "deterministic", device="cpu", max_model_len=64)
+    assert time.monotonic() - start < 60
+    import multiprocessing
+
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("detinfer-rl-trainer")]

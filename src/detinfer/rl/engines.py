@@ -81,7 +81,8 @@ def run_engines(model, config: RLConfig, arm: str, device, max_model_len: int, *
         sampler, trainer = build_engines(model, c, mode, device, max_model_len,
                                          max(c.prompts_per_step * c.n_samples, eval_size))
     except BaseException:
-        if followers is not None:
+        if followers is not None:  # they are loading, or waiting in their first collective: end them
+            followers.broken = True
             followers.close()
         raise
     return sampler, trainer, followers, True

@@ -67,9 +67,10 @@ class Followers:
         try:
             _join_group(0, size, store, device, timeout_s)
         except BaseException:
-            self._stop_processes()
+            self._stop_processes(wait_s=0.0)
             raise
         self._store = store
+        self.broken = False  # set when a collective section failed (see close)
 
     def send(self, command: str, payload=None) -> None:
         dist.broadcast_object_list([command, payload], src=0)
@@ -79,7 +80,10 @@ class Followers:
         """A collective section: an error there caused by a trainer rank's exit is raised naming that rank."""
         try:
             yield
-        except Exception as e:
+        except BaseException as e:  # the ranks' collectives are out of step from here on: no "stop" command
+            self.broken = True
+            if not isinstance(e, Exception):
+                raise
             for rank, proc in enumerate(self.procs, 1):
                 proc.join(timeout=2.0)
                 if not proc.is_alive():
@@ -89,17 +93,22 @@ class Followers:
             raise
 
     def close(self) -> None:
+        """Stop the other ranks: by command, or, after a failure that left collectives half done (`broken`),
+        by ending their processes (a command could wait on a collective they never finish)."""
+        if self.broken:
+            self._stop_processes(wait_s=0.0)
         if dist.is_initialized():
-            try:
-                self.send("stop")
-            except Exception:  # noqa: BLE001 - a follower already gone: stop the processes below
-                pass
+            if not self.broken:
+                try:
+                    self.send("stop")
+                except Exception:  # noqa: BLE001 - a follower already gone: stop the processes below
+                    pass
             dist.destroy_process_group()
         self._stop_processes()
 
-    def _stop_processes(self) -> None:
+    def _stop_processes(self, wait_s: float = 30.0) -> None:
         for proc in self.procs:
-            proc.join(timeout=30)
+            proc.join(timeout=wait_s)
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
