@@ -14,6 +14,7 @@ Collectives and their determinism:
   add in the fixed pairwise tree" (`pairwise_tree_sum`) on every rank and for every message size; at P = 2 it
   gets them from the all-reduce (see `exact_sum` for why that is exact there).
 - `broadcast(t)`: rank 0's `t` on every rank (a data move: exact).
+- `scatter(out, parts)`: rank r gets rank 0's `parts[r]` (a data move: exact; weight loads).
 
 On GPUs the per-step collectives (all_gather, all_reduce_sum, exact_sum, broadcast) go through a direct NCCL
 communicator (`nccl_comm.NcclComm`) that enqueues on the current CUDA stream: one kernel launch, captured in
@@ -122,6 +123,15 @@ class TPGroup:
             return self.comm.broadcast(t)
         self.pg.broadcast([t], dist.BroadcastOptions()).wait()
         return t
+
+    def scatter(self, out: torch.Tensor, parts: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """In place: rank r's `out` receives rank 0's `parts[r]` (a data move: exact). Rank 0 passes one
+        tensor per rank, each shaped and typed like every rank's `out`; the others pass none. The torch group
+        carries it on GPUs too: it is no per-step collective (weight loads, `distributed.weight_push`)."""
+        opts = dist.ScatterOptions()
+        opts.rootRank = 0
+        self.pg.scatter([out], [list(parts)] if self.rank == 0 else [], opts).wait()
+        return out
 
     def agree_min(self, value: int) -> int:
         """The smallest `value` any rank passed (e.g. the KV block count every rank can allocate)."""

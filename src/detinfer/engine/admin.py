@@ -13,7 +13,8 @@ new weights, and a stream of new requests cannot starve the load.
 Weight loads are atomic: every tensor is read and validated (names, shapes, stored dtypes, finite values)
 before the first one is copied, so a bad checkpoint leaves the served weights untouched. The copy is in place
 (`Tensor.copy_`), so CUDA graphs captured over the weights stay valid; the prefix cache is then dropped (its
-blocks hold the old weights' K/V).
+blocks hold the old weights' K/V). Under tensor parallelism rank 0 takes the full tensors and scatters each
+rank its shards in buckets (`push_weights`, distributed/weight_push.py); `weights_fingerprint` needs TP=1.
 """
 
 from __future__ import annotations
@@ -72,22 +73,55 @@ def run_admin(engine: Any, op: str, arg: Any = None) -> dict[str, Any]:
 
 
 def _model_of(engine: Any):
-    config = engine.config
-    if config.tensor_parallel_size > 1 or config.tp_invariant_reduction:
-        raise ValueError("admin weight operations support tensor_parallel_size 1 only (each rank holds a shard)")
+    """The engine's whole model; under tensor parallelism rank 0 holds only a shard of it."""
+    if engine.config.tensor_parallel_size > 1:
+        raise ValueError("weights_fingerprint needs tensor_parallel_size 1 (each rank holds a shard); at a larger "
+                         "size load_weights returns the digest of the full weights it loaded")
     return engine.runner.model
 
 
 def weights_sha256(model: Any) -> str:
     """sha256 over every parameter's name, dtype, shape and bytes, in name order: equal digests, equal weights."""
+    return state_sha256(dict(model.named_parameters()))
+
+
+def state_sha256(state: dict[str, Any]) -> str:
+    """`weights_sha256` of a {name: full tensor} dict: a TP=1 model holding these tensors has this digest."""
     import torch
 
     h = hashlib.sha256()
-    for name, p in sorted(model.named_parameters()):
+    for name, p in sorted(state.items()):
         t = p.detach().contiguous().cpu()
         h.update(f"{name}\0{str(t.dtype).removeprefix('torch.')}\0{list(t.shape)}\0".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def push_weights(engine: Any, state: dict[str, Any], bucket_bytes: int | None = None) -> dict[str, Any]:
+    """Copy full (TP=1-shaped) weights {detinfer parameter name: tensor} into an idle engine's tensors in place,
+    at any tensor_parallel_size (rank 0 scatters each rank its shards in buckets: distributed/weight_push.py),
+    then drop the prefix cache. Any subset of the parameters; validated before anything changes."""
+    import torch
+
+    from detinfer.distributed.weight_push import check_full_state
+
+    if engine.has_unfinished_requests():  # their KV cache holds the old weights' keys and values
+        raise RuntimeError(f"push_weights: the engine has {engine.get_num_unfinished_requests()} unfinished "
+                           "requests; finish or abort them before updating the weights")
+    if engine.model_config.quantization is not None:  # a 16-bit tensor copied into an fp8 one loses its scales
+        raise ValueError(f"loading weights into a running {engine.model_config.quantization} engine is not "
+                         "supported; start a new engine on the checkpoint")
+    runner = engine.runner
+    if engine.config.tensor_parallel_size > 1:
+        loaded = runner.load_full_weights(state, bucket_bytes)
+    else:
+        params = dict(runner.model.named_parameters())
+        check_full_state(state, {n: tuple(p.shape) for n, p in params.items()})
+        with torch.no_grad():
+            for name, tensor in state.items():
+                params[name].copy_(tensor)
+        loaded = len(state)
+    return {"tensors_loaded": loaded, "prefix_cache_blocks_dropped": engine.reset_prefix_cache()}
 
 
 def load_weights(engine: Any, path: Any) -> dict[str, Any]:
@@ -95,34 +129,41 @@ def load_weights(engine: Any, path: Any) -> dict[str, Any]:
 
     `path`: a HF-format checkpoint directory (model.safetensors or an index with shards; every tensor the
     running model's config implies), or one .safetensors file holding either the HF-named tensors of a full
-    checkpoint or detinfer-named parameters (any subset: only those change)."""
+    checkpoint or detinfer-named parameters (any subset: only those change; under tensor parallelism all of
+    them, so that the returned digest is the full weights'). Under tensor parallelism rank 0 reads the full
+    tensors on the CPU and scatters each rank its shards (`push_weights`)."""
     import torch
 
-    model = _model_of(engine)
-    if engine.model_config.quantization is not None:  # a 16-bit tensor copied into an fp8 one loses its scales
+    from detinfer.distributed.weight_push import full_shapes
+
+    if engine.model_config.quantization is not None:
         raise ValueError(f"loading weights into a running {engine.model_config.quantization} engine is not "
                          "supported; start a new engine on the checkpoint")
-    state = read_weights(path, model, engine.model_config, engine.dtype, engine.device)
-    with torch.no_grad():
-        params = dict(model.named_parameters())
-        for name, tensor in state.items():
-            params[name].copy_(tensor)
-    loaded = len(state)
+    tp = engine.config.tensor_parallel_size > 1
+    shapes = (full_shapes(engine.model_config, engine.runner.ops) if tp else
+              {name: tuple(t.shape) for name, t in engine.runner.model.named_parameters()})
+    state = read_weights(path, shapes, engine.model_config, engine.dtype,
+                         torch.device("cpu") if tp else engine.device)
+    missing = sorted(set(shapes) - set(state))
+    if tp and missing:
+        raise ValueError(f"{path}: under tensor parallelism a weights file must hold every parameter; missing "
+                         f"{missing[0]}" + (f" ({len(missing) - 1} more)" if len(missing) > 1 else ""))
+    result = push_weights(engine, state)
+    digest = state_sha256(state) if tp else weights_sha256(engine.runner.model)
     del state
-    dropped = engine.reset_prefix_cache()
-    return {"tensors_loaded": loaded, "prefix_cache_blocks_dropped": dropped, "weights_sha256": weights_sha256(model)}
+    return {**result, "weights_sha256": digest}
 
 
-def read_weights(path: Any, model: Any, model_config: Any, dtype: Any, device: Any) -> dict[str, Any]:
-    """Validated {detinfer parameter name: tensor in `dtype` on `device`} from `path` (see load_weights);
-    ValueError naming the tensor and the problem otherwise."""
+def read_weights(path: Any, params: dict[str, tuple], model_config: Any, dtype: Any, device: Any) -> dict[str, Any]:
+    """Validated {detinfer parameter name: tensor in `dtype` on `device`} from `path` (see load_weights), for a
+    model whose parameters have the full shapes `params` {name: shape}; ValueError naming the tensor and the
+    problem otherwise."""
     from detinfer.models.loader import load_state
 
     if not isinstance(path, str) or not path:
         raise ValueError(f"path must be a non-empty string (a checkpoint directory or a .safetensors file), "
                          f"got {path!r}")
     p = Path(path)
-    params = {name: tuple(t.shape) for name, t in model.named_parameters()}
     if p.is_dir():
         state = _load_hf(lambda: load_state(p, model_config, dtype, device))
     elif p.is_file():

@@ -211,6 +211,42 @@ class TensorParallelRunner:
             self._fail("a tensor-parallel step was interrupted")
             raise
 
+    # -- weight updates --------------------------------------------------------------------------------
+    def load_full_weights(self, state, bucket_bytes: int | None = None) -> int:
+        """Copy full (TP=1-shaped) weights `{name: tensor}` into every rank's shard, in place, in buckets
+        scattered over the TP group (distributed/weight_push.py); returns the tensors loaded. Validated first
+        (nothing changes on a bad name or shape); a failure during the transfer stops the group like a failed
+        step. The caller drops the prefix cache (its blocks hold the old weights' K/V)."""
+        from detinfer.distributed.weight_push import (
+            DEFAULT_BUCKET_BYTES,
+            check_full_state,
+            full_shapes,
+            plan_buckets,
+            send_weights,
+        )
+
+        if self.model_config.quantization is not None:  # a 16-bit tensor copied into an fp8 one loses its scales
+            raise ValueError(f"loading weights into a running {self.model_config.quantization} engine is not "
+                             "supported; start a new engine on the checkpoint")
+        check_full_state(state, full_shapes(self.model_config, self.local.ops))
+        buckets = plan_buckets(self.local.model, state, bucket_bytes or DEFAULT_BUCKET_BYTES)
+        if self._failure is None:
+            self._failure = self._worker_failure()
+        if self._failure is not None:
+            raise RuntimeError(self._failure)
+        try:
+            for conn in self._conns:
+                conn.send(("load_weights", buckets))
+            send_weights(self.group, self.local.model, self.model_config, buckets, state)
+        except Exception as e:
+            self._fail(self._worker_failure(wait_s=2.0) or
+                       f"tensor-parallel weight load failed on rank 0 ({type(e).__name__}: {e})")
+            raise RuntimeError(self._failure) from e
+        except BaseException:
+            self._fail("a tensor-parallel weight load was interrupted")
+            raise
+        return len(state)
+
     def _fail(self, message: str) -> None:
         self._failure = (f"{message}; the tensor-parallel group (size {self.size}) is stopped: build a new "
                          "engine to continue")

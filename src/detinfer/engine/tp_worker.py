@@ -19,7 +19,8 @@ seed, plus the dtype) the worker reads / draws only its own slices on its device
 them (an in-memory model it sharded).
 
 Messages to a worker: ("state", {name: cpu tensor}) (only without `weights`), ("step", layout, shape key,
-ids_follow, padded), ("stop",).
+ids_follow, padded), ("load_weights", buckets) (new weights: this rank's shards follow by
+scatter, distributed/weight_push.py), ("stop",).
 Messages from a worker: ("hello",), ("loaded", resident weight bytes) (its shard is built: the runner's
 start-up collectives follow), ("ready", num_kv_blocks), ("error", text).
 """
@@ -136,6 +137,10 @@ def _serve(conn, runner, group) -> None:
         msg = conn.recv()
         if msg[0] == "step":
             run_step(runner, group, *msg[1:])
+        elif msg[0] == "load_weights":  # new full weights: this rank's shards arrive by scatter
+            from detinfer.distributed.weight_push import receive_weights
+
+            receive_weights(group, runner.model, msg[1])
         elif msg[0] == "stop":
             return
         else:

@@ -98,7 +98,8 @@ def run_arm(model, config: RLConfig, arm: str, out: str | Path | None = None, *,
         if export_hf:
             from detinfer.rl.export import export_hf as export
 
-            hf_dir = export(trainer, arm_dir / "hf", _local_model_dir(model), overwrite=True)
+            weights = trainer if trainer.dp_size == 1 else trainer.checkpoint_tensors()[0]  # (gathered)
+            hf_dir = export(weights, arm_dir / "hf", _local_model_dir(model), overwrite=True)
             if log:
                 log(f"[{arm}] exported the trained weights (weights {trainer.fingerprint()}) to {hf_dir}")
         return trainer.history

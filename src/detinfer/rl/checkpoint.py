@@ -48,6 +48,8 @@ def _safetensors():
 
 
 # The engine settings that bound or shape what a run samples (EngineConfig fields).
+# RLConfig fields added after checkpoint format 2 was defined: a checkpoint without one ran at its default.
+NEWER_FIELDS = ("tensor_parallel_size", "tp_invariant_reduction", "layout", "trainer_ranks")
 ENGINE_IDENTITY_FIELDS = ("max_model_len", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens")
 
 
@@ -137,15 +139,8 @@ def save_checkpoint(trainer, directory: str | Path, identity: dict | None = None
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    named = trainer.named_parameters()
-    save_file({n: p.detach().cpu().contiguous() for n, p in named}, str(tmp / "weights.safetensors"))
-    opt_tensors = {}
-    for name, p in named:
-        for key, value in trainer.optimizer.state.get(p, {}).items():
-            if isinstance(value, torch.Tensor):
-                opt_tensors[f"{name}::{key}"] = value.detach().cpu().contiguous()
-            else:  # plain numbers (older torch kept `step` as a float)
-                opt_tensors[f"{name}::{key}"] = torch.tensor(value, dtype=torch.float64)
+    weights, opt_tensors = trainer.checkpoint_tensors()  # full tensors (data-parallel ranks: gathered)
+    save_file(weights, str(tmp / "weights.safetensors"))
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     groups = [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.state_dict()["param_groups"]]
     state = {"format": CHECKPOINT_FORMAT, "step": trainer.step_index, "arm": trainer.arm,
@@ -177,6 +172,8 @@ def check_compatible(state: dict, config: RLConfig, arm: str, task_name: str) ->
         raise ValueError(f"the checkpoint trained task {state['task']!r}, not {task_name!r}")
     saved, now = state["config"], config.to_dict()
     allowed = resumable_changes(config)
+    # a field newer than the checkpoint ran at its default (the behaviour before the field existed)
+    saved = {**{k: v for k, v in RLConfig().to_dict().items() if k in NEWER_FIELDS}, **saved}
     changed = sorted(k for k in now if k not in allowed and (k not in saved or saved[k] != now[k]))
     if changed:
         diffs = ", ".join(f"{k}: {saved.get(k, '(absent)')!r} -> {now[k]!r}" for k in changed)
@@ -188,11 +185,28 @@ def load_checkpoint(trainer, directory: str | Path, identity: dict | None = None
     """Restore weights, optimizer state, step and history into a freshly built `trainer`; the engine
     sees the restored weights (and an empty prefix cache). `identity`: this run's `run_identity`, refused
     if it differs from the checkpoint's. Returns the checkpoint's state.json."""
-    load_file, _ = _safetensors()
     directory = Path(directory)
     state = read_state(directory)
     check_compatible(state, trainer.config, trainer.arm, trainer.task.name)
     check_identity(state.get("identity"), identity)
+    if getattr(trainer, "_followers", None) is not None:  # the other trainer ranks restore their shards too
+        trainer._followers.send("resume", str(directory))
+    restore_tensors(trainer, directory, state)
+    trainer.step_index = int(state["step"])
+    trainer.history = list(state["history"])
+    if trainer.fingerprint() != state["weights_hash"]:
+        raise ValueError(f"{directory}: the restored weights' fingerprint {trainer.fingerprint()} differs from the "
+                         f"saved {state['weights_hash']}")
+    return state
+
+
+@torch.no_grad()
+def restore_tensors(trainer, directory: Path, state: dict) -> None:
+    """The checkpoint's weights and AdamW state into `trainer` (data-parallel ranks: each its shards; every
+    rank calls this), then pushed into the engine / sampler."""
+    from detinfer.rl.trainer_ranks import copy_full_into, in_param_layout
+
+    load_file, _ = _safetensors()
     weights = load_file(str(directory / "weights.safetensors"))
     named = trainer.named_parameters()
     names = [n for n, _ in named]
@@ -204,13 +218,13 @@ def load_checkpoint(trainer, directory: str | Path, identity: dict | None = None
         if weights[name].shape != p.shape or weights[name].dtype != p.dtype:
             raise ValueError(f"{directory}: weight {name} is {tuple(weights[name].shape)} {weights[name].dtype}, "
                              f"the model's is {tuple(p.shape)} {p.dtype}")
-        p.copy_(weights[name])
+        copy_full_into(p, weights[name])
     opt = load_file(str(directory / "optimizer.safetensors"))
     # torch numbers an optimizer's parameters group after group; map each name to that index
     index = {id(p): i for i, p in enumerate(p for g in trainer.optimizer.param_groups for p in g["params"])}
     per_param = {}
     for name, p in named:
-        entries = {k.split("::", 1)[1]: v for k, v in opt.items() if k.split("::", 1)[0] == name}
+        entries = {k.split("::", 1)[1]: in_param_layout(v, p) for k, v in opt.items() if k.split("::", 1)[0] == name}
         if entries:
             per_param[index[id(p)]] = entries
     saved_groups = state["optimizer_param_groups"]
@@ -228,10 +242,6 @@ def load_checkpoint(trainer, directory: str | Path, identity: dict | None = None
                 group[impl] = now[impl]
         groups.append(group)
     trainer.optimizer.load_state_dict({"state": per_param, "param_groups": groups})
-    trainer.trainer.push_weights()  # engine tensors <- restored weights; stale prefix cache dropped
-    trainer.step_index = int(state["step"])
-    trainer.history = list(state["history"])
-    if trainer.fingerprint() != state["weights_hash"]:
-        raise ValueError(f"{directory}: the restored weights' fingerprint {trainer.fingerprint()} differs from the "
-                         f"saved {state['weights_hash']}")
-    return state
+    trainer.push_weights()  # engine tensors (and a separate sampler's) <- restored weights; prefix cache dropped
+    if trainer.dp_size > 1:
+        trainer.refresh_fingerprint()

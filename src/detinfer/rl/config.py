@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from detinfer.constants import ENGINE_DTYPES, MODES
-from detinfer.engine.config import MAX_SEED, check_choice, check_float, check_int
+from detinfer.engine.config import MAX_SEED, MAX_TENSOR_PARALLEL, check_choice, check_float, check_int
 
 ARMS = (*MODES, "fast-tis")
 LOSS_NORMS = ("token", "sequence", "constant")
 LR_SCHEDULES = ("constant", "linear", "cosine")
+LAYOUTS = ("colocated", "split")
 MAX_TEMPERATURE = 100.0
 # CLI --mode: one arm, or "both" = both engine modes, i.e. all three arms.
 MODE_ARMS = {"deterministic": ("deterministic",), "fast": ("fast",), "fast-tis": ("fast-tis",),
@@ -51,7 +52,7 @@ def _help(text: str, **extra: Any) -> dict:
 @dataclass(frozen=True)
 class RLConfig:
     """A GRPO run: prompts (a built-in generator or a dataset), rewards, rollout sampling, the loss and
-    the optimizer. Every field shapes the trajectory except `steps` and `checkpoint_every`, so a
+    the optimizer. Every field shapes the trajectory except `steps`, `checkpoint_every` and `layout`, so a
     checkpoint refuses to resume under any other change (see `RESUMABLE_CHANGES`)."""
 
     task: str = field(default="addition", metadata=_help(
@@ -148,6 +149,21 @@ class RLConfig:
     max_num_seqs: int = field(default=256, metadata=_help("Engine: most sequences sampled at once."))
     max_num_batched_tokens: int = field(default=8192, metadata=_help("Engine: token budget of one step."))
     enforce_eager: bool = field(default=False, metadata=_help("Engine: no CUDA graphs."))
+    # -- several GPUs (docs/rl.md "Several GPUs") -----------------------------------------------------
+    tensor_parallel_size: int = field(default=1, metadata=_help(
+        "Sampler: tensor-parallel ranks (GPUs). Above 1 the trainer trains a one-process copy of the weights "
+        "and pushes them into the sampler after every update (each rank's shards in buckets over the TP group); "
+        "deterministic mode then needs tp_invariant_reduction."))
+    tp_invariant_reduction: bool = field(default=False, metadata=_help(
+        "Sampler and trainer sum row-parallel layers (o_proj, down_proj) in one fixed K-chunk tree, so a "
+        "tensor-parallel sampler's logprobs have the one-process trainer's bits (deterministic mode; required "
+        "there with tensor_parallel_size > 1)."))
+    layout: str = field(default="colocated", metadata=_help(
+        "Where the sampler's ranks run: colocated (from the trainer's GPU on: cuda:0..N-1, sharing it) or split "
+        "(on the GPUs after the trainer's: cuda:1..N). The same thing on a CPU.", choices=LAYOUTS))
+    trainer_ranks: int = field(default=1, metadata=_help(
+        "Trainer processes: data parallel, each trainer an FSDP2 shard (fixed-order gradient sum); rank r on the "
+        "r-th GPU from the trainer's. Must divide prompts_per_step * n_samples and mini_batch_seqs."))
 
     def __post_init__(self):
         if not isinstance(self.task, str) or not self.task:
@@ -172,6 +188,23 @@ class RLConfig:
         check_int("max_num_seqs", self.max_num_seqs, minimum=1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
         _check_bool("enforce_eager", self.enforce_eager)
+        self._check_parallelism()
+
+    def _check_parallelism(self) -> None:
+        check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1, maximum=MAX_TENSOR_PARALLEL)
+        _check_bool("tp_invariant_reduction", self.tp_invariant_reduction)
+        check_choice("layout", self.layout, LAYOUTS)
+        check_int("trainer_ranks", self.trainer_ranks, minimum=1)
+        ranks = self.trainer_ranks
+        if ranks > 1:  # every rank scores an equal block of each mini-batch (rl/trainer_ranks.py)
+            seqs = self.prompts_per_step * self.n_samples
+            for what, value in (("prompts_per_step * n_samples", seqs), ("mini_batch_seqs", self.mini_batch_seqs)):
+                if value is not None and value % ranks:
+                    raise ValueError(f"trainer_ranks={ranks} (--trainer-ranks) splits each mini-batch into equal "
+                                     f"blocks, but {what} = {value} is not a multiple of it")
+            if self.kl_coef > 0:
+                raise ValueError(f"kl_coef > 0 (--kl-coef) is not supported with trainer_ranks={ranks} "
+                                 "(--trainer-ranks) yet; allowed: kl_coef 0, or trainer_ranks 1")
 
     def _check_data(self) -> None:
         for name in ("dataset", "dataset_config", "system_prompt", "eval_dataset"):
@@ -217,9 +250,10 @@ class RLConfig:
         return dataclasses.asdict(self)
 
 
-# Fields a resumed run may change: how long it runs and how often it saves. Everything else shapes the
-# trajectory, so a checkpoint refuses to continue under different values.
-RESUMABLE_CHANGES = ("steps", "checkpoint_every")
+# Fields a resumed run may change: how long it runs, how often it saves, and on which GPUs the sampler runs
+# (the layout moves no bit). Everything else shapes the trajectory, so a checkpoint refuses to continue under
+# different values.
+RESUMABLE_CHANGES = ("steps", "checkpoint_every", "layout")
 
 
 def resumable_changes(config: RLConfig) -> tuple[str, ...]:

@@ -28,75 +28,41 @@ fast-tis corrects it with its truncated weight). The mismatch statistics compare
 logprobs with the trainer's before the first update: every token when there is one update or a recompute
 pass, else the first mini-batch's tokens.
 
-The sampler and the trainer share the model's weight tensors: nothing is reloaded between steps.
+On one GPU the sampler and the trainer share the model's weight tensors: nothing is reloaded between steps.
+A tensor-parallel or split sampler is an engine of its own, fed by a weight push after every update
+(rl/engines.py); with trainer_ranks > 1 the trainer is FSDP-sharded over processes that follow this one
+(rl/trainer_ranks.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import math
 import random
-import signal
-import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from detinfer.engine.config import MAX_SEED
 from detinfer.rl.config import ARMS, RLConfig, arm_engine_mode
 from detinfer.rl.data import build_task_and_eval, encode_prompt
+from detinfer.rl.engines import push_to_sampler, run_engines
 from detinfer.rl.loss import build_optimizer, clipped_objective, k3_kl, lr_at, token_norms
 from detinfer.rl.metrics import group_advantages, mismatch_stats, weights_fingerprint
 from detinfer.rl.rewards import RewardModel, RewardScores, overlong_punishment, parse_reward_config
+from detinfer.rl.rollout import Rollout, ctrl_c_deferred, request_seed, reward_batch
 from detinfer.rl.tasks import Example, Task, epoch_of_step, examples_for_step
-
-KV_BLOCK_SIZE = 16
-
-
-def request_seed(seed: int, step: int, prompt_index: int) -> int:
-    """The sampling seed of one prompt's request at one step; sample i of it draws from (this seed,
-    position, i) in the engine's sampler, so every draw is a pure function of (seed, step, prompt, sample)."""
-    digest = hashlib.sha256(f"detinfer-rl/sample/{seed}/{step}/{prompt_index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & MAX_SEED
-
-
-@dataclass
-class Rollout:
-    """One step's samples, flattened prompt-major (prompt i's samples at i * n .. i * n + n - 1)."""
-
-    examples: list[Example]
-    prompt_ids: list[list[int]]       # per sample (repeated within a group)
-    completion_ids: list[list[int]]
-    texts: list[str]
-    sampler_logprobs: list[list[float]]
-    rewards: list[float]
-    truncated: list[bool] = field(default_factory=list)   # stopped by max_tokens
-    scores: RewardScores | None = None
-
-
-@contextlib.contextmanager
-def ctrl_c_deferred():
-    """Ctrl-C (SIGINT) arriving inside the block takes effect when it ends, so that state which must change
-    together (a step's weights, optimizer state and step count) is never left half-changed, and a checkpoint
-    saved after the interrupt holds whole steps. Only in the main thread (signals go only there)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pending = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(frame))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if pending:
-            if callable(previous):
-                previous(signal.SIGINT, pending[0])  # Python's default handler raises KeyboardInterrupt
-            elif previous != signal.SIG_IGN:
-                raise KeyboardInterrupt
+from detinfer.rl.trainer_ranks import (
+    full,
+    gathered_checkpoint,
+    merged_across_ranks,
+    push_gathered,
+    rank_block,
+    shareable,
+    summed_across_ranks,
+)
 
 
 def _sync(device: torch.device) -> None:
@@ -109,22 +75,12 @@ def _mean(xs) -> float:
     return math.fsum(xs) / len(xs) if xs else 0.0
 
 
-def reward_batch(examples: Sequence[Example], texts: Sequence[str], ids: Sequence[Sequence[int]]) -> dict:
-    """The keyword arguments a reward function gets (see rl/rewards.py), one entry per sample."""
-    columns = sorted({k for ex in examples for k in ex.meta})
-    base = {"prompts": [ex.prompt for ex in examples], "completions": list(texts),
-            "answers": [ex.answer for ex in examples], "completion_ids": [list(x) for x in ids],
-            "examples": list(examples)}
-    return {**{c: [ex.meta.get(c) for ex in examples] for c in columns if c not in base}, **base}
-
-
 class GRPOTrainer:
     """See the module doc. `model`: a model directory / hub id, or an already built `detinfer.engine.LLM`
     whose mode matches the arm. `task`: a `Task` (bring your own) or None for config.dataset / config.task."""
 
     def __init__(self, model, config: RLConfig | None = None, arm: str = "deterministic", *,
-                 task: Task | str | None = None, device=None, max_model_len: int = 512):
-        from detinfer.engine import LLM
+                 task: Task | str | None = None, device=None, max_model_len: int = 512, _follower: bool = False):
         from detinfer.train import TrainableModel
 
         self.config = RLConfig() if config is None else config
@@ -137,36 +93,38 @@ class GRPOTrainer:
             raise ValueError("the fast-tis arm needs temperature 1: its weight pi_trainer / pi_sampler uses the "
                              "engine's logprobs, which are of the untempered distribution")
         self.arm, self.mode = arm, arm_engine_mode(arm)
-        self.task, self.eval_examples = build_task_and_eval(c, task)
-        self.rewards = RewardModel(parse_reward_config(c.reward_funcs, c.reward_weights), self.task)
-        if isinstance(model, LLM):
-            if model.engine.config.mode != self.mode:
-                raise ValueError(f"arm {arm!r} samples in {self.mode} mode; the given LLM runs in "
-                                 f"{model.engine.config.mode} mode")
-            self.llm = model
+        # data-parallel trainer ranks (rl/trainer_ranks.py): rank 0 samples and leads, the others follow
+        self.dp_size, self.dp_rank, self._followers, self._fingerprint = c.trainer_ranks, 0, None, None
+        if _follower:
+            import torch.distributed as dist
+
+            self.dp_rank, self.task, self.eval_examples, self.rewards = dist.get_rank(), None, [], None
         else:
-            seqs = max(c.prompts_per_step * c.n_samples, len(self.eval_examples))
-            # A KV pool that holds a whole step's sequences at max_model_len (prompts within a group share
-            # their blocks besides), sized explicitly: the default would fill the GPU the trainer needs.
-            blocks = seqs * -(-max_model_len // KV_BLOCK_SIZE) + 1
-            self.llm = LLM(str(model), device=device, mode=self.mode, dtype=c.dtype, block_size=KV_BLOCK_SIZE,
-                           num_kv_blocks=blocks, max_model_len=max_model_len,
-                           max_num_seqs=min(c.max_num_seqs, seqs),
-                           max_num_batched_tokens=max(c.max_num_batched_tokens, min(c.max_num_seqs, seqs)),
-                           enforce_eager=c.enforce_eager)
-        self.engine = self.llm.engine
-        self.tokenizer = self.engine.tokenizer
-        self.device = self.engine.device
+            self.task, self.eval_examples = build_task_and_eval(c, task)
+            self.rewards = RewardModel(parse_reward_config(c.reward_funcs, c.reward_weights), self.task)
+        self.llm, self.train_llm, self._followers, self._owns_engines = run_engines(
+            model, c, arm, device, max_model_len, follower=_follower, eval_size=len(self.eval_examples),
+            trainer_class=type(self))
+        self.engine = None if self.llm is None else self.llm.engine  # the sampler's (TP: rank 0 of it)
+        self.tokenizer = None if self.engine is None else self.engine.tokenizer
+        self.device = self.train_llm.engine.device  # where the trainer's tensors live
         # The reference policy for the KL penalty: a frozen copy of the initial weights, kept only when
         # used (it costs one more copy of the weights in memory and a no-grad forward per micro-batch).
         self.reference = None
         if c.kl_coef > 0:
-            ref_model = copy.deepcopy(self.engine.runner.model)
+            ref_model = copy.deepcopy(self.train_llm.engine.runner.model)
             self.reference = TrainableModel(ref_model, mode=self.mode, master_weights=False)
-        self.trainer = TrainableModel(self.llm, mode=self.mode)
-        self.optimizer = build_optimizer(self.trainer.named_parameters(), c)
+        self.trainer = TrainableModel(self.train_llm, mode=self.mode)
+        if self.dp_size > 1:
+            from detinfer.train.fsdp import FSDPTrainer
+
+            self.trainer = FSDPTrainer(self.trainer)
+        # sharded AdamW: the single-tensor loop, whose elementwise update of a shard is the full tensor's
+        self.optimizer = build_optimizer(self.trainer.named_parameters(), c, single_tensor=self.dp_size > 1)
         self.step_index = 0  # steps done
         self.history: list[dict] = []
+        if self.dp_size > 1:
+            self.refresh_fingerprint()
 
     # -- one step ------------------------------------------------------------------------------------
     def step(self) -> dict:
@@ -177,7 +135,12 @@ class GRPOTrainer:
         _sync(self.device)
         t1 = time.perf_counter()
         with ctrl_c_deferred():  # the weights, optimizer state, step count and history change together
-            stats = self.update(rollout)
+            with contextlib.nullcontext() if self._followers is None else self._followers.guard():
+                if self._followers is not None:  # the other trainer ranks join this update
+                    self._followers.send("update", (self.step_index, shareable(rollout)))
+                stats = self.update(rollout)
+                if self.dp_size > 1:
+                    self.refresh_fingerprint()
             _sync(self.device)
             t2 = time.perf_counter()
             self.step_index += 1
@@ -264,8 +227,10 @@ class GRPOTrainer:
                 if capture:
                     before = first_lps
                 done += 1
+        if self.dp_size > 1:
+            totals = summed_across_ranks(totals, ("loss", "clip_tokens", "tis_clipped", "tokens"))
         scored = sorted(before)
-        trainer_lp = torch.cat([before[j] for j in scored]) if scored else torch.zeros(0)
+        trainer_lp = torch.cat([before[j].cpu() for j in scored]) if scored else torch.zeros(0)
         sampler_lp = torch.tensor([x for j in scored for x in r.sampler_logprobs[j]], dtype=torch.float32)
         mismatch = mismatch_stats(trainer_lp.cpu(), sampler_lp)
         tokens = max(1, totals["tokens"])
@@ -283,6 +248,10 @@ class GRPOTrainer:
         norms = token_norms([len(r.completion_ids[j]) for j in seqs], [keep[j] for j in seqs], c.loss_norm,
                             c.max_tokens)
         captured, offset = {}, 0
+        if self.dp_size > 1:  # this rank's block of the mini-batch, and its tokens' share of the norms
+            mine = rank_block(seqs, self.dp_rank, self.dp_size)
+            offset = sum(len(r.completion_ids[j]) for j in seqs[:seqs.index(mine[0])])
+            seqs = mine
         for mstart in range(0, len(seqs), c.train_batch_seqs):
             micro = seqs[mstart:mstart + c.train_batch_seqs]
             count = sum(len(r.completion_ids[j]) for j in micro)
@@ -290,17 +259,28 @@ class GRPOTrainer:
             offset += count
             if capture:
                 captured.update(lps)
+        if capture and self.dp_size > 1:
+            captured = merged_across_ranks(captured)
         grad_norm = None
         params = list(self.trainer.parameters())
-        if c.max_grad_norm is not None:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, c.max_grad_norm))
+        if c.max_grad_norm is not None:  # (over DTensor shards: the global norm, on every rank)
+            grad_norm = float(full(torch.nn.utils.clip_grad_norm_(params, c.max_grad_norm)))
             totals["grad_norm"] += grad_norm
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
         self.trainer.zero_grad()
-        self.trainer.push_weights()  # in-place copy into the engine's tensors + prefix cache dropped
+        self.push_weights()
         return captured
+
+    def push_weights(self) -> None:
+        """The trained weights into the engine's tensors in place, and from there into a tensor-parallel
+        sampler (rl/engines.py); every sampler's prefix cache dropped (its K/V are the old weights')."""
+        if self.dp_size > 1:  # the full weights, gathered from the shards, into rank 0's sampler
+            push_gathered(self.trainer.named_parameters(), self.llm)
+            return
+        self.trainer.push_weights()
+        push_to_sampler(self.llm, self.train_llm)
 
     def _pack(self, r: Rollout, batch: Sequence[int]):
         ids, cu, positions = [], [0], []
@@ -326,12 +306,14 @@ class GRPOTrainer:
     def _score_no_grad(self, r: Rollout, seqs, temperature: float) -> dict[int, torch.Tensor]:
         """Trainer logprobs of sequences `seqs`' completion tokens under the current weights, no autograd."""
         out, seqs = {}, list(seqs)
+        if self.dp_size > 1:
+            seqs = rank_block(seqs, self.dp_rank, self.dp_size)
         for start in range(0, len(seqs), self.config.train_batch_seqs):
             micro = seqs[start:start + self.config.train_batch_seqs]
             token_ids, cu, index = self._pack(r, micro)
             lp = self.trainer.score(token_ids, cu, positions=index, temperature=temperature)
             out.update(self._split(r, micro, lp))
-        return out
+        return merged_across_ranks(out) if self.dp_size > 1 else out
 
     def _micro_batch(self, r: Rollout, batch: Sequence[int], advantages, old, norms, totals: dict):
         c = self.config
@@ -395,11 +377,38 @@ class GRPOTrainer:
         return list(self.trainer.named_parameters())
 
     def fingerprint(self) -> str:
+        if self.dp_size > 1:  # computed by every rank together after each update (a collective)
+            return self._fingerprint
         return weights_fingerprint(self.named_parameters())
+
+    def refresh_fingerprint(self) -> None:
+        """Trainer ranks > 1: the fingerprint of the full weights, gathered tensor by tensor (every rank)."""
+        self._fingerprint = weights_fingerprint((n, full(p)) for n, p in self.trainer.named_parameters())
+
+    def restore_shards(self, directory: str) -> None:
+        """A trainer rank > 0's part of a resume: its shards of the checkpoint rank 0 validated."""
+        from detinfer.rl.checkpoint import read_state, restore_tensors
+
+        restore_tensors(self, Path(directory), read_state(directory))
+
+    def checkpoint_tensors(self) -> tuple[dict, dict]:
+        """({name: weight}, {name::key: AdamW state}) on the CPU, full tensors (trainer ranks > 1: gathered
+        from the shards, every rank taking part; rank 0 tells the others)."""
+        if self._followers is not None:
+            self._followers.send("checkpoint")
+        return gathered_checkpoint(list(self.trainer.named_parameters()) if self.dp_size > 1
+                                   else self.named_parameters(), self.optimizer)
 
     def close(self) -> None:
         """Release the trainer's hooks and the engine (frees GPU memory for the next arm)."""
-        self.trainer.close()
+        if self.dp_size == 1:  # (FSDP took over the trainer's weights: nothing of its own to release)
+            self.trainer.close()
+        if self._followers is not None:
+            self._followers.close()
         if self.reference is not None:
             self.reference.close()
-        self.llm = self.engine = self.trainer = self.reference = self.optimizer = None
+        if self._owns_engines and self.llm is not self.train_llm:
+            if self.llm is not None:
+                self.llm.close()  # a tensor-parallel sampler's worker processes
+            self.train_llm.close()
+        self.llm = self.train_llm = self.engine = self.trainer = self.reference = self.optimizer = None
