@@ -267,15 +267,19 @@ class StepGraphs:
             torch.cuda.empty_cache()
             before = torch.cuda.memory_reserved(dev)
             pool = None
-            # Tensor parallelism: the forward's collectives are captured too (every rank captures the same
-            # shapes in this same order). "thread_local": the process group's watchdog thread queries the
-            # events of earlier collectives, which a process-wide capture would treat as an error.
-            mode = "global" if getattr(runner, "tp_group", None) is None else "thread_local"
+            # "thread_local": this thread's unsafe calls (a device or stream sync, say) still fail
+            # the capture, other threads' do not: a process group's watchdog thread queries the events of
+            # earlier collectives (tensor parallelism captures the collectives too, every rank the same shapes
+            # in the same order), and a trainer or another engine may share this process.
+            mode = "thread_local"
+            # A side stream of this runner's GPU: torch's default capture stream is made once per process,
+            # on whichever GPU was current at the first capture (another engine's, in a process with two).
+            stream = torch.cuda.Stream(dev)
             for shape, forward in forwards.items():
                 self.inputs.fill(EMPTY_STEP, shape)
                 torch.cuda.synchronize(dev)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
+                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=mode):
                     forward()
                 pool = graph.pool() if pool is None else pool
                 self._graphs[shape.key] = graph

@@ -27,6 +27,7 @@ size: `EngineConfig.num_kv_blocks` if given, else see `ModelRunner._pick_num_blo
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,13 @@ from detinfer.models.loader import load_model, load_tokenizer
 from detinfer.models.transformer import Transformer
 from detinfer.models.weight_sources import CheckpointWeights, build_full_model
 from detinfer.ops import Ops
+
+
+def on_device(device: torch.device):
+    """`device` as the current GPU while the engine launches kernels: Triton launches on the current device's
+    context and stream, so an engine on cuda:1 in a process whose current GPU is cuda:0 (a sampler beside its
+    trainer) must switch to its own (torch's ops switch by themselves). A no-op on CPU."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:
@@ -154,9 +162,12 @@ class LLMEngine:
         if config.tensor_parallel_size > 1 or config.tp_invariant_reduction:
             from detinfer.engine.tp_runner import make_runner  # rank 0 of a TP group (docs/tensor-parallel.md)
 
-            self.runner = make_runner(model, model_config, config, config.num_kv_blocks, weights=weights, ops=ops)
+            with on_device(torch.device(ops.device) if model is None else model.embed_tokens.device):
+                self.runner = make_runner(model, model_config, config, config.num_kv_blocks, weights=weights,
+                                          ops=ops)
         else:
-            self.runner = ModelRunner(model, model_config, config, config.num_kv_blocks)
+            with on_device(model.embed_tokens.device):
+                self.runner = ModelRunner(model, model_config, config, config.num_kv_blocks)
         self.ops = self.runner.ops  # the model's numerics backend (logprobs use its log_softmax)
         eos = model_config.eos_token_ids
         if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -274,6 +285,10 @@ class LLMEngine:
         Schedule, launch, resolve (read back and process). With async_scheduling the step resolved is the
         previous one, after this one was launched, so the host's work runs while the device computes (see
         the module docstring)."""
+        with on_device(self.runner.device):
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         outputs = [self._output(self._requests[rid]) for rid in self._aborted]
         self._aborted.clear()

@@ -121,7 +121,7 @@ def _join_group(rank: int, size: int, store, device: torch.device, timeout_s: fl
             import os
 
             os.environ.setdefault(key, value)
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(trainer_device(device, 0))  # "cuda" without an index: the current GPU
     dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout_s))
 
