@@ -3,8 +3,9 @@
 A renamed or removed module or function would otherwise leave the newcomer's map pointing at nothing:
 * every backticked `path/to/module.py` is a file under src/detinfer (or of the repository, e.g. tests/);
 * every module under src/detinfer (except __init__ / __main__) is in the module map's first column once;
-* every backticked code name (`Class.method`, `function()`, `module.name`) is defined somewhere under
-  src/detinfer (a def, a class, or an assigned attribute or field).
+* every backticked code name (`name`, `Class.method`, `function()`, `module.name`) is defined somewhere under
+  src/detinfer (a def, a class, or an assigned attribute or field; an attribute of a class in the files of that
+  class or its bases).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ SRC = ROOT / "src" / "detinfer"
 DOC = ROOT / "docs" / "architecture.md"
 
 # Backticked words in the doc that are not code names (strings, shell words, torch's own names).
-NOT_CODE = {"spawn", "torch.library"}
+NOT_CODE = {"spawn", "torch.library", "add_reader"}  # a start method, torch's and asyncio's names
 
 
 def doc_text() -> str:
@@ -80,7 +81,7 @@ def defined_in(text: str) -> set[str]:
     """The names a source file defines: functions, classes, assigned names, attributes and fields."""
     names = set(re.findall(r"\b(?:def|class)\s+(\w+)", text))
     names.update(re.findall(r"^\s*(\w+)\s*(?::[^=\n]*)?=", text, flags=re.M))  # x = ..., x: T = ...
-    names.update(re.findall(r"^\s*(\w+)\s*:\s*[\w\[\"']", text, flags=re.M))  # dataclass fields
+    names.update(re.findall(r"^\s*(\w+)\s*:\s*[\w.\[\], |\"']+$", text, flags=re.M))  # fields without a default
     names.update(re.findall(r"\bself\.(\w+)\s*(?::[^=\n]*)?=", text))
     return names
 
@@ -122,7 +123,7 @@ def undefined(name: str) -> bool:
 
 
 def code_names(text: str) -> list[str]:
-    """Backticked names that read as code: dotted names, calls, CamelCase classes and _private names."""
+    """Backticked names that read as code: identifiers, dotted names and calls (arguments dropped)."""
     out = []
     for item in backticked(text):
         name = re.sub(r"\(.*\)$", "", item.strip())
@@ -130,8 +131,7 @@ def code_names(text: str) -> list[str]:
             continue  # files are checked above; ALL_CAPS names are environment variables and constants
         if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", name):
             continue
-        if "." in name or item.strip().endswith(")") or name[0].isupper() or name.startswith("_"):
-            out.append(name)
+        out.append(name)
     return out
 
 
