@@ -18,7 +18,8 @@ What counts as an import:
 The layer order, bottom first (a module may import its own package and the packages of lower layers only;
 packages of one layer are independent of each other):
 - the shared names and numbers (constants.py: imports nothing)
-- leaf utilities: dtype names, the CLI parser helpers, the HTML shell
+- leaf utilities: dtype names, the CLI parser helpers, the HTML shell, the admission check of a request's
+  token ids and prompt length (shared by engine, train and server)
 - kernels: Triton kernels and their pure-torch references (every formula lives here, RoPE and SiLU included)
 - cache (step layout, paged KV pools) and ops (the numerics backend choosing kernel or reference)
 - models: the one Transformer, configs, families, loading, the weight-sharding rule
@@ -41,7 +42,7 @@ ROOT = "detinfer"
 
 LAYERS: list[tuple[str, ...]] = [
     ("constants",),
-    ("dtypes", "cli_util", "report_html"),
+    ("dtypes", "cli_util", "report_html", "admission"),
     ("kernels",),
     ("cache", "ops"),
     ("models",),

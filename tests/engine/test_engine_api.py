@@ -43,10 +43,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
 @pytest.mark.parametrize("prompt, params, error, match", [
     ("", None, ValueError, "prompt is empty"),
     ([], None, ValueError, "prompt is empty"),
-    ([1, 320], None, ValueError, r"prompt token 1 is 320.*0\.\.319"),
-    ([1, -2], None, ValueError, "prompt token 1 is -2"),
-    ([1, 2.5], None, TypeError, "prompt token 1 must be an int"),
-    ([True], None, TypeError, "prompt token 0 must be an int"),
+    ([1, 320], None, ValueError, r"prompt_token_ids: token id 320 at position 1 is outside the vocabulary \[0, 320\)"),
+    ([1, -2], None, ValueError, "token id -2 at position 1 is outside the vocabulary"),
+    ([1, 2.5], None, TypeError, "the token id at position 1 must be an int, got 2.5"),
+    ([True], None, TypeError, "the token id at position 0 must be an int, got True"),
     (list(range(3, 68)), None, ValueError, "65 tokens; max_model_len=64 .* at most 63"),
     (list(range(3, 67)), None, ValueError, "64 tokens; max_model_len=64 .* at most 63"),  # no room to answer
     ([5, 6], SamplingParams(logprobs=400), ValueError, "logprobs=400 exceeds the vocabulary size 320"),

@@ -80,7 +80,7 @@ def test_wire_round_trip_rebuilds_every_cumulative_output(model_dir):
 
 
 def test_refused_requests_raise_the_same_errors_and_add_nothing(proc_llm, reference):
-    with pytest.raises(ValueError, match="prompt token 1 is 100000"):
+    with pytest.raises(ValueError, match="token id 100000 at position 1 is outside the vocabulary"):
         proc_llm.generate([PROMPTS[0], [1, 100000]], use_tqdm=False)
     with pytest.raises(ValueError, match="prompt is empty"):
         proc_llm.generate("", use_tqdm=False)

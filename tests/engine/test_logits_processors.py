@@ -245,7 +245,8 @@ def test_engine_refuses_token_ids_outside_the_vocabulary(engine):
     for params, name in [(SamplingParams(logit_bias={512: 1}), "logit_bias"),
                          (SamplingParams(allowed_token_ids=[1, 600]), "allowed_token_ids"),
                          (SamplingParams(bad_words_token_ids=[[3, 999]]), "bad_words_token_ids")]:
-        with pytest.raises(ValueError, match=f"{name} holds token id .* not a token id of this model"):
+        bad = rf"{name}: token id \d+ at position \d is outside the vocabulary \[0, 512\)"
+        with pytest.raises(ValueError, match=bad):
             engine.add_request("bad", "Hi", params)
         assert not engine.has_unfinished_requests()
 

@@ -111,7 +111,7 @@ def test_add_request_rejects_requests_that_can_never_run():
         sched.add_request("b", range(1, 11), SamplingParams(max_tokens=11))
     with pytest.raises(ValueError, match="the prompt is empty"):
         sched.add_request("c", [])
-    with pytest.raises(ValueError, match=r"prompt_token_ids\[1\] must be in"):
+    with pytest.raises(ValueError, match=r"prompt_token_ids: token id -5 at position 1 is outside the vocabulary"):
         sched.add_request("d", [1, -5])
     with pytest.raises(TypeError, match="params must be a SamplingParams"):
         sched.add_request("e", [1], {"temperature": 0})
@@ -400,13 +400,14 @@ test_random_scheduler_mixes = SchedulerMachine.TestCase
 def test_prompt_ids_are_checked_once_here():
     from detinfer.engine.sequence import check_prompt_ids
 
-    assert check_prompt_ids("r", (3, 4)) == [3, 4]
-    with pytest.raises(ValueError, match=r"prompt token 1 is 9, not a token id of this model: prompt_token_ids\[1\]"):
-        check_prompt_ids("r", [1, 9], vocab_size=9)
-    with pytest.raises(TypeError, match="prompt token 0 must be an int"):
-        check_prompt_ids("r", [1.0])
+    assert check_prompt_ids("r", (3, 4), None, 8) == [3, 4]
+    with pytest.raises(ValueError, match=r"request 'r': prompt_token_ids: token id 9 at position 1 is outside the "
+                                         r"vocabulary \[0, 9\)"):
+        check_prompt_ids("r", [1, 9], 9, 8)
+    with pytest.raises(TypeError, match="prompt_token_ids: the token id at position 0 must be an int, got 1.0"):
+        check_prompt_ids("r", [1.0], None, 8)
     with pytest.raises(TypeError, match="prompt must be a str or a list of token ids"):
-        check_prompt_ids("r", 5)
+        check_prompt_ids("r", 5, None, 8)
     cfg = EngineConfig(max_num_batched_tokens=16, max_num_seqs=8, block_size=4, num_kv_blocks=8, max_model_len=32)
-    with pytest.raises(ValueError, match="allowed|must be in 0..9"):
+    with pytest.raises(ValueError, match=r"token id 10 at position 1 is outside the vocabulary \[0, 10\)"):
         Scheduler(cfg, vocab_size=10).add_request("a", [1, 10])

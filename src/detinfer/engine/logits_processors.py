@@ -28,6 +28,7 @@ from collections.abc import Collection, Sequence
 
 import torch
 
+from detinfer import admission
 from detinfer.engine.sampling_params import SamplingParams
 
 
@@ -56,9 +57,7 @@ def prepare_processors(params: SamplingParams, tokenizer, vocab_size: int) -> Sa
             "allowed_token_ids": list(params.allowed_token_ids or ()),
             "bad_words_token_ids": [t for seq in params.bad_words_token_ids for t in seq]}
     for name, ids in used.items():
-        if ids and max(ids) >= vocab_size:
-            raise ValueError(f"{name} holds token id {max(ids)}, not a token id of this model (ids are "
-                             f"0..{vocab_size - 1})")
+        admission.check_token_ids(name, ids, vocab_size)
     return params
 
 
@@ -86,8 +85,7 @@ def _allowed_mask(allowed, row: int, vocab_size: int, device: torch.device) -> t
             raise ValueError(f"row {row}: token_mask returned a {tuple(allowed.shape)} {allowed.dtype} tensor; "
                              f"a mask must be a [{vocab_size}] bool tensor")
         return allowed.to(device)
-    ids = [int(t) for t in allowed]
-    _check_ids(f"row {row}: token_mask", ids, vocab_size)
+    ids = admission.check_token_ids(f"row {row}: token_mask", allowed, vocab_size)
     mask = torch.zeros(vocab_size, dtype=torch.bool)
     mask[ids] = True
     return _upload(mask, device)
@@ -99,11 +97,6 @@ def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
-
-
-def _check_ids(what: str, ids: Sequence[int], vocab_size: int) -> None:
-    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
-        raise ValueError(f"{what}: token ids must be in [0, {vocab_size}), got {min(ids)}..{max(ids)}")
 
 
 def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
@@ -144,8 +137,8 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams], posit
             if allowed is not None:
                 mask = _allowed_mask(allowed, r, V, logits.device)
                 allow[r] = allow[r] & mask if r in allow else mask
-    _check_ids("logit_bias", bias_toks, V)
-    _check_ids("bad words / min_tokens", ban_toks, V)
+    admission.check_token_ids("logit_bias", bias_toks, V)
+    admission.check_token_ids("bad words / min_tokens", ban_toks, V)
     dev = logits.device
     x = logits
     if bias_rows:

@@ -15,7 +15,7 @@ a token for every entry with `sample=True`; `scheduler.postprocess(batch, tokens
 With chunked prefill a prefill takes whatever budget is left; without it a prefill runs whole or waits.
 
 Requests that could never run are refused at `add_request` (a prompt with no room for an output token
-within max_model_len, `sequence.longest_prompt`, or more KV blocks needed than the whole pool), so the queue
+within max_model_len, `admission.longest_prompt`, or more KV blocks needed than the whole pool), so the queue
 can never hang on them. `add_request` is the one place
 a prompt's token ids are validated and a sampled request's seed is drawn (when it gives none).
 
@@ -54,7 +54,6 @@ from detinfer.engine.sequence import (
     Sequence,
     SequenceStatus,
     check_prompt_ids,
-    longest_prompt,
 )
 
 # (sequence, its sampled token) -> a stop string the token completes in the sequence's text, True for a stop
@@ -169,12 +168,8 @@ class Scheduler:
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
-        prompt = check_prompt_ids(request_id, prompt_token_ids, self.vocab_size)
         max_len = self.config.max_model_len
-        if len(prompt) > longest_prompt(max_len):
-            raise ValueError(f"request {request_id!r}: the prompt has {len(prompt)} tokens; max_model_len="
-                             f"{max_len} counts prompt and output tokens, so a prompt may have at most "
-                             f"{longest_prompt(max_len)}")
+        prompt = check_prompt_ids(request_id, prompt_token_ids, self.vocab_size, max_len)
         # Most tokens an unfinished sequence can hold (it finishes on reaching max_tokens outputs or
         # max_model_len tokens), i.e. the most its blocks must cover when it is (re)admitted.
         longest = max_len - 1 if params.max_tokens is None else len(prompt) + params.max_tokens - 1

@@ -20,9 +20,9 @@ the last ones, at most two at a time, never hashed into the prefix cache and nev
 from __future__ import annotations
 
 import enum
-import operator
 from typing import Any
 
+from detinfer import admission
 from detinfer.engine.sampling_params import SamplingParams
 
 FINISH_STOP = "stop"      # EOS, a stop token id or a stop string
@@ -31,39 +31,19 @@ FINISH_ABORT = "abort"    # aborted by the caller
 FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)
 
 
-_MAX_TOKEN_ID = (1 << 63) - 1
 PENDING_TOKEN = -1  # a sampled token still on the device (never a valid id: ids are >= 0)
 
 
-def longest_prompt(max_model_len: int) -> int:
-    """The one prompt-length rule (the engine's scheduler and the server both apply it): max_model_len counts
-    prompt and output tokens together, and a request needs room for at least one output token."""
-    return max_model_len - 1
-
-
-def check_prompt_ids(request_id: str, prompt, vocab_size: int | None = None) -> list[int]:
-    """The prompt's token ids as a list of ints, or a TypeError/ValueError naming the problem."""
+def check_prompt_ids(request_id: str, prompt, vocab_size: int | None, max_model_len: int) -> list[int]:
+    """The prompt's token ids as a list of ints, or a TypeError/ValueError naming the request and the problem:
+    the one admission check (`detinfer.admission.check_prompt`) with the engine's own prefix."""
     if isinstance(prompt, (str, bytes, dict)) or not hasattr(prompt, "__iter__"):
         raise TypeError(f"request {request_id!r}: prompt must be a str or a list of token ids, "
                         f"got {type(prompt).__name__}")
-    hi = _MAX_TOKEN_ID if vocab_size is None else vocab_size - 1
-    ids = []
-    for i, t in enumerate(prompt):
-        try:
-            if isinstance(t, bool):
-                raise TypeError
-            t = operator.index(t)
-        except TypeError:
-            raise TypeError(f"request {request_id!r}: prompt token {i} must be an int, got {t!r}") from None
-        if not 0 <= t <= hi:
-            what = "" if vocab_size is None else ", not a token id of this model"
-            raise ValueError(f"request {request_id!r}: prompt token {i} is {t}{what}: prompt_token_ids[{i}] "
-                             f"must be in 0..{hi}")
-        ids.append(t)
-    if not ids:
-        raise ValueError(f"request {request_id!r}: the prompt is empty; at least one token is needed")
-    return ids
-
+    try:
+        return admission.check_prompt("prompt_token_ids", prompt, vocab_size, max_model_len)
+    except (TypeError, ValueError) as e:
+        raise (TypeError if isinstance(e, TypeError) else ValueError)(f"request {request_id!r}: {e}") from None
 
 
 class SequenceStatus(enum.Enum):

@@ -37,7 +37,7 @@ async def chat_completions(request: Request):
                              vocab_size=state.model.vocab_size)
     headers = ignored_fields_headers(req)
     ids = await state.prompts.chat(req.template_messages(), req.add_generation_prompt)
-    state.prompts.check_length(ids, max_tokens, "messages")
+    ids = state.prompts.check_prompt(ids, max_tokens, "messages")
     gen = await start_generation(state, [ids], params, "chatcmpl")  # from here on, every exit must abort it
     created = int(time.time())
 

@@ -33,10 +33,8 @@ async def prepare_prompts(state, req: P.CompletionRequest) -> list[list[int]]:
     raw = P.normalize_prompt(req.prompt)
     texts = [p for p in raw if isinstance(p, str)]
     encoded = iter(await state.prompts.encode(texts, "prompt") if texts else [])
-    prompts = [next(encoded) if isinstance(p, str) else state.prompts.check_ids(p, "prompt") for p in raw]
-    for ids in prompts:
-        state.prompts.check_length(ids, req.max_tokens, "prompt")
-    return prompts
+    return [state.prompts.check_prompt(next(encoded) if isinstance(p, str) else p, req.max_tokens, "prompt")
+            for p in raw]
 
 
 class _Choices:

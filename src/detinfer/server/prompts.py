@@ -14,7 +14,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from detinfer.engine.sequence import longest_prompt
+from detinfer import admission
 from detinfer.server.protocol import bad_request
 
 # Slack over the exact bound (see the module docstring): text a normalizer removes takes no token.
@@ -61,26 +61,13 @@ class PromptChecker:
 
         return await self._off_loop(render)
 
-    def check_ids(self, ids: list[int], param: str) -> list[int]:
-        if len(ids) > self.max_model_len:  # before scanning them: a cheap bound first
-            raise self._too_long(len(ids), param)
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise bad_request(f"{param}: token id {bad} is outside the vocabulary [0, {self.vocab_size})",
-                              param=param)
-        return ids
-
-    def _too_long(self, n: int, param: str):
-        return bad_request(f"{param} is {n} tokens; this model's context is {self.max_model_len} tokens "
-                           "(room is needed for at least one output token)", param=param,
-                           code="context_length_exceeded")
-
-    def check_length(self, ids: list[int], max_tokens: int | None, param: str) -> None:
-        if not ids:
-            raise bad_request(f"{param} encodes to zero tokens", param=param)
-        if len(ids) > longest_prompt(self.max_model_len):  # the engine's rule (engine/sequence.py)
-            raise self._too_long(len(ids), param)
-        if max_tokens is not None and len(ids) + max_tokens > self.max_model_len:
-            raise bad_request(f"this model's context is {self.max_model_len} tokens, but {len(ids)} prompt "
-                              f"tokens + max_tokens {max_tokens} exceed it", param="max_tokens",
-                              code="context_length_exceeded")
+    def check_prompt(self, ids: list[int], max_tokens: int | None, param: str) -> list[int]:
+        """The one admission check (`detinfer.admission`, the engine's too) as a 400 naming the field."""
+        try:
+            return admission.check_prompt(param, ids, self.vocab_size, self.max_model_len, max_tokens)
+        except admission.PromptLengthError as e:
+            blame = param if e.field == "prompt" else e.field
+            code = None if e.field == "prompt" and not ids else "context_length_exceeded"
+            raise bad_request(f"{param}: {e}", param=blame, code=code) from None
+        except (TypeError, ValueError) as e:
+            raise bad_request(str(e), param=param) from None

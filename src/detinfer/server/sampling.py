@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from detinfer import admission
 from detinfer.engine.sampling_params import SamplingParams
 from detinfer.server.protocol import APIError, bad_request
 from detinfer.server.structured import structured_outputs
@@ -39,9 +40,10 @@ def _check_vocab(req: Any, vocab_size: int | None) -> None:
         return
     for param, ids in (("logit_bias", [int(k) for k in req.logit_bias or {}]),
                        ("allowed_token_ids", req.allowed_token_ids or [])):
-        bad = next((t for t in ids if t >= vocab_size), None)
-        if bad is not None:
-            raise bad_request(f"{param}: token id {bad} is outside the vocabulary [0, {vocab_size})", param=param)
+        try:
+            admission.check_token_ids(param, ids, vocab_size)
+        except (TypeError, ValueError) as e:
+            raise bad_request(str(e), param=param) from None
 
 
 def sampling_params(req: Any, limits: RequestLimits, *, max_tokens: int | None, logprobs: int | None,

@@ -39,6 +39,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from detinfer import admission
 from detinfer.constants import MODES
 from detinfer.train.adapter import (
     DifferentiableOps,
@@ -290,8 +291,7 @@ class TrainableModel:
         vocab = self.model.config.vocab_size
         ids = token_ids.to(device=dev, dtype=torch.int64)
         n = ids.shape[0]
-        if n and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-            raise ValueError(f"token ids must be in [0, {vocab})")
+        admission.check_token_ids("token_ids", token_ids.tolist(), vocab)  # the server's and engine's check
         has_target = torch.ones(n, dtype=torch.bool, device=dev)
         if targets is None:
             tg = torch.zeros_like(ids)
@@ -302,8 +302,9 @@ class TrainableModel:
             tg[ends] = 0
         else:
             tg = targets.to(device=dev, dtype=torch.int64).reshape(-1)
-            if tg.shape[0] != n or (n and (int(tg.min()) < 0 or int(tg.max()) >= vocab)):
-                raise ValueError(f"targets must hold {n} token ids in [0, {vocab})")
+            if tg.shape[0] != n:
+                raise ValueError(f"targets must hold {n} token ids in [0, {vocab}), got {tg.shape[0]}")
+            admission.check_token_ids("targets", tg.tolist(), vocab)
         rows = None if positions is None else positions.to(dev)
         if rows is not None:
             tg, has_target = tg[rows], has_target[rows]
