@@ -93,7 +93,7 @@ def _allowed_mask(allowed, row: int, vocab_size: int, device: torch.device) -> t
 
 def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device`; on CUDA through pinned memory without blocking (a pageable copy would wait
-    for the forward pass queued before it, as `cache.paged_kv.upload` explains)."""
+    for the forward pass queued before it, as in the sampler's `_row_tensor`)."""
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
