@@ -22,6 +22,7 @@ hidden per step is step_ms(off) - step_ms(on).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import random
@@ -43,11 +44,12 @@ from detinfer.models.weight_sources import random_model as build_random  # noqa:
 HBM_BYTES_PER_S = 3.0e12  # measured device-to-device copy on this H100 kind (docs/performance.md)
 
 
-def qwen3_8b_config(layers: int, max_len: int) -> ModelConfig:
-    """The qwen3-8b preset's shape with `layers` layers, `max_len` positions, bf16."""
+def qwen3_8b_config(layers: int, max_len: int, quantization: str | None = None) -> ModelConfig:
+    """The qwen3-8b preset's shape with `layers` layers, `max_len` positions, bf16 (FP8 linears with
+    `quantization="fp8"`: block-scaled W8A8, lm_head and norms stay bf16)."""
     cfg = {**preset_hf_config("qwen3-8b"), "num_hidden_layers": layers, "max_position_embeddings": max_len,
            "torch_dtype": "bfloat16"}
-    return ModelConfig.from_dict(cfg)
+    return dataclasses.replace(ModelConfig.from_dict(cfg), quantization=quantization)
 
 
 def random_model(cfg: ModelConfig, device: torch.device, seed: int) -> Transformer:
@@ -234,6 +236,8 @@ def main(argv=None) -> int:
                     help="deterministic row-parallel sums with TP=1's bits at any TP size "
                     "(docs/tensor-parallel.md); at "
                     "TP=1 it swaps the shared model's o_proj/down_proj in place: keep the default mode order")
+    ap.add_argument("--quantization", choices=["fp8"], default=None,
+                    help="fp8: the random model's linears block-scaled FP8 (W8A8), as an FP8 checkpoint loads")
     ap.add_argument("--repeat", type=int, default=1, help="timed e2e runs per mode (the median is reported)")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test the script (tiny --layers)")
     ap.add_argument("--json", default=None, help="write the results here")
@@ -243,7 +247,7 @@ def main(argv=None) -> int:
         print("bench_e2e needs a CUDA GPU (or --device cpu for a smoke test)", file=sys.stderr)
         return 2
     cuda = dev.type == "cuda"
-    cfg = qwen3_8b_config(args.layers, args.max_model_len)
+    cfg = qwen3_8b_config(args.layers, args.max_model_len, args.quantization)
     t = time.perf_counter()
     fast_model = random_model(cfg, dev, seed=0)
     wbytes = matmul_weight_bytes(fast_model)

@@ -218,3 +218,94 @@ def test_chunk_tree_one_chunk_is_the_fp32_accumulator_and_chunks_add_in_the_tree
     assert torch.equal(ops.linear_fp8_tree(x, q, s, 4)[2:5], ops.linear_fp8_tree(x[2:5], q, s, 4))
     with pytest.raises(ValueError, match="whole 128-column scale blocks"):
         ops.linear_fp8_tree(x, q, s, 8)  # chunks of 64 columns
+
+
+# -- K runs (kernels/fp8_tiles.py) and launch plans ----------------------------------------------------------
+def test_k_runs_depend_on_the_weight_shape_only_and_cover_k_in_order():
+    from detinfer.kernels.fp8_linear import k_runs, run_bounds
+
+    assert k_runs(4096, 4096) == 8 and k_runs(4096, 12288) == 8  # Qwen3-8B o / down: 32 output tiles
+    assert k_runs(24576, 4096) == 1 and k_runs(6144, 4096) == 5  # gate_up (192 tiles), qkv (48)
+    assert k_runs(4096, 256) == 1  # two K blocks: too short to cut
+    for n, k in [(4096, 4096), (6144, 4096), (512, 2048), (48, 1000)]:
+        b = run_bounds(n, k)
+        assert b[0][0] == 0 and b[-1][1] == -(-k // BLOCK) and all(b[i][1] == b[i + 1][0] for i in range(len(b) - 1))
+
+
+def test_ref_adds_each_runs_accumulator_in_run_order():
+    from detinfer.kernels.fp8_linear import run_bounds
+
+    x, _, q, s = _operands(6, 512, 2048, seed=3)  # 8 output tiles, 16 K blocks: 4 runs
+    bounds = run_bounds(512, 2048)
+    assert len(bounds) == 4
+    x_q, sx = quantize_activations(x)
+    total = torch.zeros(6, 512)
+    for lo, hi in bounds:
+        acc = torch.zeros(6, 512)
+        for kb in range(lo, hi):
+            c = slice(kb * BLOCK, (kb + 1) * BLOCK)
+            acc += ((x_q[:, c].double() @ q[:, c].double().t()).float() * sx[:, kb:kb + 1]) * s[:, kb][None, :]
+        total += acc
+    assert torch.equal(linear_fp8_ref(x, q, s, out_dtype=torch.float32), total)
+
+
+@pytest.mark.parametrize("m", [1, 7, 70])
+def test_interpreter_split_runs_equal_one_program_per_tile_bitwise(m, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from detinfer.kernels.fp8_linear import linear_fp8
+
+    x, _, q, s = _operands(m, 512, 2048, seed=m, dtype=torch.float32)
+    bias = torch.randn(512)
+    whole = linear_fp8(x, q, s, bias, plan=(False, False))
+    assert torch.equal(whole, linear_fp8(x, q, s, bias, plan=(False, True)))
+    assert torch.allclose(whole, linear_fp8_ref(x, q, s, bias), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("m", [1, 7, 64, 65, 300])
+@pytest.mark.parametrize("n,k", [(512, 2048), (4096, 4096), (1000, 700)])
+def test_every_launch_plan_gives_the_same_bits_on_gpu(m, n, k):
+    """Quantizing on the GEMM's tiles or in a launch before it, one program per tile or one per (tile, K run):
+    how the work is spread, never what is computed."""
+    if not _fp8_gpu():
+        pytest.skip("fp8 tl.dot needs sm89+")
+    from detinfer.kernels.fp8_linear import linear_fp8
+
+    x, _, q, s = _operands(m, n, k, seed=m + n)
+    x, q, s, bias = x.cuda(), q.cuda(), s.cuda(), torch.randn(n, device="cuda").to(torch.bfloat16)
+    outs = [linear_fp8(x, q, s, bias, plan=(qa, sp)) for qa in (False, True) for sp in (False, True)]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    ref = linear_fp8_ref(x.cpu(), q.cpu(), s.cpu(), bias.cpu()).float()
+    assert float((outs[0].float().cpu() - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.gpu
+@cuda
+@settings(max_examples=20, deadline=None)
+@given(m=st.integers(1, 300), k=st.integers(1, 1000), scale=st.sampled_from([1e-30, 1e-3, 1.0, 3e4]),
+       seed=st.integers(0, 1000))
+def test_gpu_activation_quantization_equals_torchs_bitwise(m, k, scale, seed):
+    from detinfer.kernels.fp8_linear import quantize_activations_gpu
+
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * scale).to(torch.bfloat16).cuda()
+    x[0, : k // 2] = 0  # an all-zero group where k >= 256
+    q, s = quantize_activations_gpu(x)
+    q_ref, s_ref = quantize_activations(x)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+
+
+@pytest.mark.gpu
+@cuda
+@settings(max_examples=10, deadline=None)
+@given(m=st.integers(1, 300), a=st.integers(0, 300), b=st.integers(0, 300), seed=st.integers(0, 100))
+def test_kernel_slice_invariance_bitwise_with_k_runs(m, a, b, seed):
+    """A weight cut into K runs (512 x 2048: 4), across the M where the launch plan changes (64, 128)."""
+    if not _fp8_gpu():
+        pytest.skip("fp8 tl.dot needs sm89+")
+    from detinfer.kernels.fp8_linear import linear_fp8
+
+    x, _, q, s = _operands(m, 512, 2048, seed)
+    x, q, s = x.cuda(), q.cuda(), s.cuda()
+    a, b = sorted((min(a, m), min(b, m)))
+    assert torch.equal(linear_fp8(x, q, s)[a:b], linear_fp8(x[a:b], q, s))

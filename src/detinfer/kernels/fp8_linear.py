@@ -1,11 +1,15 @@
 """Block-scaled FP8 linear (W8A8): y = x @ W^T with W fp8 in 128 x 128 blocks (kernels/fp8_quant.py) and x
 quantized per token per 128-wide group along K at call time ("dynamic" activations).
 
-Numerics (both paths): for each K block kb = 0, 1, ... in ascending order, with an fp32 accumulator,
+Numerics (both paths): the K blocks are cut into `k_runs(N, K)` contiguous runs (boundaries
+c * KB // runs, `run_bounds`); in each run, for each K block kb in ascending order, with a fresh fp32
+accumulator per run,
 
-    acc += (dot(x_q[:, kb], W_q[:, kb]) * sx[:, kb]) * sw[n, kb]
+    acc_c += (dot(x_q[:, kb], W_q[:, kb]) * sx[:, kb]) * sw[n, kb]
 
-then bias (fp32), then a cast to x's dtype. Each row's activation scales depend on that row only, and each
+then total = ((0 + acc_0) + acc_1) + ..., then bias (fp32), then a cast to x's dtype. The run count depends
+on the weight's shape only (kernels/fp8_tiles.py says why runs exist: decode-sized launches of narrow
+weights would leave most SMs idle). Each row's activation scales depend on that row only, and each
 output element reduces the same K blocks in the same order whatever M is, so a row's result does not depend
 on the batch it is in.
 
@@ -17,9 +21,11 @@ on the batch it is in.
   kernels/_exact_dot.py, here without any pre-rounding): the block partial is a pure function of the two
   rows, i.e. a fixed-order fp32 result by construction.
 - `linear_fp8` (Hopper, Triton): fp8 `tl.dot` per K block into a fresh fp32 tile, scaled and added in the
-  same order. The tensor cores' internal fp8 accumulation is not documented to be exact, so the kernel
-  matches the ref within a tolerance, not bitwise; it is batch-invariant on its own (tile config from
-  (N, K) only). A GPU kernel; Triton's CPU interpreter also runs it on CPU tensors (tests only).
+  same order; the activations quantized on the GEMM's own tiles at small M, by one launch before it
+  otherwise (the same bits, kernels/fp8_tiles.py). The tensor cores' internal fp8 accumulation is not
+  documented to be exact, so the kernel matches the ref within a tolerance, not bitwise; it is
+  batch-invariant on its own (tile config and K runs from (N, K) only). A GPU kernel; Triton's CPU
+  interpreter also runs it on CPU tensors (tests only).
 - `linear_fp8_stock` (fast mode): what a serving stack runs: torch's block-scaled `scaled_mm` on a GPU that
   takes it, else dequantize + F.linear.
 """
@@ -32,9 +38,11 @@ import math
 import torch
 import torch.nn.functional as F
 
+from detinfer.kernels._launch import interpreting
 from detinfer.kernels.fp8_quant import BLOCK, FP8_DTYPE, dequantize_weight, num_blocks, quantize_activations
 
-__all__ = ["linear_fp8", "linear_fp8_ref", "linear_fp8_stock", "linear_fp8_tree", "check_fp8_linear"]
+__all__ = ["linear_fp8", "linear_fp8_ref", "linear_fp8_stock", "linear_fp8_tree", "check_fp8_linear", "k_runs",
+           "quantize_activations_gpu"]
 
 
 def check_fp8_linear(op: str, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
@@ -56,8 +64,6 @@ def check_fp8_linear(op: str, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch
 def check_fp8_kernel_device(op: str, *tensors: torch.Tensor | None) -> None:
     """The Triton FP8 kernels run on CUDA tensors, or on CPU ones in Triton's interpreter (tests: it runs fp8
     dots, though not bitwise as the reference does)."""
-    from detinfer.kernels._launch import interpreting
-
     on = [t.is_cuda for t in tensors if t is not None]
     if not (all(on) or (interpreting() and not any(on))):
         raise ValueError(f"{op}: the Triton kernel runs on CUDA tensors (or CPU ones under TRITON_INTERPRET=1); "
@@ -76,14 +82,17 @@ def linear_fp8_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bi
     n, k = w_q.shape
     x2 = _flat(x)
     x_q, sx = quantize_activations(x2)
-    acc = torch.zeros((x2.shape[0], n), dtype=torch.float32, device=x.device)
-    for kb in range(num_blocks(k)):
-        k0, k1 = kb * BLOCK, min(k, (kb + 1) * BLOCK)
-        exact = x_q[:, k0:k1].double() @ w_q[:, k0:k1].double().t()  # no rounding (module doc)
-        acc += (exact.float() * sx[:, kb:kb + 1]) * w_scale[:, kb][None, :]
+    total = torch.zeros((x2.shape[0], n), dtype=torch.float32, device=x.device)
+    for kb_lo, kb_hi in run_bounds(n, k):  # K runs, each its own accumulator (kernels/fp8_tiles.py)
+        acc = torch.zeros_like(total)
+        for kb in range(kb_lo, kb_hi):
+            k0, k1 = kb * BLOCK, min(k, (kb + 1) * BLOCK)
+            exact = x_q[:, k0:k1].double() @ w_q[:, k0:k1].double().t()  # no rounding (module doc)
+            acc += (exact.float() * sx[:, kb:kb + 1]) * w_scale[:, kb][None, :]
+        total += acc
     if bias is not None:
-        acc += bias.float()
-    return acc.to(out_dtype or x.dtype).reshape(tuple(x.shape[:-1]) + (n,))
+        total += bias.float()
+    return total.to(out_dtype or x.dtype).reshape(tuple(x.shape[:-1]) + (n,))
 
 
 def linear_fp8_tree(linear, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
@@ -105,51 +114,66 @@ def linear_fp8_tree(linear, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.T
 
 def linear_fp8_stock(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Fast mode: torch's block-scaled fp8 GEMM where this torch and GPU take it (`_scaled_mm_runs`), else
+    """Fast mode: torch's block-scaled fp8 GEMM where this torch and GPU take it (`blockwise_layout`), else
     the weight dequantized to x's dtype and F.linear (activations unquantized)."""
     check_fp8_linear("linear_fp8_stock", x, w_q, w_scale, bias)
     n, k = w_q.shape
-    if x.is_cuda and n % BLOCK == 0 and k % BLOCK == 0 and _scaled_mm_runs(x.device):
-        y = _scaled_mm_blockwise(_flat(x), w_q, w_scale, x.dtype)
+    layout = blockwise_layout(x.device) if x.is_cuda and n % BLOCK == 0 and k % BLOCK == 0 else None
+    if layout is not None:
+        y = _scaled_mm_blockwise(_flat(x), w_q, w_scale, x.dtype, layout)
         if bias is not None:
             y = y + bias.to(y.dtype)
         return y.reshape(tuple(x.shape[:-1]) + (n,))
     return F.linear(x, dequantize_weight(w_q, w_scale).to(x.dtype), bias)
 
 
-def _scaled_mm_blockwise(x2: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out_dtype) -> torch.Tensor:
-    """torch's scaled_mm with 1x128 activation and 128x128 weight scales (cuBLAS's blockwise recipe: scales
-    outer-dim-major, hence the transposes)."""
+def _scaled_mm_blockwise(x2: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out_dtype,
+                         layout: str) -> torch.Tensor:
+    """torch's scaled_mm with 1x128 activation and 128x128 weight scales (cuBLAS's blockwise recipe: the
+    activation scales outer-dim-major; the weight's block scales [N/128, K/128] as given ("rows") or as
+    their transpose ("cols"): torch builds differ in which they take)."""
     recipe = F.ScalingType
-    x_q, sx = quantize_activations(x2)
-    sw_blocks = w_scale[::BLOCK]  # [N/128, K/128]: every row of a block holds the block's scales
+    x_q, sx = quantize_activations_gpu(x2)
+    blocks = w_scale[::BLOCK].contiguous()  # [N/128, K/128]: every row of a block holds the block's scales
     return F.scaled_mm(x_q, w_q.t(), sx.t().contiguous().t(), recipe.BlockWise1x128,
-                       sw_blocks.contiguous(), recipe.BlockWise128x128, output_dtype=out_dtype)
+                       blocks if layout == "rows" else blocks.t(), recipe.BlockWise128x128, output_dtype=out_dtype)
 
 
 @functools.cache
-def _scaled_mm_runs(device: torch.device) -> bool:
-    """Whether the blockwise scaled_mm runs here and reads the scales as this module lays them out (torch
-    build, cuBLAS and GPU generation all matter): probed once per device on a non-square problem (3 x 2 weight
-    blocks, so transposed scales would show) against the reference; otherwise fast mode dequantizes."""
+def blockwise_layout(device: torch.device) -> str | None:
+    """Whether the blockwise scaled_mm runs here and which weight-scale layout it reads ("rows" / "cols";
+    torch build, cuBLAS and GPU generation all matter), or None: probed once per device on a non-square
+    problem (3 x 2 weight blocks, so transposed scales would show) against the reference; with None, fast
+    mode dequantizes."""
     if not hasattr(F, "scaled_mm") or not hasattr(F, "ScalingType"):
-        return False
+        return None
     from detinfer.kernels.fp8_quant import quantize_weight_rows
 
-    try:
-        g = torch.Generator(device=device).manual_seed(0)
-        x = torch.randn(2 * BLOCK, 2 * BLOCK, device=device, generator=g).to(torch.bfloat16)
-        w = torch.randn(3 * BLOCK, 2 * BLOCK, device=device, generator=g)
-        w = w * torch.linspace(0.01, 10.0, 3 * BLOCK, device=device)[:, None]  # distinct block scales
-        q, scales = quantize_weight_rows(w)
-        y = _scaled_mm_blockwise(x, q, scales, torch.bfloat16).float()
-        ref = linear_fp8_ref(x, q, scales, out_dtype=torch.float32)
-        return bool((y - ref).norm() <= 1e-2 * ref.norm())
-    except Exception:  # any refusal (unsupported recipe, arch, layout) means: use the dequantizing path
-        return False
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(2 * BLOCK, 2 * BLOCK, device=device, generator=g).to(torch.bfloat16)
+    w = torch.randn(3 * BLOCK, 2 * BLOCK, device=device, generator=g)
+    w = w * torch.linspace(0.01, 10.0, 3 * BLOCK, device=device)[:, None]  # distinct block scales
+    q, scales = quantize_weight_rows(w)
+    ref = linear_fp8_ref(x, q, scales, out_dtype=torch.float32)
+    for layout in ("rows", "cols"):
+        try:
+            y = _scaled_mm_blockwise(x, q, scales, torch.bfloat16, layout).float()
+        except Exception:  # any refusal (recipe, arch, layout): try the next layout, else dequantize
+            continue
+        if bool((y - ref).norm() <= 1e-2 * ref.norm()):
+            return layout
+    return None
 
 
 # -- the Triton kernel (Hopper) ------------------------------------------------------------------------------
+# Programs a launch aims for when one weight is read at small M: enough K runs (`k_runs`) that a decode
+# step's narrow outputs (N = 4096: 32 tiles) still spread their weight stream over every SM (132 on an
+# H100) with a few programs each to hide DRAM latency. A model-shape constant: never M, never the GPU.
+TARGET_PROGRAMS = 256
+MIN_BLOCKS_PER_RUN = 4  # a run shorter than this pays its prologue and partial more than it saves
+QUANT_IN_GEMM_MAX_M = 64  # up to one BLOCK_M tile of rows, each program quantizes the rows it reads itself
+
+
 def kernel_config(n: int, k: int) -> dict:
     """Tile sizes and pipeline depth from (N, K) only, never from M: every row of every batch then runs the
     same instruction sequence (same K blocks, same MMA shapes) for a given weight, so a row's bits cannot
@@ -158,56 +182,90 @@ def kernel_config(n: int, k: int) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=BLOCK, num_warps=4, num_stages=4 if k >= 1024 else 3)
 
 
-@functools.cache
-def _kernel():
+def k_runs(n: int, k: int) -> int:
+    """How many contiguous runs of K blocks the reduction is cut into (module doc of kernels/fp8_tiles.py):
+    from (N, K) only, so part of every row's reduction order, in the kernel and in `linear_fp8_ref` alike.
+    Enough runs that the weight's output tiles times runs reach TARGET_PROGRAMS, each run at least
+    MIN_BLOCKS_PER_RUN blocks long."""
+    tiles = -(-n // kernel_config(n, k)["BLOCK_N"])
+    return max(1, min(TARGET_PROGRAMS // tiles, num_blocks(k) // MIN_BLOCKS_PER_RUN))
+
+
+def run_bounds(n: int, k: int) -> list[tuple[int, int]]:
+    """[start, end) K blocks of each run, the kernels' c * KB // runs boundaries."""
+    kb, runs = num_blocks(k), k_runs(n, k)
+    return [(c * kb // runs, (c + 1) * kb // runs) for c in range(runs)]
+
+
+def quantize_activations_gpu(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_activations` in one Triton launch (same bits: kernels/fp8_tiles.py): x [M, K] -> (fp8 [M, K],
+    fp32 scales [M, ceil(K/128)])."""
     import triton
-    import triton.language as tl
 
-    @triton.jit
-    def _linear_fp8_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, M, N, K, KB,
-                           stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym,
-                           HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
-        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        m_ok, n_ok = rm < M, rn < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, KB):
-            kk = kb * BLOCK_K + rk
-            k_ok = kk < K
-            a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            b = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None],
-                        other=0.0)
-            part = tl.dot(a, b, out_dtype=tl.float32)  # this K block alone, fp32
-            sa = tl.load(sx_ptr + rm * stride_sxm + kb, mask=m_ok, other=0.0)
-            sb = tl.load(sw_ptr + rn * stride_swn + kb, mask=n_ok, other=0.0)
-            acc += (part * sa[:, None]) * sb[None, :]
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
+    from detinfer.kernels._pdl import launch_options, use_pdl
+    from detinfer.kernels.fp8_tiles import quantize_activations_kernel
 
-    return triton, _linear_fp8_kernel
+    if interpreting():  # the CPU interpreter's fp32 -> e4m3 cast mis-rounds values that round up to a
+        return quantize_activations(x2)  # power of two (124.3 -> 64): the GPU's cast is checked on the GPU
+    m, k = x2.shape
+    x2 = x2.contiguous()
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x2.device)
+    s = torch.empty((m, num_blocks(k)), dtype=torch.float32, device=x2.device)
+    if m and k:
+        pdl, rows = use_pdl(x2.device), 16
+        quantize_activations_kernel[(triton.cdiv(m, rows), num_blocks(k))](
+            x2, q, s, m, k, x2.stride(0), q.stride(0), s.stride(0), ROWS=rows, BLOCK_K=BLOCK, USE_PDL=pdl,
+            num_warps=4, **launch_options(pdl))
+    return q, s
+
+
+def launch_plan(m: int, n: int, k: int) -> tuple[bool, bool]:
+    """(QUANT_A, SPLIT) for an [M, K] x [N, K] launch: how the work is spread, not what is computed (both
+    choices give the same bits, kernels/fp8_tiles.py), so it may look at M. Small M: each program quantizes
+    its own rows, and the K runs get programs of their own when the output tiles alone are too few."""
+    cfg = kernel_config(n, k)
+    tiles = -(-m // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"])
+    return m <= QUANT_IN_GEMM_MAX_M, k_runs(n, k) > 1 and tiles < TARGET_PROGRAMS // 2
 
 
 def linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype | None = None, plan: tuple[bool, bool] | None = None) -> torch.Tensor:
     """The Triton path (CUDA, fp8 tensor cores: Hopper or newer; CPU tensors under TRITON_INTERPRET=1):
-    x [..., K] -> [..., N] in `out_dtype` (default x's)."""
+    x [..., K] -> [..., N] in `out_dtype` (default x's). `plan` overrides `launch_plan` (tests: every plan
+    gives the same bits)."""
     check_fp8_linear("linear_fp8", x, w_q, w_scale, bias)
     check_fp8_kernel_device("linear_fp8", x, w_q, w_scale, bias)
+    from detinfer.kernels._pdl import launch_options, use_pdl
+    from detinfer.kernels.fp8_tiles import add_chunks_kernel
+
     n, k = w_q.shape
     x2 = _flat(x)
-    x_q, sx = quantize_activations(x2)  # row-wise torch ops: the ref's exact bits
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    if not (m and n):
+        return y.reshape(tuple(x.shape[:-1]) + (n,))
+    quant_a, split = plan or launch_plan(m, n, k)
+    quant_a = quant_a and not interpreting()  # see quantize_activations_gpu
+    if quant_a:
+        a, sa = x2.contiguous(), w_scale  # sa: any valid pointer, unread
+    else:
+        a, sa = quantize_activations_gpu(x2)
     w_q, w_scale = w_q.contiguous(), w_scale.contiguous()
-    y = torch.empty((x2.shape[0], n), dtype=out_dtype or x.dtype, device=x.device)
-    if x2.shape[0] and n:
-        triton, kernel = _kernel()
-        cfg = kernel_config(n, k)
-        grid = (triton.cdiv(x2.shape[0], cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
-        kernel[grid](x_q, sx, w_q, w_scale, bias if bias is not None else w_scale, y, x2.shape[0], n, k,
-                     num_blocks(k), x_q.stride(0), sx.stride(0), w_q.stride(0), w_scale.stride(0), y.stride(0),
-                     HAS_BIAS=bias is not None, **cfg)
+    import triton
+
+    from detinfer.kernels.fp8_tiles import linear_fp8_kernel as kernel
+
+    cfg, runs, pdl = kernel_config(n, k), k_runs(n, k), use_pdl(x.device)
+    split = split and runs > 1
+    target = torch.empty((runs, m, n), dtype=torch.float32, device=x.device) if split else y
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), runs if split else 1)
+    kernel[grid](a, sa, w_q, w_scale, bias if bias is not None else w_scale, target, m, n, k, num_blocks(k),
+                 a.stride(0), sa.stride(0), w_q.stride(0), w_scale.stride(0), n if split else y.stride(0),
+                 HAS_BIAS=bias is not None, QUANT_A=quant_a, CHUNKS=runs, SPLIT=split, USE_PDL=pdl,
+                 **cfg, **launch_options(pdl))
+    if split:
+        block = 1024
+        add_chunks_kernel[(triton.cdiv(m * n, block),)](
+            target, bias if bias is not None else target, y, m * n, n, CHUNKS=runs, HAS_BIAS=bias is not None,
+            BLOCK=block, USE_PDL=pdl, num_warps=4, **launch_options(pdl))
     return y.reshape(tuple(x.shape[:-1]) + (n,))

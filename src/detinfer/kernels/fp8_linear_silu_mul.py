@@ -5,13 +5,14 @@ launch instead of `linear_fp8` then `silu_mul` (the FP8 twin of kernels/linear_s
 
 W_q is the fused [2I, K] float8_e4m3fn gate_up weight (gate rows, then up rows) with its per-row block scales
 [2I, ceil(K/128)] (kernels/fp8_quant.py); x is quantized per token per 128-wide group along K by the same
-torch ops `linear_fp8` runs (`quantize_activations`: a row's scales depend on that row only). A program owns
-a BLOCK_M x BLOCK_N tile of output columns j and two fp32 accumulators, gate (rows j of W) and up (rows
-I + j), each fed exactly as kernels/fp8_linear.py's kernel feeds its one: for each 128-wide K block in
-ascending order, a fresh fp32 fp8 dot of that block alone, times the row's activation scale, times the
-column's weight scale, added. The epilogue is kernels/linear_silu_mul.py's (`_store_swiglu`): bias in fp32
-after the reduction, rounded to the output dtype (what `linear_fp8` stores), back to fp32, then silu_mul's
-formula (`silu_mul.silu_mul_values`, the one spelling).
+rule `linear_fp8` follows (kernels/fp8_tiles.py: a row's scales depend on that row only; on the GEMM's own
+tiles at small M). A program owns a BLOCK_M x BLOCK_N tile of output columns j and two fp32 accumulators,
+gate (rows j of W) and up (rows I + j), each fed exactly as kernels/fp8_linear.py's kernel feeds its one:
+in each of the weight's K runs (`k_runs(2I, K)`, all walked by the one program), for each 128-wide K block
+in ascending order, a fresh fp32 fp8 dot of that block alone, times the row's activation scale, times the
+column's weight scale, added; the runs' sums added in run order. The epilogue is kernels/linear_silu_mul.py's
+(`_store_swiglu`): bias in fp32 after the reduction, rounded to the output dtype (what `linear_fp8`
+stores), back to fp32, then silu_mul's formula (`silu_mul.silu_mul_values`, the one spelling).
 
 Config: `linear_fp8`'s for the fused [2I, K] weight (`fp8_linear.kernel_config(2I, K)`), per accumulator
 (pipelined at most 3 deep: a stage holds two weight tiles): from (N, K) only, never from M, so every row of
@@ -36,8 +37,18 @@ import triton
 import triton.language as tl
 
 from detinfer.kernels._launch import interpreting
-from detinfer.kernels.fp8_linear import check_fp8_kernel_device, check_fp8_linear, kernel_config, linear_fp8_ref
-from detinfer.kernels.fp8_quant import num_blocks, quantize_activations
+from detinfer.kernels._pdl import launch_options, pdl_start, use_pdl
+from detinfer.kernels.fp8_linear import (
+    QUANT_IN_GEMM_MAX_M,
+    check_fp8_kernel_device,
+    check_fp8_linear,
+    k_runs,
+    kernel_config,
+    linear_fp8_ref,
+    quantize_activations_gpu,
+)
+from detinfer.kernels.fp8_quant import num_blocks
+from detinfer.kernels.fp8_tiles import a_block, chunk_bounds
 from detinfer.kernels.linear_silu_mul import _store_swiglu
 from detinfer.kernels.silu_mul import silu_mul_ref
 
@@ -47,7 +58,8 @@ __all__ = ["fused_config", "linear_fp8_silu_mul", "linear_fp8_silu_mul_ref"]
 @triton.jit
 def _linear_fp8_silu_mul_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, o_ptr, M, N, K, KB,
                                 stride_xm, stride_sxm, stride_wn, stride_swn, stride_om,
-                                HAS_BIAS: tl.constexpr, LIBDEVICE: tl.constexpr, BLOCK_M: tl.constexpr,
+                                HAS_BIAS: tl.constexpr, LIBDEVICE: tl.constexpr, QUANT_A: tl.constexpr,
+                                CHUNKS: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One BLOCK_M x BLOCK_N tile of out [M, N] (N = I): gate rows rn and up rows N + rn of W."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -55,27 +67,32 @@ def _linear_fp8_silu_mul_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, o_ptr, M, N
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     m_ok, n_ok = rm < M, rn < N
-    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
     g_rows = w_ptr + rn.to(tl.int64)[None, :] * stride_wn
     u_rows = w_ptr + (rn + N).to(tl.int64)[None, :] * stride_wn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, KB):
-        kk = kb * BLOCK_K + rk
-        k_ok = kk < K
-        a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w_mask = n_ok[None, :] & k_ok[:, None]
-        g = tl.load(g_rows + kk[:, None], mask=w_mask, other=0.0)
-        u = tl.load(u_rows + kk[:, None], mask=w_mask, other=0.0)
-        sa = tl.load(sx_ptr + rm * stride_sxm + kb, mask=m_ok, other=0.0)
-        sg = tl.load(sw_ptr + rn * stride_swn + kb, mask=n_ok, other=0.0)
-        su = tl.load(sw_ptr + (rn + N) * stride_swn + kb, mask=n_ok, other=0.0)
-        # fp8_linear's K-block step for each accumulator: this block alone in fp32, then the two scales
-        part_g = tl.dot(a, g, out_dtype=tl.float32)
-        acc_g += (part_g * sa[:, None]) * sg[None, :]
-        part_u = tl.dot(a, u, out_dtype=tl.float32)
-        acc_u += (part_u * sa[:, None]) * su[None, :]
-    _store_swiglu(acc_g, acc_u, o_ptr, b_ptr, pid_m, pid_n, M, N, stride_om, HAS_BIAS, LIBDEVICE, BLOCK_M, BLOCK_N)
+    pdl_start(USE_PDL)  # kernels/_pdl.py: nothing is read before the previous kernel is done
+    total_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    total_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for c in range(0, CHUNKS):  # fp8_linear's K runs, each its own accumulator pair, added in run order
+        kb_lo, kb_hi = chunk_bounds(c, KB, CHUNKS)
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(kb_lo, kb_hi):
+            a, sa = a_block(x_ptr, sx_ptr, rm, m_ok, kb, K, stride_xm, stride_sxm, QUANT_A, BLOCK_K)
+            kk = kb * BLOCK_K + rk
+            w_mask = n_ok[None, :] & (kk < K)[:, None]
+            g = tl.load(g_rows + kk[:, None], mask=w_mask, other=0.0)
+            u = tl.load(u_rows + kk[:, None], mask=w_mask, other=0.0)
+            sg = tl.load(sw_ptr + rn * stride_swn + kb, mask=n_ok, other=0.0)
+            su = tl.load(sw_ptr + (rn + N) * stride_swn + kb, mask=n_ok, other=0.0)
+            # fp8_linear's K-block step for each accumulator: this block alone in fp32, then the two scales
+            part_g = tl.dot(a, g, out_dtype=tl.float32)
+            acc_g += (part_g * sa[:, None]) * sg[None, :]
+            part_u = tl.dot(a, u, out_dtype=tl.float32)
+            acc_u += (part_u * sa[:, None]) * su[None, :]
+        total_g += acc_g
+        total_u += acc_u
+    _store_swiglu(total_g, total_u, o_ptr, b_ptr, pid_m, pid_n, M, N, stride_om, HAS_BIAS, LIBDEVICE, BLOCK_M,
+                  BLOCK_N)
 
 
 # Pipeline depth cap: a stage holds two weight tiles here (gate and up), 40 KB at BLOCK_N 128; three stages
@@ -112,16 +129,21 @@ def linear_fp8_silu_mul(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tenso
     rows = math.prod(lead)
     out = torch.empty((rows, i), dtype=x.dtype, device=x.device)
     if rows and i:
-        x_q, sx = quantize_activations(x.reshape(rows, k))  # row-wise torch ops: linear_fp8's exact bits
+        quant_a = rows <= QUANT_IN_GEMM_MAX_M and not interpreting()  # linear_fp8's plan (same bits)
+        if quant_a:
+            a, sa = x.reshape(rows, k).contiguous(), w_scale  # sa: any valid pointer, unread
+        else:
+            a, sa = quantize_activations_gpu(x.reshape(rows, k))
         w_q, w_scale = w_q.contiguous(), w_scale.contiguous()
         if bias is not None:
             bias = bias.contiguous()  # the epilogue reads the up half at bias + I
-        cfg = fused_config(i, k)
+        cfg, pdl = fused_config(i, k), use_pdl(x.device)
         grid = (triton.cdiv(rows, cfg["BLOCK_M"]), triton.cdiv(i, cfg["BLOCK_N"]))
         _linear_fp8_silu_mul_kernel[grid](
-            x_q, sx, w_q, w_scale, out if bias is None else bias, out, rows, i, k, num_blocks(k),
-            x_q.stride(0), sx.stride(0), w_q.stride(0), w_scale.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, LIBDEVICE=not interpreting(), **cfg)
+            a, sa, w_q, w_scale, out if bias is None else bias, out, rows, i, k, num_blocks(k),
+            a.stride(0), sa.stride(0), w_q.stride(0), w_scale.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, LIBDEVICE=not interpreting(), QUANT_A=quant_a, CHUNKS=k_runs(2 * i, k),
+            USE_PDL=pdl, **cfg, **launch_options(pdl))
     return out.reshape(lead + (i,))
 
 
