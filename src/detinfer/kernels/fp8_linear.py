@@ -130,28 +130,32 @@ def linear_fp8_stock(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
 def _scaled_mm_blockwise(x2: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out_dtype,
                          layout: str) -> torch.Tensor:
     """torch's scaled_mm with 1x128 activation and 128x128 weight scales (cuBLAS's blockwise recipe: the
-    activation scales outer-dim-major; the weight's block scales [N/128, K/128] as given ("rows") or as
-    their transpose ("cols"): torch builds differ in which they take)."""
+    activation scales outer-dim-major; the weight's block scales [N/128, K/128] as given ("rows") or
+    transposed to [K/128, N/128] with the K blocks padded to a multiple of 4 ("cols"): torch builds differ
+    in which they take)."""
     recipe = F.ScalingType
     x_q, sx = quantize_activations_gpu(x2)
     blocks = w_scale[::BLOCK].contiguous()  # [N/128, K/128]: every row of a block holds the block's scales
-    return F.scaled_mm(x_q, w_q.t(), sx.t().contiguous().t(), recipe.BlockWise1x128,
-                       blocks if layout == "rows" else blocks.t(), recipe.BlockWise128x128, output_dtype=out_dtype)
+    if layout == "cols":
+        kb = blocks.shape[1]
+        blocks = torch.cat((blocks, blocks.new_ones(blocks.shape[0], -kb % 4)), 1).t().contiguous()
+    return F.scaled_mm(x_q, w_q.t(), sx.t().contiguous().t(), recipe.BlockWise1x128, blocks,
+                       recipe.BlockWise128x128, output_dtype=out_dtype)
 
 
 @functools.cache
 def blockwise_layout(device: torch.device) -> str | None:
     """Whether the blockwise scaled_mm runs here and which weight-scale layout it reads ("rows" / "cols";
     torch build, cuBLAS and GPU generation all matter), or None: probed once per device on a non-square
-    problem (3 x 2 weight blocks, so transposed scales would show) against the reference; with None, fast
-    mode dequantizes."""
+    problem (3 x 5 weight blocks: transposed scales would show, and 5 K blocks need the padding) against
+    the reference; with None, fast mode dequantizes."""
     if not hasattr(F, "scaled_mm") or not hasattr(F, "ScalingType"):
         return None
     from detinfer.kernels.fp8_quant import quantize_weight_rows
 
     g = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(2 * BLOCK, 2 * BLOCK, device=device, generator=g).to(torch.bfloat16)
-    w = torch.randn(3 * BLOCK, 2 * BLOCK, device=device, generator=g)
+    x = torch.randn(2 * BLOCK, 5 * BLOCK, device=device, generator=g).to(torch.bfloat16)
+    w = torch.randn(3 * BLOCK, 5 * BLOCK, device=device, generator=g)
     w = w * torch.linspace(0.01, 10.0, 3 * BLOCK, device=device)[:, None]  # distinct block scales
     q, scales = quantize_weight_rows(w)
     ref = linear_fp8_ref(x, q, scales, out_dtype=torch.float32)

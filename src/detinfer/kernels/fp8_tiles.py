@@ -27,14 +27,18 @@ import triton.language as tl
 from detinfer.kernels._pdl import pdl_start
 from detinfer.kernels.fp8_quant import AMAX_FLOOR, FP8_MAX
 
+# Triton reads module globals only as constexprs
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+_FP8_MAX = tl.constexpr(FP8_MAX)
+
 
 @triton.jit
 def quantize_tile(a):
     """a fp32 [ROWS, 128] (one K group per row; padding columns 0) -> (fp8 values, fp32 scale per row)."""
     amax = tl.max(tl.abs(a), axis=1)
-    scale = tl.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_MAX)
-    q = tl.div_rn(a, scale[:, None])
-    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+    scale = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _FP8_MAX)
+    q = tl.math.div_rn(a, scale[:, None])
+    q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
     return q.to(tl.float8e4nv), scale
 
 
