@@ -121,11 +121,37 @@ def bench_gemm(ms: list[int], layout: str | None, old, rows: list) -> None:
             del sets
 
 
+SWEEP = [(64, 128, 4, 4), (128, 128, 8, 4), (128, 128, 4, 4), (64, 64, 4, 4), (128, 64, 4, 4), (64, 256, 8, 3),
+         (128, 256, 8, 3)]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+
+
+def bench_sweep(ms: list[int], rows: list) -> None:
+    """linear_fp8 under each SWEEP config (K runs as shipped), to choose kernel_config's table."""
+    from detinfer.kernels.fp8_linear import linear_fp8
+
+    print("\nsweep (us): " + "  ".join(f"{c}" for c in SWEEP))
+    for m in ms:
+        for shape, (n, k) in SHAPES.items():
+            sets = [operand_set(m, n, k, None) for _ in range(copies_for(n * k * 3 + m * k * 2))]
+            times = []
+            for bm, bn, warps, stages in SWEEP:
+                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, num_warps=warps, num_stages=stages)
+                try:
+                    times.append(graph_ms(rotated(lambda x, q, s, *_, c=cfg: linear_fp8(x, q, s, config=c), sets)) * 1e3)
+                except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: reported
+                    times.append(None)
+                    print(f"  {shape} M={m} {cfg}: {type(e).__name__}: {str(e)[:150]}")
+            rows.append({"sweep": True, "shape": shape, "M": m, "us": times})
+            print(f"{shape:8s} {m:5d} " + " ".join(f"{t:8.1f}" if t else f"{'-':>8s}" for t in times), flush=True)
+            del sets
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ms", default="1,16,64,256,1024,4096")
     ap.add_argument("--old", default=None, help="directory holding old_fp8_linear.py (A/B against it)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep", default=None, help="M values for a tile-config sweep of ours (e.g. 1,16,256,4096)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_fp8 needs a CUDA GPU", file=sys.stderr)
@@ -137,6 +163,8 @@ def main() -> int:
         sys.path.insert(0, args.old)
         old = importlib.import_module("old_fp8_linear")
     rows: list = []
+    if args.sweep:
+        bench_sweep([int(v) for v in args.sweep.split(",")], rows)
     bench_gemm([int(v) for v in args.ms.split(",")], layout, old, rows)
     if args.json:
         with open(args.json, "w") as f:

@@ -220,7 +220,7 @@ def test_chunk_tree_one_chunk_is_the_fp32_accumulator_and_chunks_add_in_the_tree
         ops.linear_fp8_tree(x, q, s, 8)  # chunks of 64 columns
 
 
-# -- K runs (kernels/fp8_tiles.py) and launch plans ----------------------------------------------------------
+# -- K runs (kernels/fp8_tiles.py) and split launches --------------------------------------------------------
 def test_k_runs_depend_on_the_weight_shape_only_and_cover_k_in_order():
     from detinfer.kernels.fp8_linear import k_runs, run_bounds
 
@@ -256,8 +256,8 @@ def test_interpreter_split_runs_equal_one_program_per_tile_bitwise(m, monkeypatc
 
     x, _, q, s = _operands(m, 512, 2048, seed=m, dtype=torch.float32)
     bias = torch.randn(512)
-    whole = linear_fp8(x, q, s, bias, plan=(False, False))
-    assert torch.equal(whole, linear_fp8(x, q, s, bias, plan=(False, True)))
+    whole = linear_fp8(x, q, s, bias, split=False)
+    assert torch.equal(whole, linear_fp8(x, q, s, bias, split=True))
     assert torch.allclose(whole, linear_fp8_ref(x, q, s, bias), rtol=1e-5, atol=1e-4)
 
 
@@ -265,8 +265,8 @@ def test_interpreter_split_runs_equal_one_program_per_tile_bitwise(m, monkeypatc
 @cuda
 @pytest.mark.parametrize("m", [1, 7, 64, 65, 300])
 @pytest.mark.parametrize("n,k", [(512, 2048), (4096, 4096), (1000, 700)])
-def test_every_launch_plan_gives_the_same_bits_on_gpu(m, n, k):
-    """Quantizing on the GEMM's tiles or in a launch before it, one program per tile or one per (tile, K run):
+def test_split_and_whole_runs_give_the_same_bits_on_gpu(m, n, k):
+    """One program per tile walking every K run, or one per (tile, K run) and a second launch adding them:
     how the work is spread, never what is computed."""
     if not _fp8_gpu():
         pytest.skip("fp8 tl.dot needs sm89+")
@@ -274,8 +274,8 @@ def test_every_launch_plan_gives_the_same_bits_on_gpu(m, n, k):
 
     x, _, q, s = _operands(m, n, k, seed=m + n)
     x, q, s, bias = x.cuda(), q.cuda(), s.cuda(), torch.randn(n, device="cuda").to(torch.bfloat16)
-    outs = [linear_fp8(x, q, s, bias, plan=(qa, sp)) for qa in (False, True) for sp in (False, True)]
-    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    outs = [linear_fp8(x, q, s, bias, split=sp) for sp in (False, True)]
+    assert torch.equal(outs[0], outs[1])
     ref = linear_fp8_ref(x.cpu(), q.cpu(), s.cpu(), bias.cpu()).float()
     assert float((outs[0].float().cpu() - ref).norm() / ref.norm()) < 1e-2
 
@@ -300,7 +300,7 @@ def test_gpu_activation_quantization_equals_torchs_bitwise(m, k, scale, seed):
 @settings(max_examples=10, deadline=None)
 @given(m=st.integers(1, 300), a=st.integers(0, 300), b=st.integers(0, 300), seed=st.integers(0, 100))
 def test_kernel_slice_invariance_bitwise_with_k_runs(m, a, b, seed):
-    """A weight cut into K runs (512 x 2048: 4), across the M where the launch plan changes (64, 128)."""
+    """A weight cut into K runs (512 x 2048: 4), across the M where the launch starts splitting them (128)."""
     if not _fp8_gpu():
         pytest.skip("fp8 tl.dot needs sm89+")
     from detinfer.kernels.fp8_linear import linear_fp8

@@ -20,12 +20,11 @@ on the batch it is in.
   therefore has no rounding at all, in whatever order or blocking the BLAS adds (the same reason as
   kernels/_exact_dot.py, here without any pre-rounding): the block partial is a pure function of the two
   rows, i.e. a fixed-order fp32 result by construction.
-- `linear_fp8` (Hopper, Triton): fp8 `tl.dot` per K block into a fresh fp32 tile, scaled and added in the
-  same order; the activations quantized on the GEMM's own tiles at small M, by one launch before it
-  otherwise (the same bits, kernels/fp8_tiles.py). The tensor cores' internal fp8 accumulation is not
-  documented to be exact, so the kernel matches the ref within a tolerance, not bitwise; it is
-  batch-invariant on its own (tile config and K runs from (N, K) only). A GPU kernel; Triton's CPU
-  interpreter also runs it on CPU tensors (tests only).
+- `linear_fp8` (Hopper, Triton): fp8 `tl.dot` per K block into a fresh fp32 tile, scaled and added in the same
+  order; the activations quantized by one Triton launch before it (torch's bits, kernels/fp8_tiles.py). The
+  tensor cores' internal fp8 accumulation is not documented to be exact, so the kernel matches the ref within
+  a tolerance, not bitwise; it is batch-invariant on its own (tile config and K runs from (N, K) only). A GPU
+  kernel; Triton's CPU interpreter also runs it on CPU tensors (tests only).
 - `linear_fp8_stock` (fast mode): what a serving stack runs: torch's block-scaled `scaled_mm` on a GPU that
   takes it, else dequantize + F.linear.
 """
@@ -131,14 +130,14 @@ def _scaled_mm_blockwise(x2: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Ten
                          layout: str) -> torch.Tensor:
     """torch's scaled_mm with 1x128 activation and 128x128 weight scales (cuBLAS's blockwise recipe: the
     activation scales outer-dim-major; the weight's block scales [N/128, K/128] as given ("rows") or
-    transposed to [K/128, N/128] with the K blocks padded to a multiple of 4 ("cols"): torch builds differ
-    in which they take)."""
+    as a transposed view [K/128, N/128] with the K blocks padded to a multiple of 4 ("cols", what torch
+    2.11's cuBLASLt path asks for): torch builds differ in which they take)."""
     recipe = F.ScalingType
     x_q, sx = quantize_activations_gpu(x2)
     blocks = w_scale[::BLOCK].contiguous()  # [N/128, K/128]: every row of a block holds the block's scales
-    if layout == "cols":
+    if layout == "cols":  # [K/128 (padded to 4), N/128] with strides (1, padded K/128)
         kb = blocks.shape[1]
-        blocks = torch.cat((blocks, blocks.new_ones(blocks.shape[0], -kb % 4)), 1).t().contiguous()
+        blocks = torch.cat((blocks, blocks.new_ones(blocks.shape[0], -kb % 4)), 1).t()
     return F.scaled_mm(x_q, w_q.t(), sx.t().contiguous().t(), recipe.BlockWise1x128, blocks,
                        recipe.BlockWise128x128, output_dtype=out_dtype)
 
@@ -175,7 +174,6 @@ def blockwise_layout(device: torch.device) -> str | None:
 # H100) with a few programs each to hide DRAM latency. A model-shape constant: never M, never the GPU.
 TARGET_PROGRAMS = 256
 MIN_BLOCKS_PER_RUN = 4  # a run shorter than this pays its prologue and partial more than it saves
-QUANT_IN_GEMM_MAX_M = 64  # up to one BLOCK_M tile of rows, each program quantizes the rows it reads itself
 
 
 def kernel_config(n: int, k: int) -> dict:
@@ -223,24 +221,29 @@ def quantize_activations_gpu(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q, s
 
 
-def launch_plan(m: int, n: int, k: int) -> tuple[bool, bool]:
-    """(QUANT_A, SPLIT) for an [M, K] x [N, K] launch: how the work is spread, not what is computed (both
-    choices give the same bits, kernels/fp8_tiles.py), so it may look at M. Small M: each program quantizes
-    its own rows, and the K runs get programs of their own when the output tiles alone are too few."""
-    cfg = kernel_config(n, k)
+def split_runs(m: int, n: int, k: int, cfg: dict | None = None) -> bool:
+    """Whether an [M, K] x [N, K] launch gives each K run programs of its own (then adds the runs' partials
+    in a second launch) or walks every run in one program per tile: how the work is spread, not what is
+    computed (the same bits, kernels/fp8_tiles.py), so it may look at M. Split when the output tiles alone
+    would leave the GPU short of programs."""
+    cfg = cfg or kernel_config(n, k)
     tiles = -(-m // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"])
-    return m <= QUANT_IN_GEMM_MAX_M, k_runs(n, k) > 1 and tiles < TARGET_PROGRAMS // 2
+    return k_runs(n, k) > 1 and tiles < TARGET_PROGRAMS // 2
 
 
 def linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-               out_dtype: torch.dtype | None = None, plan: tuple[bool, bool] | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype | None = None, split: bool | None = None,
+               config: dict | None = None) -> torch.Tensor:
     """The Triton path (CUDA, fp8 tensor cores: Hopper or newer; CPU tensors under TRITON_INTERPRET=1):
-    x [..., K] -> [..., N] in `out_dtype` (default x's). `plan` overrides `launch_plan` (tests: every plan
-    gives the same bits)."""
+    x [..., K] -> [..., N] in `out_dtype` (default x's). `split` overrides `split_runs` (tests: both give the
+    same bits); `config` overrides `kernel_config` (benchmark sweeps; K runs stay `k_runs(N, K)`)."""
     check_fp8_linear("linear_fp8", x, w_q, w_scale, bias)
     check_fp8_kernel_device("linear_fp8", x, w_q, w_scale, bias)
+    import triton
+
     from detinfer.kernels._pdl import launch_options, use_pdl
     from detinfer.kernels.fp8_tiles import add_chunks_kernel
+    from detinfer.kernels.fp8_tiles import linear_fp8_kernel as kernel
 
     n, k = w_q.shape
     x2 = _flat(x)
@@ -248,25 +251,15 @@ def linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: 
     y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if not (m and n):
         return y.reshape(tuple(x.shape[:-1]) + (n,))
-    quant_a, split = plan or launch_plan(m, n, k)
-    quant_a = quant_a and not interpreting()  # see quantize_activations_gpu
-    if quant_a:
-        a, sa = x2.contiguous(), w_scale  # sa: any valid pointer, unread
-    else:
-        a, sa = quantize_activations_gpu(x2)
+    a, sa = quantize_activations_gpu(x2)
     w_q, w_scale = w_q.contiguous(), w_scale.contiguous()
-    import triton
-
-    from detinfer.kernels.fp8_tiles import linear_fp8_kernel as kernel
-
-    cfg, runs, pdl = kernel_config(n, k), k_runs(n, k), use_pdl(x.device)
-    split = split and runs > 1
+    cfg, runs, pdl = config or kernel_config(n, k), k_runs(n, k), use_pdl(x.device)
+    split = (split_runs(m, n, k, cfg) if split is None else split) and runs > 1
     target = torch.empty((runs, m, n), dtype=torch.float32, device=x.device) if split else y
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), runs if split else 1)
     kernel[grid](a, sa, w_q, w_scale, bias if bias is not None else w_scale, target, m, n, k, num_blocks(k),
                  a.stride(0), sa.stride(0), w_q.stride(0), w_scale.stride(0), n if split else y.stride(0),
-                 HAS_BIAS=bias is not None, QUANT_A=quant_a, CHUNKS=runs, SPLIT=split, USE_PDL=pdl,
-                 **cfg, **launch_options(pdl))
+                 HAS_BIAS=bias is not None, CHUNKS=runs, SPLIT=split, USE_PDL=pdl, **cfg, **launch_options(pdl))
     if split:
         block = 1024
         add_chunks_kernel[(triton.cdiv(m * n, block),)](

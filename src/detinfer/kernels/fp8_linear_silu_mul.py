@@ -5,14 +5,14 @@ launch instead of `linear_fp8` then `silu_mul` (the FP8 twin of kernels/linear_s
 
 W_q is the fused [2I, K] float8_e4m3fn gate_up weight (gate rows, then up rows) with its per-row block scales
 [2I, ceil(K/128)] (kernels/fp8_quant.py); x is quantized per token per 128-wide group along K by the same
-rule `linear_fp8` follows (kernels/fp8_tiles.py: a row's scales depend on that row only; on the GEMM's own
-tiles at small M). A program owns a BLOCK_M x BLOCK_N tile of output columns j and two fp32 accumulators,
-gate (rows j of W) and up (rows I + j), each fed exactly as kernels/fp8_linear.py's kernel feeds its one:
-in each of the weight's K runs (`k_runs(2I, K)`, all walked by the one program), for each 128-wide K block
-in ascending order, a fresh fp32 fp8 dot of that block alone, times the row's activation scale, times the
-column's weight scale, added; the runs' sums added in run order. The epilogue is kernels/linear_silu_mul.py's
-(`_store_swiglu`): bias in fp32 after the reduction, rounded to the output dtype (what `linear_fp8`
-stores), back to fp32, then silu_mul's formula (`silu_mul.silu_mul_values`, the one spelling).
+launch `linear_fp8` uses (kernels/fp8_tiles.py: a row's scales depend on that row only). A program owns a
+BLOCK_M x BLOCK_N tile of output columns j and two fp32 accumulators, gate (rows j of W) and up (rows I + j),
+each fed exactly as kernels/fp8_linear.py's kernel feeds its one: in each of the weight's K runs (`k_runs(2I,
+K)`, all walked by the one program), for each 128-wide K block in ascending order, a fresh fp32 fp8 dot of
+that block alone, times the row's activation scale, times the column's weight scale, added; the runs' sums
+added in run order. The epilogue is kernels/linear_silu_mul.py's (`_store_swiglu`): bias in fp32 after the
+reduction, rounded to the output dtype (what `linear_fp8` stores), back to fp32, then silu_mul's formula
+(`silu_mul.silu_mul_values`, the one spelling).
 
 Config: `linear_fp8`'s for the fused [2I, K] weight (`fp8_linear.kernel_config(2I, K)`), per accumulator
 (pipelined at most 3 deep: a stage holds two weight tiles): from (N, K) only, never from M, so every row of
@@ -39,7 +39,6 @@ import triton.language as tl
 from detinfer.kernels._launch import interpreting
 from detinfer.kernels._pdl import launch_options, pdl_start, use_pdl
 from detinfer.kernels.fp8_linear import (
-    QUANT_IN_GEMM_MAX_M,
     check_fp8_kernel_device,
     check_fp8_linear,
     k_runs,
@@ -58,7 +57,7 @@ __all__ = ["fused_config", "linear_fp8_silu_mul", "linear_fp8_silu_mul_ref"]
 @triton.jit
 def _linear_fp8_silu_mul_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, o_ptr, M, N, K, KB,
                                 stride_xm, stride_sxm, stride_wn, stride_swn, stride_om,
-                                HAS_BIAS: tl.constexpr, LIBDEVICE: tl.constexpr, QUANT_A: tl.constexpr,
+                                HAS_BIAS: tl.constexpr, LIBDEVICE: tl.constexpr,
                                 CHUNKS: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One BLOCK_M x BLOCK_N tile of out [M, N] (N = I): gate rows rn and up rows N + rn of W."""
@@ -77,7 +76,7 @@ def _linear_fp8_silu_mul_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, o_ptr, M, N
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(kb_lo, kb_hi):
-            a, sa = a_block(x_ptr, sx_ptr, rm, m_ok, kb, K, stride_xm, stride_sxm, QUANT_A, BLOCK_K)
+            a, sa = a_block(x_ptr, sx_ptr, rm, m_ok, kb, K, stride_xm, stride_sxm, BLOCK_K)
             kk = kb * BLOCK_K + rk
             w_mask = n_ok[None, :] & (kk < K)[:, None]
             g = tl.load(g_rows + kk[:, None], mask=w_mask, other=0.0)
@@ -129,11 +128,7 @@ def linear_fp8_silu_mul(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tenso
     rows = math.prod(lead)
     out = torch.empty((rows, i), dtype=x.dtype, device=x.device)
     if rows and i:
-        quant_a = rows <= QUANT_IN_GEMM_MAX_M and not interpreting()  # linear_fp8's plan (same bits)
-        if quant_a:
-            a, sa = x.reshape(rows, k).contiguous(), w_scale  # sa: any valid pointer, unread
-        else:
-            a, sa = quantize_activations_gpu(x.reshape(rows, k))
+        a, sa = quantize_activations_gpu(x.reshape(rows, k))  # linear_fp8's quantization (same bits)
         w_q, w_scale = w_q.contiguous(), w_scale.contiguous()
         if bias is not None:
             bias = bias.contiguous()  # the epilogue reads the up half at bias + I
@@ -142,7 +137,7 @@ def linear_fp8_silu_mul(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tenso
         _linear_fp8_silu_mul_kernel[grid](
             a, sa, w_q, w_scale, out if bias is None else bias, out, rows, i, k, num_blocks(k),
             a.stride(0), sa.stride(0), w_q.stride(0), w_scale.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, LIBDEVICE=not interpreting(), QUANT_A=quant_a, CHUNKS=k_runs(2 * i, k),
+            HAS_BIAS=bias is not None, LIBDEVICE=not interpreting(), CHUNKS=k_runs(2 * i, k),
             USE_PDL=pdl, **cfg, **launch_options(pdl))
     return out.reshape(lead + (i,))
 

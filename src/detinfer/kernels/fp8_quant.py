@@ -9,9 +9,12 @@ DeepSeek-V3) and of `--quantization fp8`, shared by the loader, the random-model
 - Activations [M, K] ("dynamic" scheme): one scale per token per 128-wide group along K, computed from that
   row alone, so quantizing a row never looks at another row (batch-invariant).
 
-A group's scale is amax / 448 (448: e4m3's largest finite value) and its values are `fp8(x / scale)`,
-clamped to +-448 before the cast (a quotient may round a hair above 448). Only elementwise torch ops and a
-max (exact in any order), so CPU and GPU give the same bits.
+A group's scale is amax * INV_FP8_MAX (448: e4m3's largest finite value; INV_FP8_MAX = 1/448 rounded once
+to fp32) and its values are `fp8(x / scale)`, clamped to +-448 before the cast (a quotient may round a hair
+above 448). A product, not amax / 448: torch's CUDA division by a scalar multiplies by the reciprocal while
+its CPU division divides, so a quotient by a constant would differ between the two in the last bit; one
+fp32 multiply, a tensor-by-tensor division (correctly rounded on both) and a max (exact in any order) give
+the same bits on CPU, on GPU and in the Triton kernels (kernels/fp8_tiles.py).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
+INV_FP8_MAX = float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))  # exact in fp32: 448 * it == 1.0
 BLOCK = 128  # the scale block along both N and K (weights) and the activation group along K
 # amax below this counts as this: an all-zero group gets a finite scale (its values quantize to 0).
 AMAX_FLOOR = 1e-12
@@ -31,7 +35,7 @@ def num_blocks(n: int) -> int:
 
 def _quantize_groups(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x fp32 and its group amax (broadcastable) -> (fp8 values, fp32 scales of amax's shape)."""
-    scale = amax.clamp(min=AMAX_FLOOR) / FP8_MAX
+    scale = amax.clamp(min=AMAX_FLOOR) * INV_FP8_MAX  # the module doc: a product, the same on every device
     return (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
@@ -60,7 +64,8 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [..., N, K] (any float) -> (w_q [..., N, K] fp8, block scales [..., ceil(N/128), ceil(K/128)] fp32):
-    each 128 x 128 block scaled by its own amax / 448 (what FP8 checkpoints store as weight_scale_inv)."""
+    each 128 x 128 block scaled by its own amax / 448 (what FP8 checkpoints store as weight_scale_inv;
+    computed as amax * INV_FP8_MAX, the module doc)."""
     if w.dim() < 2:
         raise ValueError(f"quantize_weight: expected a weight [..., N, K], got shape {tuple(w.shape)}")
     n, k = w.shape[-2:]

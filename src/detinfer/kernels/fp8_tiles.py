@@ -1,15 +1,13 @@
 """Triton building blocks shared by the block-scaled FP8 kernels (kernels/fp8_linear.py,
 kernels/fp8_linear_silu_mul.py): the activation quantization of kernels/fp8_quant.py computed on a tile, the
-A-operand load of one 128-wide K block in either form, the K-chunk plan, and the kernel that adds K-chunk
-partials.
+A-operand load of one 128-wide K block, the K runs, and the kernel that adds K-run partials.
 
 Activation quantization, bit for bit `fp8_quant.quantize_activations`: a group's scale is
-max(amax, AMAX_FLOOR) / 448 and its values fp8(clamp(x / scale, +-448)), every step one IEEE fp32 operation
-(`div_rn`: correctly rounded, as torch's division is), the cast round-to-nearest-even (torch's and the
-GPU's e4m3 conversion). amax is a max, exact in any order. So the quantized operand is the same whether
-a separate launch wrote it (`quantize_activations_kernel`) or the GEMM computed it on its tile
-(`QUANT_A`), and which of the two runs may depend on M: the bits do not (asserted on the GPU,
-tests/kernels/test_fp8_linear.py).
+max(amax, AMAX_FLOOR) * INV_FP8_MAX and its values fp8(clamp(x / scale, +-448)), every step one IEEE fp32
+operation (`div_rn`: correctly rounded, as torch's tensor division is), the cast round-to-nearest-even
+(torch's and the GPU's e4m3 conversion). amax is a max, exact in any order (asserted on the GPU,
+tests/kernels/test_fp8_linear.py). One launch for all of a GEMM's N tiles: quantizing inside the GEMM, on
+each program's A tiles, was measured 2-5x slower at M <= 64 on an H100 (the divisions in the K loop).
 
 K chunks: a launch's K blocks are cut into `chunks` contiguous runs, boundaries c * KB // chunks. Each run
 is reduced into its own fp32 accumulator (the K-block step of fp8_linear's doc), and the runs' results are
@@ -25,37 +23,32 @@ import triton
 import triton.language as tl
 
 from detinfer.kernels._pdl import pdl_start
-from detinfer.kernels.fp8_quant import AMAX_FLOOR, FP8_MAX
+from detinfer.kernels.fp8_quant import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX
 
 # Triton reads module globals only as constexprs
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 _FP8_MAX = tl.constexpr(FP8_MAX)
+_INV_FP8_MAX = tl.constexpr(INV_FP8_MAX)
 
 
 @triton.jit
 def quantize_tile(a):
     """a fp32 [ROWS, 128] (one K group per row; padding columns 0) -> (fp8 values, fp32 scale per row)."""
     amax = tl.max(tl.abs(a), axis=1)
-    scale = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _FP8_MAX)
+    scale = tl.maximum(amax, _AMAX_FLOOR) * _INV_FP8_MAX
     q = tl.math.div_rn(a, scale[:, None])
     q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
     return q.to(tl.float8e4nv), scale
 
 
 @triton.jit
-def a_block(x_ptr, sx_ptr, rm, m_ok, kb, K, stride_xm, stride_sxm, QUANT_A: tl.constexpr,
-            BLOCK_K: tl.constexpr):
-    """The A operand of K block kb for rows rm: (fp8 [BLOCK_M, BLOCK_K], fp32 scales [BLOCK_M]). QUANT_A:
-    x holds the unquantized activations and the block is quantized here; else x holds fp8 values and
-    sx their scales (quantize_activations_kernel's output)."""
+def a_block(x_ptr, sx_ptr, rm, m_ok, kb, K, stride_xm, stride_sxm, BLOCK_K: tl.constexpr):
+    """The A operand of K block kb for rows rm: fp8 [BLOCK_M, BLOCK_K] and its fp32 scales [BLOCK_M]
+    (quantize_activations_kernel's output)."""
     kk = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = m_ok[:, None] & (kk < K)[None, :]
     rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :]
-    if QUANT_A:
-        return quantize_tile(tl.load(rows, mask=mask, other=0.0).to(tl.float32))
-    else:
-        return (tl.load(rows, mask=mask, other=0.0),
-                tl.load(sx_ptr + rm.to(tl.int64) * stride_sxm + kb, mask=m_ok, other=0.0))
+    return (tl.load(rows, mask=m_ok[:, None] & (kk < K)[None, :], other=0.0),
+            tl.load(sx_ptr + rm.to(tl.int64) * stride_sxm + kb, mask=m_ok, other=0.0))
 
 
 @triton.jit
@@ -98,7 +91,7 @@ def add_chunks_kernel(p_ptr, b_ptr, y_ptr, MN, N, CHUNKS: tl.constexpr, HAS_BIAS
 @triton.jit
 def linear_fp8_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, M, N, K, KB,
                        stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym,
-                       HAS_BIAS: tl.constexpr, QUANT_A: tl.constexpr, CHUNKS: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, CHUNKS: tl.constexpr,
                        SPLIT: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One BLOCK_M x BLOCK_N output tile; every K run in turn (y = the result), or (SPLIT) run
@@ -120,7 +113,7 @@ def linear_fp8_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, M, N, K, KB,
         kb_lo, kb_hi = chunk_bounds(c, KB, CHUNKS)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(kb_lo, kb_hi):
-            a, sa = a_block(x_ptr, sx_ptr, rm, m_ok, kb, K, stride_xm, stride_sxm, QUANT_A, BLOCK_K)
+            a, sa = a_block(x_ptr, sx_ptr, rm, m_ok, kb, K, stride_xm, stride_sxm, BLOCK_K)
             kk = kb * BLOCK_K + rk
             b = tl.load(w_rows + kk[:, None], mask=n_ok[None, :] & (kk < K)[:, None], other=0.0)
             part = tl.dot(a, b, out_dtype=tl.float32)  # this K block alone, fp32
