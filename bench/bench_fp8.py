@@ -137,7 +137,8 @@ def bench_sweep(ms: list[int], rows: list) -> None:
             for bm, bn, warps, stages in SWEEP:
                 cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, num_warps=warps, num_stages=stages)
                 try:
-                    times.append(graph_ms(rotated(lambda x, q, s, *_, c=cfg: linear_fp8(x, q, s, config=c), sets)) * 1e3)
+                    fn = rotated(lambda x, q, s, *_, c=cfg: linear_fp8(x, q, s, config=c), sets)
+                    times.append(graph_ms(fn) * 1e3)
                 except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: reported
                     times.append(None)
                     print(f"  {shape} M={m} {cfg}: {type(e).__name__}: {str(e)[:150]}")
