@@ -89,8 +89,6 @@ def operand_set(m: int, n: int, k: int, layout: str | None):
 
 
 def bench_gemm(ms: list[int], layout: str | None, old, rows: list) -> None:
-    from detinfer.kernels.fp8_linear_silu_mul import linear_fp8_silu_mul
-
     cands = candidates(layout, old)
     names = list(cands)
     print(f"\n{'shape':8s} {'M':>5s} " + " ".join(f"{c:>10s}" for c in names) + "  ratio   HBM  TF/s (ours)")
@@ -105,8 +103,6 @@ def bench_gemm(ms: list[int], layout: str | None, old, rows: list) -> None:
                 except Exception as e:  # noqa: BLE001 - a path that does not run here is reported, not fatal
                     row[name] = None
                     print(f"  {name} {shape} M={m}: {type(e).__name__}: {str(e)[:1500]}")
-            if shape == "gate_up":
-                row["ours_fused_silu"] = graph_ms(rotated(lambda x, q, s, *_: linear_fp8_silu_mul(x, q, s), sets)) * 1e3
             stock = [row[c] for c in ("blockwise", "rowwise") if row.get(c)]
             if row["ours"] is None:
                 continue
@@ -115,8 +111,7 @@ def bench_gemm(ms: list[int], layout: str | None, old, rows: list) -> None:
             row["hbm"], row["tflops"] = n * k / t / PEAK_BW, 2 * m * n * k / t / 1e12
             rows.append(row)
             cells = " ".join(f"{row[c]:10.1f}" if row[c] else f"{'-':>10s}" for c in names)
-            extra = f"  fused+silu {row['ours_fused_silu']:.1f}" if shape == "gate_up" else ""
-            print(f"{shape:8s} {m:5d} {cells}  {row['ratio'] or 0:5.2f} {row['hbm']:5.0%} {row['tflops']:5.0f}{extra}",
+            print(f"{shape:8s} {m:5d} {cells}  {row['ratio'] or 0:5.2f} {row['hbm']:5.0%} {row['tflops']:5.0f}",
                   flush=True)
             del sets
 

@@ -133,13 +133,17 @@ def _scaled_mm_blockwise(x2: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Ten
     as a transposed view [K/128, N/128] with the K blocks padded to a multiple of 4 ("cols", what torch
     2.11's cuBLASLt path asks for): torch builds differ in which they take)."""
     recipe = F.ScalingType
-    x_q, sx = quantize_activations_gpu(x2)
+    m = x2.shape[0]
+    pad = -m % 16  # cuBLASLt's blockwise heuristic refuses some row counts (measured: M = 33); zero rows pad
+    x_q, sx = quantize_activations_gpu(torch.cat((x2, x2.new_zeros(pad, x2.shape[1]))) if pad else x2)
+    sx_outer = torch.empty_strided(sx.shape, (1, sx.shape[0]), dtype=sx.dtype, device=sx.device).copy_(sx)
     blocks = w_scale[::BLOCK].contiguous()  # [N/128, K/128]: every row of a block holds the block's scales
     if layout == "cols":  # [K/128 (padded to 4), N/128] with strides (1, padded K/128)
         kb = blocks.shape[1]
         blocks = torch.cat((blocks, blocks.new_ones(blocks.shape[0], -kb % 4)), 1).t()
-    return F.scaled_mm(x_q, w_q.t(), sx.t().contiguous().t(), recipe.BlockWise1x128, blocks,
-                       recipe.BlockWise128x128, output_dtype=out_dtype)
+    y = F.scaled_mm(x_q, w_q.t(), sx_outer, recipe.BlockWise1x128, blocks, recipe.BlockWise128x128,
+                    output_dtype=out_dtype)
+    return y[:m] if pad else y
 
 
 @functools.cache

@@ -1,6 +1,6 @@
-"""Triton building blocks shared by the block-scaled FP8 kernels (kernels/fp8_linear.py,
-kernels/fp8_linear_silu_mul.py): the activation quantization of kernels/fp8_quant.py computed on a tile, the
-A-operand load of one 128-wide K block, the K runs, and the kernel that adds K-run partials.
+"""The Triton kernels of the block-scaled FP8 linear (kernels/fp8_linear.py: launcher, reference, config):
+the activation quantization of kernels/fp8_quant.py, the GEMM over K runs, and the kernel that adds K-run
+partials.
 
 Activation quantization, bit for bit `fp8_quant.quantize_activations`: a group's scale is
 max(amax, AMAX_FLOOR) * INV_FP8_MAX and its values fp8(clamp(x / scale, +-448)), every step one IEEE fp32

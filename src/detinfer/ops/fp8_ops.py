@@ -4,8 +4,8 @@
   and the exact-block-dot ref elsewhere (the same numerics up to the tensor cores' accumulation; each
   batch-invariant); fast mode runs torch's blockwise scaled_mm where it runs, else dequantize + F.linear.
 - `linear_fp8_tree`: row-parallel layers' fixed K-chunk tree over `linear_fp8`'s fp32 partials.
-- `linear_fp8_silu_mul` (the dense SwiGLU MLP's gate_up + SiLU*mul): deterministic mode on CUDA, one launch
-  for any batch (kernels/fp8_linear_silu_mul.py); elsewhere `linear_fp8` then `silu_mul`.
+- `linear_fp8_silu_mul` (the dense SwiGLU MLP's gate_up + SiLU*mul): `linear_fp8` then `silu_mul` (a fused
+  launch was measured slower than the two on an H100 at every batch size, docs/performance.md).
 - `moe_fp8` / `moe_expert_outputs_fp8`: the backend's routing and combine around the grouped FP8 expert
   GEMMs (CUDA, both modes) or per-expert `linear_fp8` + `silu_mul` calls (elsewhere; kernels/fp8_moe.py).
 """
@@ -45,12 +45,10 @@ class Fp8Ops:
     def linear_fp8_silu_mul(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                             bias: torch.Tensor | None = None) -> torch.Tensor:
         """The SwiGLU MLP up to down_proj over a block-scaled fp8 gate_up weight [2I, K] (gate rows, then up
-        rows): silu_mul of the two halves of `linear_fp8(x, weight, weight_scale, bias)` -> [..., I].
-        Deterministic mode on CUDA: one launch (kernels/fp8_linear_silu_mul.py) for every batch size: its
-        batch invariance is its own, so unlike the 16-bit `linear_silu_mul` the choice never looks at M.
-        Otherwise (CPU, fast mode) `linear_fp8` then `silu_mul`, exactly the two calls."""
-        if self.deterministic and self.device.type == "cuda" and x.is_cuda:
-            return _kernels("fp8_linear_silu_mul").linear_fp8_silu_mul(x, weight, weight_scale, bias)
+        rows): silu_mul of the two halves of `linear_fp8(x, weight, weight_scale, bias)` -> [..., I]."""
+        if weight.shape[0] % 2:
+            raise ValueError(f"linear_fp8_silu_mul: weight must be the fused [2I, K] gate_up weight (gate rows, "
+                             f"then up rows), got an odd row count {weight.shape[0]}")
         gate, up = self.linear_fp8(x, weight, weight_scale, bias).split(weight.shape[0] // 2, dim=-1)
         return self.silu_mul(gate, up)
 
