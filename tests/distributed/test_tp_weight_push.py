@@ -45,10 +45,33 @@ def generate(engine, prompts=PROMPTS, params=PARAMS):
             for i in range(len(prompts))]
 
 
-def two_checkpoints(tmp_path, name):
-    arch, kw = CKPTS[name]
-    return (write_tiny_checkpoint(tmp_path / "a", arch, seed=3, **kw),
-            write_tiny_checkpoint(tmp_path / "b", arch, seed=11, **kw))
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    """two_checkpoints(name) -> (a, b): two tiny checkpoints of one architecture (other seeds), written once per
+    module; the tests only read them."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            arch, kw = CKPTS[name]
+            root = tmp_path_factory.mktemp(f"push_{name}")
+            made[name] = (write_tiny_checkpoint(root / "a", arch, seed=3, **kw),
+                          write_tiny_checkpoint(root / "b", arch, seed=11, **kw))
+        return made[name]
+    return get
+
+
+@pytest.fixture(scope="module")
+def fresh_tp2_outputs():
+    """fresh_tp2_outputs(model_dir): what a fresh TP=2 engine built on model_dir generates (the bits a push
+    must reproduce), computed once per checkpoint in this module."""
+    made = {}
+
+    def get(model_dir):
+        if model_dir not in made:
+            made[model_dir] = fresh_outputs(model_dir, tensor_parallel_size=2)
+        return made[model_dir]
+    return get
 
 
 def full_state(model_dir):
@@ -64,9 +87,9 @@ def fresh_outputs(model_dir, **config):
 
 
 @pytest.mark.parametrize("name", list(CKPTS))
-def test_pushed_weights_give_a_fresh_tp2_engines_bits(tmp_path, name):
-    a, b = two_checkpoints(tmp_path, name)
-    want = fresh_outputs(b, tensor_parallel_size=2)
+def test_pushed_weights_give_a_fresh_tp2_engines_bits(two_checkpoints, fresh_tp2_outputs, name):
+    a, b = two_checkpoints(name)
+    want = fresh_tp2_outputs(b)
     engine = LLMEngine(a, EngineConfig(tensor_parallel_size=2, **ENGINE), device="cpu")
     try:
         before = generate(engine)  # also fills the prefix cache with checkpoint a's K/V
@@ -79,9 +102,9 @@ def test_pushed_weights_give_a_fresh_tp2_engines_bits(tmp_path, name):
         engine.close()
 
 
-def test_admin_load_weights_at_tp2_and_its_digest(tmp_path):
-    a, b = two_checkpoints(tmp_path, "llama")
-    want = fresh_outputs(b, tensor_parallel_size=2)
+def test_admin_load_weights_at_tp2_and_its_digest(two_checkpoints, fresh_tp2_outputs):
+    a, b = two_checkpoints("llama")
+    want = fresh_tp2_outputs(b)
     tp1 = LLMEngine(b, EngineConfig(**ENGINE), device="cpu")
     digest_b = weights_sha256(tp1.runner.model)
     engine = LLMEngine(a, EngineConfig(tensor_parallel_size=2, **ENGINE), device="cpu")
@@ -95,8 +118,8 @@ def test_admin_load_weights_at_tp2_and_its_digest(tmp_path):
         engine.close()
 
 
-def test_bad_pushes_change_nothing_and_name_the_problem(tmp_path):
-    a, b = two_checkpoints(tmp_path, "llama")
+def test_bad_pushes_change_nothing_and_name_the_problem(two_checkpoints, tmp_path):
+    a, b = two_checkpoints("llama")
     engine = LLMEngine(a, EngineConfig(tensor_parallel_size=2, **ENGINE), device="cpu")
     try:
         before = generate(engine)
@@ -119,22 +142,22 @@ def test_bad_pushes_change_nothing_and_name_the_problem(tmp_path):
         engine.close()
 
 
-def test_a_subset_push_changes_only_those_tensors(tmp_path):
-    a, b = two_checkpoints(tmp_path, "llama")
+def test_a_subset_push_changes_only_those_tensors(two_checkpoints, fresh_tp2_outputs):
+    a, b = two_checkpoints("llama")
     state_a, state_b = full_state(a), full_state(b)
     engine = LLMEngine(a, EngineConfig(tensor_parallel_size=2, **ENGINE), device="cpu")
     try:
         push_weights(engine, {n: t for n, t in state_b.items() if n.startswith("layers.1.")})
         push_weights(engine, {n: t for n, t in state_b.items() if not n.startswith("layers.1.")})
-        assert generate(engine) == fresh_outputs(b, tensor_parallel_size=2)
+        assert generate(engine) == fresh_tp2_outputs(b)
         push_weights(engine, state_a)
-        assert generate(engine) == fresh_outputs(a, tensor_parallel_size=2)
+        assert generate(engine) == fresh_tp2_outputs(a)
     finally:
         engine.close()
 
 
-def test_a_worker_dead_before_a_push_is_an_error_not_a_hang(tmp_path):
-    a, b = two_checkpoints(tmp_path, "llama")
+def test_a_worker_dead_before_a_push_is_an_error_not_a_hang(two_checkpoints):
+    a, b = two_checkpoints("llama")
     engine = LLMEngine(a, EngineConfig(tensor_parallel_size=2, **ENGINE), device="cpu")
     try:
         worker = engine.runner._procs[0]

@@ -27,8 +27,11 @@ def checkpoints(tmp_path_factory):
 
     def get(arch):
         if arch not in made:
+            # head_dim 64 (the attention kernels' size) and GQA (4 query heads on 2 KV heads) are what the
+            # prologue sees; the hidden and MLP widths only size the matmuls both paths share (in the
+            # interpreter each 32-wide K block of a deterministic-mode matmul costs time), so they are small.
             made[arch] = write_tiny_checkpoint(tmp_path_factory.mktemp("kv_prologue") / arch, arch, seed=5,
-                                               hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                               hidden_size=32, intermediate_size=32, num_attention_heads=4,
                                                num_key_value_heads=2, head_dim=64, num_hidden_layers=1)
         return made[arch]
     return get

@@ -34,12 +34,21 @@ def _checkpoint(out):
     return load_file(str(ckpt / "weights.safetensors")), load_file(str(ckpt / "optimizer.safetensors"))
 
 
+@pytest.fixture(scope="module")
+def one_trainer_run(stories_dir, tmp_path_factory):
+    """The one-trainer run of SMALL (with --export-hf) that the two-trainer runs below must equal bit for bit:
+    made once, only read by the tests."""
+    one = tmp_path_factory.mktemp("one_trainer") / "one"
+    assert rl_main([str(stories_dir), *SMALL, "--export-hf", "--out", str(one)]) == 0
+    return one
+
+
 @pytest.mark.slow
-def test_two_trainer_ranks_mismatch_zero_and_the_one_trainer_runs_bits(stories_dir, tmp_path, capsys):
-    two, one = tmp_path / "two", tmp_path / "one"
+def test_two_trainer_ranks_mismatch_zero_and_the_one_trainer_runs_bits(stories_dir, one_trainer_run, tmp_path,
+                                                                         capsys):
+    two, one = tmp_path / "two", one_trainer_run
     assert rl_main([str(stories_dir), *SMALL, "--trainer-ranks", "2", "--check", "--out", str(two)]) == 0
     assert "check passed: deterministic mismatch exactly 0 at all 2 steps" in capsys.readouterr().out
-    assert rl_main([str(stories_dir), *SMALL, "--out", str(one)]) == 0
     a, b = _history(two), _history(one)
     assert all(r["mismatch_tokens"] > 0 and r["mismatch_bits_differ"] == 0 for r in a)
     assert [r["weights_hash"] for r in a] == [r["weights_hash"] for r in b]
@@ -49,16 +58,15 @@ def test_two_trainer_ranks_mismatch_zero_and_the_one_trainer_runs_bits(stories_d
 
 
 @pytest.mark.slow
-def test_two_trainer_ranks_resume_and_export_as_one_trainer_does(stories_dir, tmp_path):
+def test_two_trainer_ranks_resume_and_export_as_one_trainer_does(stories_dir, one_trainer_run, tmp_path):
     """A checkpoint of the gathered shards, read back into shards by both ranks: the resumed run continues the
     one-trainer run's bits; --export-hf writes the gathered weights."""
-    two, one = tmp_path / "two", tmp_path / "one"
+    two, one = tmp_path / "two", one_trainer_run
     first = list(SMALL)
     first[SMALL.index("--steps") + 1] = "1"
     assert rl_main([str(stories_dir), *first, "--trainer-ranks", "2", "--out", str(two)]) == 0
     assert rl_main([str(stories_dir), *SMALL, "--trainer-ranks", "2", "--resume", "--export-hf", "--out",
                     str(two)]) == 0
-    assert rl_main([str(stories_dir), *SMALL, "--export-hf", "--out", str(one)]) == 0
     a, b = _history(two), _history(one)
     assert [r["weights_hash"] for r in a] == [r["weights_hash"] for r in b] and len(a) == 2
     for got, want in zip(_checkpoint(two), _checkpoint(one)):
