@@ -20,8 +20,8 @@ COLORS = {"deterministic": "#4c72b0", "fast": "#dd8452", "fast-tis": "#55a868"}
 SMOOTH = 5  # moving-average window of the reward curve (rewards of one step are noisy)
 SMOOTH_FROM = 20  # shorter runs are drawn raw: a trailing average would hide most of the curve
 # (metric key, panel title, y scale); symlog keeps exact zeros visible at the bottom of a log-like axis
-PANELS = (("reward_mean", "mean reward", "linear"), ("response_len_mean", "mean response length (tokens)", "linear"),
-          ("step_s", "step time (s)", "linear"),
+PANELS = (("reward_mean", "mean reward", "linear"), ("eval_accuracy", "eval accuracy (greedy, held out)", "linear"),
+          ("response_len_mean", "mean response length (tokens)", "linear"), ("step_s", "step time (s)", "linear"),
           ("mismatch_bits_differ", "sampled tokens whose logprob bits differ\n(sampler vs trainer)", "linear"),
           ("mismatch_max_abs_diff", "max |logprob difference|", "symlog"),
           ("mismatch_kl_k3", "KL(sampler || trainer), k3 estimate", "symlog"))
@@ -61,11 +61,12 @@ def summary_png(histories: Mapping[str, Sequence[Mapping[str, Any]]]) -> bytes:
     plt = pyplot()
     from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
+    fig, axes = plt.subplots(2, 4, figsize=(20, 7.5))
     for ax, (key, title, scale) in zip(axes.flat, PANELS):
         for arm, hist in histories.items():
-            steps = [h["step"] for h in hist]
-            ys = [h[key] for h in hist]
+            scored = [h for h in hist if h.get(key) is not None]  # eval metrics: only on eval steps
+            steps = [h["step"] for h in scored]
+            ys = [h[key] for h in scored]
             color = COLORS.get(arm, None)
             if key == "reward_mean" and len(ys) >= SMOOTH_FROM:
                 ax.plot(steps, ys, color=color, alpha=0.25, linewidth=0.8)
@@ -74,7 +75,7 @@ def summary_png(histories: Mapping[str, Sequence[Mapping[str, Any]]]) -> bytes:
                 ax.plot(steps, ys, color=color, label=arm, marker="." if len(ys) <= 30 else None)
         if scale == "symlog":
             # linear below the smallest nonzero value's decade, so exact zeros sit on the axis's floor
-            positive = [h[key] for hist in histories.values() for h in hist if h[key] and h[key] > 0]
+            positive = [h[key] for hist in histories.values() for h in hist if h.get(key) and h[key] > 0]
             ax.set_yscale("symlog", linthresh=10.0 ** math.floor(math.log10(min(positive))) if positive else 1e-7)
             ax.set_ylim(bottom=0)
         ax.set_title(title, fontsize=10)
@@ -82,6 +83,8 @@ def summary_png(histories: Mapping[str, Sequence[Mapping[str, Any]]]) -> bytes:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    for ax in axes.flat[len(PANELS):]:
+        ax.axis("off")
     fig.tight_layout()
     return figure_png(fig)
 
