@@ -23,7 +23,10 @@ autograd does for the unchunked `logits / T`: the same elementwise ops, so the s
 division runs at all.
 
 Fast mode uses the same chunking with stock ops (F.linear, torch.log_softmax, torch matmuls): the memory
-saving, with no bit promise beyond what stock PyTorch gives.
+saving, with no bit promise beyond what stock PyTorch gives. Its price there (docs/performance.md): the
+backward recomputes the output layer's forward, and d W_out is a read-modify-write of the fp32 [V, H]
+accumulator per chunk instead of one GEMM over all rows. `chunk_rows=None` (fast mode only) skips the
+chunking: the stock autograd output layer, the baseline bench_train.py's fast arm measures.
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ __all__ = ["LOGPROB_CHUNK_ROWS", "ChunkedLogprobFn", "LogprobHead", "check_chunk
 LOGPROB_CHUNK_ROWS = 512
 
 
-def check_chunk_rows(chunk_rows) -> int:
+def check_chunk_rows(chunk_rows) -> int | None:
+    if chunk_rows is None:  # fast mode's stock output layer (LogprobHead); the caller checks the mode
+        return None
     if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1 \
             or chunk_rows % TOKEN_CHUNK_MULTIPLE:
         raise ValueError(f"logprob chunk rows must be a positive multiple of {TOKEN_CHUNK_MULTIPLE} (the token "
@@ -50,9 +55,16 @@ def check_chunk_rows(chunk_rows) -> int:
 
 class LogprobHead:
     """The output layer's ops: `base` (an Ops) decides them for its mode. Deterministic: the engine's linear
-    and log_softmax forward, the fixed-order backward kernels; fast: stock torch ops."""
+    and log_softmax forward, the fixed-order backward kernels; fast: stock torch ops. `chunk_rows=None`
+    (fast mode only): no chunking and no recompute, the output layer is stock autograd over all scored rows
+    (what a plain PyTorch training loop runs; it holds the scored rows' [M, V] logits and log-distribution
+    from the forward to the backward)."""
 
-    def __init__(self, base, chunk_rows: int = LOGPROB_CHUNK_ROWS):
+    def __init__(self, base, chunk_rows: int | None = LOGPROB_CHUNK_ROWS):
+        if chunk_rows is None and base.deterministic:
+            raise ValueError("logprob_chunk_rows=None (the stock, unchunked output layer) is for fast mode; "
+                             "deterministic mode scores in chunks of a positive multiple of "
+                             f"{TOKEN_CHUNK_MULTIPLE} rows")
         self.base, self.chunk_rows = base, check_chunk_rows(chunk_rows)
 
     def log_distribution(self, hidden: torch.Tensor, weight: torch.Tensor,
@@ -129,6 +141,10 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     """`ChunkedLogprobFn` when autograd needs it, the same chunked forward otherwise. temperature: score
     under softmax(logits / temperature), the division applied to the scored rows' fp32 logits before
     log_softmax, in the forward and the backward's recompute alike."""
+    if head.chunk_rows is None:  # fast mode's stock output layer: plain autograd through the ops
+        logprobs, _ = head.log_distribution(hidden if rows is None else hidden.index_select(0, rows), weight,
+                                            temperature)
+        return logprobs.gather(1, targets[:, None])[:, 0]
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return ChunkedLogprobFn.apply(hidden, weight, targets, rows, head, temperature)
     return _forward_chunks(hidden, weight, targets, rows, head, temperature)

@@ -29,8 +29,9 @@ owns a model's gradients: creating another calls `close()` on the previous one.
 
 Memory (docs/training.md, "Memory"): logits are computed only for the scored rows, in chunks of
 `logprob_chunk_rows` (a multiple of 64; the bits do not depend on it) recomputed in backward
-(logprobs.py); `activation_checkpointing=True` keeps only each decoder layer's inputs and recomputes
-the rest in backward (same bits).
+(logprobs.py); fast mode with `logprob_chunk_rows=None` runs the stock autograd output layer over all
+scored rows instead (no recompute; the [M, V] logits are kept for backward); `activation_checkpointing=True`
+keeps only each decoder layer's inputs and recomputes the rest in backward (same bits).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class TrainableModel:
 
     def __init__(self, source, mode: str = "deterministic", *, master_weights: bool | None = None,
                  block_size: int = 16, activation_checkpointing: bool = False,
-                 logprob_chunk_rows: int = LOGPROB_CHUNK_ROWS, fast_attention: str = "auto"):
+                 logprob_chunk_rows: int | None = LOGPROB_CHUNK_ROWS, fast_attention: str = "auto"):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if mode == "deterministic" and fast_attention != "auto":
