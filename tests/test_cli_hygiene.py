@@ -145,3 +145,12 @@ def test_repro_config_default_matches_the_cli():
     from detinfer.repro.experiment import ReproConfig
 
     assert ReproConfig().chat is False
+
+
+def test_check_outcome_says_failed_on_stderr_with_status_1_else_passed_on_stdout(capsys):
+    assert cli_util.check_outcome("not reproducible: deterministic", "ignored") == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err == "check FAILED: not reproducible: deterministic\n"
+    assert cli_util.check_outcome(None, "deterministic reproduced bit for bit") == 0
+    out, err = capsys.readouterr()
+    assert out == "check passed: deterministic reproduced bit for bit\n" and err == ""

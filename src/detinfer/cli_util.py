@@ -6,6 +6,7 @@
 * `add_model_argument` / `model_path`: the model directory is accepted both as a positional argument and as
   `--model DIR`, in every subcommand that takes one, with `~` expanded (a quoted "~/..." reaches us as is).
 * `cpu_thread_policy`: on a CPU, how many torch threads a run should use (see its doc).
+* `check_outcome`: what `--check` prints and the exit status it gives (1: failed, 0: passed).
 * `Interrupted` / `interrupt_handling`: Ctrl-C in a long command keeps the work that finished (a partial
   report or checkpoint), says so in one line and exits with status 130; a second Ctrl-C exits at once.
 """
@@ -86,6 +87,16 @@ def progress(msg: str, enabled: bool = True) -> None:
     """A progress line on stderr (stdout stays the result)."""
     if enabled:
         print(msg, file=sys.stderr, flush=True)
+
+
+def check_outcome(failure: str | None, passed: str) -> int:
+    """`--check`'s verdict: `check FAILED: <failure>` on stderr and exit status 1 when there is a failure,
+    else `check passed: <passed>` on stdout and 0 (stdout stays the result; a CI step reads the status)."""
+    if failure is not None:
+        print(f"check FAILED: {failure}", file=sys.stderr)
+        return 1
+    print(f"check passed: {passed}")
+    return 0
 
 
 INTERRUPTED_EXIT_STATUS = 130  # 128 + SIGINT, what shells report for a command stopped by Ctrl-C

@@ -7,7 +7,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from detinfer.kernels.moe import expert_config, fused_moe, fused_moe_ref, moe_fast, moe_stock, route_ref
+from detinfer.kernels.moe import (
+    expert_config,
+    fused_moe,
+    fused_moe_ref,
+    local_expert_ids,
+    moe_fast,
+    moe_stock,
+    route_ref,
+)
 
 # The kernel tests' device: CUDA when present, else the CPU under Triton's interpreter (tests/conftest.py).
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -103,6 +111,18 @@ def test_fast_paths_match_reference():
         assert torch.allclose(moe_stock(x, router, w13, w2, 3, renorm), ref, atol=1e-5, rtol=1e-5)
         fast = moe_fast(*(t.to(DEVICE) for t in (x, router, w13, w2)), 3, renorm).cpu()
         assert torch.allclose(fast, ref, atol=1e-5, rtol=1e-5)
+
+
+@given(st.integers(1, 8), st.integers(1, 4), st.integers(0, 2**31 - 1), st.data())
+def test_local_expert_ids_keep_this_ranks_experts_and_bucket_the_rest(num_local, ranks, seed, data):
+    first = num_local * data.draw(st.integers(0, ranks - 1))
+    ids = torch.randint(0, num_local * ranks, (data.draw(st.integers(0, 12)), 3),
+                        generator=torch.Generator().manual_seed(seed))
+    local, foreign = local_expert_ids(ids, first, num_local)
+    mine = (ids >= first) & (ids < first + num_local)
+    assert foreign and torch.equal(local, torch.where(mine, ids - first, torch.full_like(ids, num_local)))
+    unchanged, foreign = local_expert_ids(ids, None, num_local)
+    assert unchanged is ids and not foreign
 
 
 def test_empty_input():

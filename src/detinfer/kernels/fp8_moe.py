@@ -108,14 +108,11 @@ def expert_outputs_fp8_grouped(x: torch.Tensor, ids: torch.Tensor, w_gate_up: to
     rows runs the FP8 K-block loop; the SwiGLU output is quantized per row for the down projection. No host
     sync (CUDA-graph capturable). Batch-invariant: the configs come from (N, K) only."""
     from detinfer.kernels.fp8_quant import num_blocks, quantize_activations
-    from detinfer.kernels.moe import _group_by_expert
+    from detinfer.kernels.moe import _group_by_expert, local_expert_ids
 
     T, k = ids.shape
     E, two_i, H = w_gate_up.shape
-    foreign = first_expert is not None
-    if foreign:
-        local = ids - first_expert
-        ids = torch.where((local >= 0) & (local < E), local, E)
+    ids, foreign = local_expert_ids(ids, first_expert, E)
     inter = two_i // 2
     triton, kernel = _grouped_kernel()
     w_gate_up, s_gate_up = w_gate_up.contiguous(), s_gate_up.contiguous()

@@ -274,6 +274,18 @@ def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, pair_ptr, tile_expert_ptr, N, K, 
              mask=valid[:, None] & (offs_n[None, :] < N))
 
 
+def local_expert_ids(ids: torch.Tensor, first_expert: int | None, num_local: int) -> tuple[torch.Tensor, bool]:
+    """Expert parallelism: (ids as indices into this rank's experts [first_expert, first_expert + num_local),
+    every slot routed to another rank's expert mapped to `num_local`; whether such foreign slots may occur,
+    i.e. `first_expert` was given). `_group_by_expert(..., foreign)` puts the `num_local` slots in a last group
+    that is never computed, so their outputs must start at zero. Without `first_expert` the ids are returned
+    as they are. Pure index arithmetic on the device (no host sync)."""
+    if first_expert is None:
+        return ids, False
+    local = ids - first_expert
+    return torch.where((local >= 0) & (local < num_local), local, num_local), True
+
+
 def _group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, foreign: bool = False):
     """(pair ids [tiles * block_m] int32, -1 = padding; expert of each tile [tiles] int32, -1 = spare) for
     ids [T, k]: pairs (t * k + r) grouped by expert in ascending pair order, each expert's group padded to
@@ -315,10 +327,7 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor, 
     layer's: its tile walks the same K with the same config, only the weights' base pointer moves."""
     T, k = ids.shape
     E, two_i, H = w_gate_up.shape
-    foreign = first_expert is not None
-    if foreign:
-        local = ids - first_expert
-        ids = torch.where((local >= 0) & (local < E), local, E)
+    ids, foreign = local_expert_ids(ids, first_expert, E)
     inter = two_i // 2
     x = x.contiguous()
     w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()

@@ -26,6 +26,7 @@ from detinfer.cli_util import (
     Interrupted,
     Parser,
     add_model_argument,
+    check_outcome,
     interrupt_handling,
     model_path,
 )
@@ -230,10 +231,8 @@ def _main(argv: list[str] | None) -> int:
     if ns.check:
         must = [s for s in sections if s.label != "fast"]
         bad = [s.label for s in must if not reproduces(s)]
-        if bad:
-            print(f"check FAILED: not reproducible: {', '.join(bad)}", file=sys.stderr)
-            return 1
-        print(f"check passed: {', '.join(s.label for s in must)} reproduced bit for bit")
+        return check_outcome(f"not reproducible: {', '.join(bad)}" if bad else None,
+                             f"{', '.join(s.label for s in must)} reproduced bit for bit")
     return 0
 
 

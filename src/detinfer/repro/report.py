@@ -8,7 +8,6 @@ report.json, report.html, summary.png (every section's plots in one picture) and
 from __future__ import annotations
 
 import dataclasses
-import html
 import json
 import math
 import re
@@ -17,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from detinfer.report_html import BASE_CSS, figure_png, img_tag, pyplot
+from detinfer.report_html import BASE_CSS, escape, experiment_html, figure_png, img_tag, page_head, pyplot
 from detinfer.repro.analysis import Completion, Summary
 
 REPORT_FORMAT = "detinfer-repro/1"
@@ -236,11 +235,6 @@ def summary_png(sections: Sequence[Section]) -> bytes:
 _CSS = BASE_CSS + ".a{background:#e6f4ea}.b{background:#fde7e9}pre{max-height:12em;overflow:auto}"
 
 
-def _e(x: Any) -> str:
-    return html.escape(str(x))
-
-
-
 def _fmt(x: Any) -> str:
     return "—" if x is None else (repr(x) if isinstance(x, float) else str(x))
 
@@ -254,7 +248,7 @@ def _variants(g) -> str:
 
 def _section_html(s: Section, pngs: tuple[bytes, bytes]) -> str:
     sm = s.summary
-    verdict_html = f'<span class="{"ok" if reproduces(sm) else "bad"}">{_e(verdict(sm))}</span>'
+    verdict_html = f'<span class="{"ok" if reproduces(sm) else "bad"}">{escape(verdict(sm))}</span>'
     rows = [("runs", sm.n), ("distinct texts (token sequences)", sm.num_unique),
             ("most common text", f"{sm.most_common_count} runs"),
             ("distinct logprob sequences (tokens and logprob bits)", sm.num_unique_logprobs),
@@ -265,15 +259,16 @@ def _section_html(s: Section, pngs: tuple[bytes, bytes]) -> str:
             ("largest |logprob difference| from the reference run, where the tokens so far agree",
              max_diff_text(sm)),
             ("wall time", f"{s.elapsed_s:.1f} s")] + [(k, v) for k, v in s.extra.items()]
-    parts = [f"<div class=col><h2>{_e(s.label)}</h2><p class=muted>{_e(s.target)}</p><p>{verdict_html}</p>",
-             "<table>" + "".join(f"<tr><th>{_e(k)}</th><td>{_e(_fmt(v))}</td></tr>" for k, v in rows) + "</table>",
+    parts = [f"<div class=col><h2>{escape(s.label)}</h2><p class=muted>{escape(s.target)}</p><p>{verdict_html}</p>",
+             "<table>" + "".join(f"<tr><th>{escape(k)}</th><td>{escape(_fmt(v))}</td></tr>" for k, v in rows)
+             + "</table>",
              img_tag(pngs[0], f"{s.label} histogram"), img_tag(pngs[1], f"{s.label} divergence positions"),
              "<h3>Distinct completions</h3><table><tr><th>#</th><th>runs</th><th>diverges from #0</th>"
              "<th>logprob variants</th><th>text</th></tr>"]
     for g, d in list(zip(sm.groups, sm.divergence_from_mode))[:MAX_BARS]:
-        at = "—" if d is None else _e(at_unit(sm.unit, d))
+        at = "—" if d is None else escape(at_unit(sm.unit, d))
         parts.append(f"<tr><td>{g.rank}</td><td>{g.count}</td><td>{at}</td><td>{_variants(g)}"
-                     f"</td><td><pre>{_e(g.completion.text)}</pre></td></tr>")
+                     f"</td><td><pre>{escape(g.completion.text)}</pre></td></tr>")
     parts.append("</table>")
     if len(sm.groups) > MAX_BARS:
         parts.append(f"<p class=muted>{len(sm.groups) - MAX_BARS} rarer completions: see report.json</p>")
@@ -288,28 +283,22 @@ def _section_html(s: Section, pngs: tuple[bytes, bytes]) -> str:
                      f"{at_unit(sm.unit, p.first_logprob_diff)} (max |Δ| {p.max_prefix_logprob_diff:.3g})") \
                 if p.logprob_window else "—"
             parts.append(
-                f"<tr><td>#{p.a} ({p.a_count}) vs #{p.b} ({p.b_count})</td><td>{_e(at_unit(sm.unit, p.index))}</td>"
-                f"<td><pre>…{_e(p.prefix)}</pre></td><td><pre class=a>{_e(p.a_text or '⟨end⟩')}</pre>"
-                f"<pre class=b>{_e(p.b_text or '⟨end⟩')}</pre></td><td>{lp}</td><td>{_e(first)}</td></tr>")
+                f"<tr><td>#{p.a} ({p.a_count}) vs #{p.b} ({p.b_count})</td><td>{escape(at_unit(sm.unit, p.index))}</td>"
+                f"<td><pre>…{escape(p.prefix)}</pre></td><td><pre class=a>{escape(p.a_text or '⟨end⟩')}</pre>"
+                f"<pre class=b>{escape(p.b_text or '⟨end⟩')}</pre></td><td>{lp}</td><td>{escape(first)}</td></tr>")
         parts.append("</table>")
         if sm.pairs_left_out:
             parts.append(f"<p class=muted>{sm.pairs_left_out} more pairs not listed</p>")
-    parts.append(f"<details><summary>prompt as sent</summary><pre>{_e(s.prompt)}</pre></details></div>")
+    parts.append(f"<details><summary>prompt as sent</summary><pre>{escape(s.prompt)}</pre></details></div>")
     return "\n".join(parts)
 
 
 def report_html(sections: Sequence[Section], experiment: dict[str, Any],
                 pngs: Sequence[tuple[bytes, bytes]]) -> str:
-    cmd = experiment.get("command")
-    head = ("<!doctype html><html><head><meta charset=utf-8><title>detinfer repro report</title>"
-            f"<style>{_CSS}</style></head><body><h1>Reproducibility: N runs under load</h1>")
-    if experiment.get("partial"):  # Ctrl-C: the sections that finished, said before anything else
-        head += f"<p><b>Partial report:</b> {_e(experiment['partial'])}</p>"
-    info = "<p>" + ", ".join(f"{_e(k)}: <code>{_e(v)}</code>" for k, v in experiment.items()
-                             if k not in ("command", "partial") and not isinstance(v, (dict, list))) + "</p>"
-    if cmd:
-        info += f"<p>command: <code>{_e(cmd)}</code></p>"
-    summary = f"<p><b>{_e(headline(sections))}</b></p>"
+    # a partial report (Ctrl-C) holds the sections that finished
+    head = page_head("detinfer repro report", "Reproducibility: N runs under load", _CSS, experiment)
+    info = experiment_html(experiment)
+    summary = f"<p><b>{escape(headline(sections))}</b></p>"
     body = "<div class=cols>" + "".join(_section_html(s, p) for s, p in zip(sections, pngs)) + "</div>"
     return head + summary + info + body + "<p class=muted>every raw completion: report.json</p></body></html>\n"
 

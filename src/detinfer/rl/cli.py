@@ -26,6 +26,7 @@ from detinfer.cli_util import (
     Interrupted,
     Parser,
     add_model_argument,
+    check_outcome,
     interrupt_handling,
     model_path,
 )
@@ -135,10 +136,8 @@ def _main(argv: list[str] | None) -> int:
     det = result["histories"].get("deterministic")
     if ns.check and det is not None:
         bad = [h["step"] for h in det if h["mismatch_bits_differ"] != 0 or h["mismatch_max_abs_diff"] != 0]
-        if bad:
-            print(f"check FAILED: deterministic sampler and trainer differed at steps {bad[:10]}", file=sys.stderr)
-            return 1
-        print(f"check passed: deterministic mismatch exactly 0 at all {len(det)} steps")
+        return check_outcome(f"deterministic sampler and trainer differed at steps {bad[:10]}" if bad else None,
+                             f"deterministic mismatch exactly 0 at all {len(det)} steps")
     return 0
 
 

@@ -5,14 +5,13 @@ repro`'s report."""
 
 from __future__ import annotations
 
-import html
 import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from detinfer.report_html import BASE_CSS, figure_png, img_tag, pyplot
+from detinfer.report_html import BASE_CSS, escape, experiment_html, figure_png, img_tag, page_head, pyplot
 from detinfer.rl.checkpoint import jsonable
 
 REPORT_FORMAT = "detinfer-rl/1"
@@ -92,10 +91,6 @@ def summary_png(histories: Mapping[str, Sequence[Mapping[str, Any]]]) -> bytes:
 _CSS = BASE_CSS + "body{--col-width:360px}"
 
 
-def _e(x: Any) -> str:
-    return html.escape(str(x))
-
-
 def _fmt(x: Any) -> str:
     if x is None:
         return "—"
@@ -105,26 +100,21 @@ def _fmt(x: Any) -> str:
 def _arm_html(arm: str, history: Sequence[Mapping[str, Any]]) -> str:
     s = arm_summary(history)
     if not history:
-        return f"<div class=col><h2>{_e(arm)}</h2><p class=muted>no steps</p></div>"
+        return f"<div class=col><h2>{escape(arm)}</h2><p class=muted>no steps</p></div>"
     exact = all(h["mismatch_bits_differ"] == 0 and h["mismatch_max_abs_diff"] == 0 for h in history)
     verdict = ('<span class=ok>sampler and trainer agree bit for bit at every step: on-policy</span>' if exact else
                '<span class=bad>sampler and trainer logprobs differ: the samples are off-policy</span>')
-    rows = "".join(f"<tr><th>{_e(k)}</th><td>{_e(_fmt(v))}</td></tr>" for k, v in s.items())
+    rows = "".join(f"<tr><th>{escape(k)}</th><td>{escape(_fmt(v))}</td></tr>" for k, v in s.items())
     last = history[-1].get("sample_text", "")
-    return (f"<div class=col><h2>{_e(arm)}</h2><p>{verdict}</p><table>{rows}</table>"
-            f"<details><summary>a completion from the last step</summary><pre>{_e(last)}</pre></details></div>")
+    return (f"<div class=col><h2>{escape(arm)}</h2><p>{verdict}</p><table>{rows}</table>"
+            f"<details><summary>a completion from the last step</summary><pre>{escape(last)}</pre></details></div>")
 
 
 def report_html(histories: Mapping[str, Sequence[Mapping[str, Any]]], experiment: Mapping[str, Any],
                 png: bytes) -> str:
-    head = ("<!doctype html><html><head><meta charset=utf-8><title>detinfer rl report</title>"
-            f"<style>{_CSS}</style></head><body><h1>GRPO: sampler-trainer mismatch, deterministic vs fast</h1>")
-    if experiment.get("partial"):  # Ctrl-C: the steps that finished, said before anything else
-        head += f"<p><b>Partial report:</b> {_e(experiment['partial'])}</p>"
-    info = "<p>" + ", ".join(f"{_e(k)}: <code>{_e(v)}</code>" for k, v in experiment.items()
-                             if k not in ("command", "partial") and not isinstance(v, (dict, list))) + "</p>"
-    if experiment.get("command"):
-        info += f"<p>command: <code>{_e(experiment['command'])}</code></p>"
+    # a partial report (Ctrl-C) holds the steps that finished
+    head = page_head("detinfer rl report", "GRPO: sampler-trainer mismatch, deterministic vs fast", _CSS, experiment)
+    info = experiment_html(experiment)
     times = {a: arm_summary(h).get("mean step time (s)") for a, h in histories.items()}
     if times.get("deterministic") and times.get("fast"):
         info += (f"<p>step time deterministic / fast: <b>{times['deterministic'] / times['fast']:.2f}x</b> "

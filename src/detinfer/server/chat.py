@@ -11,26 +11,20 @@ from fastapi import Request
 from detinfer.server import protocol as P
 from detinfer.server.generation import ChoiceTracker, Generation
 from detinfer.server.handling import (
-    check_model,
     count_finishes,
     ignored_fields_headers,
     json_response,
+    read_request,
     run_to_end,
     start_generation,
-    state_of,
     stream_response,
     usage,
 )
-from detinfer.server.request_io import check_auth, read_json
 from detinfer.server.sampling import chat_logprobs_count, sampling_params
 
 
 async def chat_completions(request: Request):
-    state = state_of(request)
-    check_auth(request, state.config.api_key)
-    req = P.parse_request(P.ChatCompletionRequest,
-                          await read_json(request, state.config.max_request_bytes, state.config.body_timeout))
-    check_model(state, req.model)
+    state, req = await read_request(request, P.ChatCompletionRequest)
     logprobs = chat_logprobs_count(req, state.limits)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, state.limits, max_tokens=max_tokens, logprobs=logprobs,

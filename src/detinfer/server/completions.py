@@ -13,18 +13,16 @@ from fastapi import Request
 from detinfer.server import protocol as P
 from detinfer.server.generation import ChoiceTracker, Generation
 from detinfer.server.handling import (
-    check_model,
     count_finishes,
     ignored_fields_headers,
     json_response,
+    read_request,
     run_to_end,
     start_generation,
-    state_of,
     stream_response,
     usage,
 )
 from detinfer.server.logprobs import TextOffsets
-from detinfer.server.request_io import check_auth, read_json
 from detinfer.server.sampling import completion_logprobs_count, sampling_params
 
 
@@ -77,11 +75,7 @@ def _concat(a: P.CompletionLogprobs, b: P.CompletionLogprobs) -> P.CompletionLog
 
 
 async def completions(request: Request):
-    state = state_of(request)
-    check_auth(request, state.config.api_key)
-    req = P.parse_request(P.CompletionRequest,
-                          await read_json(request, state.config.max_request_bytes, state.config.body_timeout))
-    check_model(state, req.model)
+    state, req = await read_request(request, P.CompletionRequest)
     n = req.n or 1
     if req.best_of is not None and req.best_of != n:
         raise P.bad_request("best_of must equal n (every sample is returned)", param="best_of")

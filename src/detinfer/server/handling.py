@@ -1,5 +1,5 @@
-"""What both generation routes do around the engine: start a Generation, wait for it or stream it, and map
-the engine front end's exceptions to HTTP answers."""
+"""What both generation routes do around the engine: read and check the request, start a Generation, wait
+for it or stream it, and map the engine front end's exceptions to HTTP answers."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from detinfer.server.async_engine import (
 )
 from detinfer.server.context import ServerState
 from detinfer.server.generation import ChoiceTracker, Generation
-from detinfer.server.request_io import AbortingStream, sse
+from detinfer.server.request_io import AbortingStream, check_auth, read_json, sse
 
 log = logging.getLogger("detinfer.server")
 IGNORED_FIELDS_HEADER = "X-Detinfer-Ignored-Fields"
@@ -48,6 +48,17 @@ def check_model(state: ServerState, name: str) -> None:
     if name != state.model.name:
         raise P.APIError(404, f"model {name!r} does not exist; this server serves {state.model.name!r}",
                          param="model", code="model_not_found")
+
+
+async def read_request(request: Request, model_cls: type) -> tuple[ServerState, Any]:
+    """(server state, parsed request) for a generation route, in the order its errors are answered: the
+    API key, the body (size and time limits), its fields (`model_cls`), then the served model's name."""
+    state = state_of(request)
+    check_auth(request, state.config.api_key)
+    req = P.parse_request(model_cls, await read_json(request, state.config.max_request_bytes,
+                                                     state.config.body_timeout))
+    check_model(state, req.model)
+    return state, req
 
 
 def _failed(e: RequestFailed) -> P.APIError:
