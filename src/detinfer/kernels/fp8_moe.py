@@ -107,7 +107,8 @@ def expert_outputs_fp8_grouped(x: torch.Tensor, ids: torch.Tensor, w_gate_up: to
     quantized once (per row: the same x_q whichever expert reads them), each tile of one expert's gathered
     rows runs the FP8 K-block loop; the SwiGLU output is quantized per row for the down projection. No host
     sync (CUDA-graph capturable). Batch-invariant: the configs come from (N, K) only."""
-    from detinfer.kernels.fp8_quant import num_blocks, quantize_activations
+    from detinfer.kernels.fp8_linear import quantize_activations_gpu as quantize_activations  # one launch
+    from detinfer.kernels.fp8_quant import num_blocks
     from detinfer.kernels.moe import _group_by_expert, local_expert_ids
 
     T, k = ids.shape
