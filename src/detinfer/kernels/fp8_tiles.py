@@ -14,7 +14,7 @@ is reduced into its own fp32 accumulator (the K-block step of fp8_linear's doc),
 added in run order, starting from 0.0. Both launch forms compute exactly that: one program walking every
 run in turn (`total += acc_c`), or one program per (tile, run) writing its accumulator and
 `add_chunks_kernel` adding them in run order. The number of runs comes from (N, K) only
-(fp8_linear.kernel_config); the form from M (how many programs the GPU would otherwise get).
+(fp8_linear.k_runs); the form from M (how many programs the GPU would otherwise get).
 """
 
 from __future__ import annotations
