@@ -49,7 +49,7 @@ def _safetensors():
 
 # The engine settings that bound or shape what a run samples (EngineConfig fields).
 # RLConfig fields added after checkpoint format 2 was defined: a checkpoint without one ran at its default.
-NEWER_FIELDS = ("tensor_parallel_size", "tp_invariant_reduction", "layout", "trainer_ranks")
+NEWER_FIELDS = ("tensor_parallel_size", "tp_invariant_reduction", "layout", "trainer_ranks", "offload_optimizer")
 ENGINE_IDENTITY_FIELDS = ("max_model_len", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens")
 
 
@@ -220,8 +220,11 @@ def restore_tensors(trainer, directory: Path, state: dict) -> None:
                              f"the model's is {tuple(p.shape)} {p.dtype}")
         copy_full_into(p, weights[name])
     opt = load_file(str(directory / "optimizer.safetensors"))
-    # torch numbers an optimizer's parameters group after group; map each name to that index
-    index = {id(p): i for i, p in enumerate(p for g in trainer.optimizer.param_groups for p in g["params"])}
+    # torch numbers an optimizer's parameters group after group; map each name to that index (OffloadedAdamW's
+    # groups hold its host copies: its `params` are the trainer's parameters in that order)
+    ordered = getattr(trainer.optimizer, "params", None) or [p for g in trainer.optimizer.param_groups
+                                                            for p in g["params"]]
+    index = {id(p): i for i, p in enumerate(ordered)}
     per_param = {}
     for name, p in named:
         entries = {k.split("::", 1)[1]: in_param_layout(v, p) for k, v in opt.items() if k.split("::", 1)[0] == name}

@@ -69,6 +69,13 @@ class RLConfig:
         "AdamW weight decay, on weight matrices only (never on norms, biases or embeddings)."))
     max_grad_norm: float | None = field(default=1.0, metadata=_help(
         "Clip the gradient's global norm to this (none: no clipping)."))
+    offload_optimizer: bool = field(default=False, metadata=_help(
+        "Keep AdamW's two moments in host memory and step on the CPU (train/optim.py's OffloadedAdamW): the "
+        "trainer's GPU bytes per parameter go from 18 to 10 (16-bit engine with fp32 masters), for a CPU AdamW "
+        "step and PCIe copies (gradients and masters down, masters up) per update. The CPU step is the "
+        "single-tensor AdamW: on a CPU the same bits as without; on a GPU it may differ in the last bits from "
+        "the fused CUDA AdamW, so offloaded runs reproduce each other but are another trajectory than "
+        "non-offloaded ones (a resume keeps the setting)."))
     scale_rewards: bool = field(default=True, metadata=_help(
         "Divide group-relative advantages by the group's reward std (GRPO); --no-scale-rewards keeps "
         "reward - group mean."))
@@ -176,6 +183,7 @@ class RLConfig:
         check_float("weight_decay", self.weight_decay, minimum=0.0)
         if self.max_grad_norm is not None:
             check_float("max_grad_norm", self.max_grad_norm, minimum=0.0, min_exclusive=True)
+        _check_bool("offload_optimizer", self.offload_optimizer)
         _check_bool("scale_rewards", self.scale_rewards)
         check_float("tis_cap", self.tis_cap, minimum=0.0, min_exclusive=True)
         check_float("kl_coef", self.kl_coef, minimum=0.0)

@@ -67,18 +67,22 @@ def decays(name: str, param: torch.Tensor) -> bool:
     return param.dim() >= 2 and "embed" not in name
 
 
-def build_optimizer(named_params, config, single_tensor: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(named_params, config, single_tensor: bool = False):
     """AdamW over two groups: decayed weight matrices, and everything else without decay. Checkpoints
     store the groups' hyperparameters; their membership is a function of the parameter names. The
     implementation (fused on CUDA, single-tensor elsewhere) is train/optim.py's `adamw` choice, or the
-    single-tensor loop everywhere with `single_tensor` (FSDP shards: see train/fsdp.py)."""
-    from detinfer.train.optim import adamw
+    single-tensor loop everywhere with `single_tensor` (FSDP shards: see train/fsdp.py). With
+    `config.offload_optimizer`: `OffloadedAdamW` over the same groups (moments on the host, the
+    single-tensor step on the CPU; a DTensor shard through its local tensor)."""
+    from detinfer.train.optim import OffloadedAdamW, adamw
 
     named = list(named_params)
     decay = [p for n, p in named if decays(n, p)]
     no_decay = [p for n, p in named if not decays(n, p)]
     groups = [{"params": decay, "weight_decay": config.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
+    if config.offload_optimizer:
+        return OffloadedAdamW(groups, lr=config.lr)
     return adamw(groups, lr=config.lr, **({"fused": False, "foreach": False} if single_tensor else {}))
 
 

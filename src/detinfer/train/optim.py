@@ -55,25 +55,41 @@ def state_bytes_per_param(engine_dtype: torch.dtype, master_weights: bool | None
     return engine + (trained if masters else 0) + trained + moments
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what this rank steps; FSDP2 parameters and their gradients), or `t`."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 class OffloadedAdamW:
     """AdamW with its state in host memory, stepped on the CPU (see the module doc). The device
     parameters stay the source of truth: each step copies them and their gradients to host buffers,
     steps the host copies, and copies the results back, so anything that rewrites the device parameters
     between steps (a checkpoint restore) is seen. The torch.optim surface the RL loop and its
     checkpoints use: step, zero_grad, param_groups, state (keyed by the device parameters),
-    state_dict / load_state_dict."""
+    state_dict / load_state_dict.
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float = 0.0, **kwargs):
-        self.params = list(params)
+    params: parameters, or param groups (dicts with "params" and their own settings, as torch.optim
+    takes). A DTensor parameter (an FSDP2 shard) is stepped through its local shard: the host buffers
+    and moments are of `to_local()`'s size, and `state` presents the moments as DTensors laid out like
+    the parameter (as torch's AdamW over DTensors keeps them), so a checkpoint gathers them alike."""
+
+    def __init__(self, params: Iterable, lr: float, weight_decay: float = 0.0, **kwargs):
+        params = list(params)
+        groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+        self.params = [p for g in groups for p in g["params"]]
         if not self.params:
             raise ValueError("OffloadedAdamW: no parameters to optimize")
-        pin = any(p.is_cuda for p in self.params)  # pinned host buffers: asynchronous, faster copies
+        self.on_cuda = any(p.is_cuda for p in self.params)  # pinned host buffers: asynchronous copies
 
         def host_like(p):
-            return torch.empty(tuple(p.shape), dtype=p.dtype, device="cpu", pin_memory=pin)
-        self.host = [torch.nn.Parameter(host_like(p)) for p in self.params]
+            local = _local(p)
+            return torch.empty(tuple(local.shape), dtype=local.dtype, device="cpu", pin_memory=self.on_cuda)
+        host_groups = [{**g, "params": [torch.nn.Parameter(host_like(p)) for p in g["params"]]} for g in groups]
+        self.host = [h for g in host_groups for h in g["params"]]  # in the order of self.params
         self.host_grads = [host_like(p) for p in self.params]
-        self.inner = torch.optim.AdamW(self.host, lr=lr, weight_decay=weight_decay, foreach=False, **kwargs)
+        self.inner = torch.optim.AdamW(host_groups, lr=lr, weight_decay=weight_decay, foreach=False, **kwargs)
 
     @property
     def param_groups(self):
@@ -81,13 +97,32 @@ class OffloadedAdamW:
 
     @property
     def state(self) -> dict:
-        return {p: self.inner.state[h] for p, h in zip(self.params, self.host) if h in self.inner.state}
+        """{device parameter: its AdamW state}; a DTensor parameter's moments as DTensors like it (copies
+        on its device: for reading, e.g. gathering a checkpoint)."""
+        from torch.distributed.tensor import DTensor
+
+        out = {}
+        for p, h in zip(self.params, self.host):
+            if h not in self.inner.state:
+                continue
+            entries = self.inner.state[h]
+            if isinstance(p, DTensor):
+                entries = {k: (DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape,
+                                                  stride=p.stride())
+                               if isinstance(v, torch.Tensor) and v.shape == h.shape and v.dim() else v)
+                           for k, v in entries.items()}
+            out[p] = entries
+        return out
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.inner.load_state_dict(state_dict)
+        """torch.optim's state_dict format; DTensor state values (a parameter's layout) give their local
+        shards, which is what the host copies hold."""
+        state = {i: {k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in entries.items()}
+                 for i, entries in state_dict["state"].items()}
+        self.inner.load_state_dict({**state_dict, "state": state})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -102,11 +137,11 @@ class OffloadedAdamW:
             if p.grad is None:
                 h.grad = None  # AdamW skips it, as it would skip p
                 continue
-            h.copy_(p, non_blocking=True)
-            h.grad = g.copy_(p.grad, non_blocking=True)
-        if any(p.is_cuda for p in self.params):
+            h.copy_(_local(p), non_blocking=True)
+            h.grad = g.copy_(_local(p.grad), non_blocking=True)
+        if self.on_cuda:
             torch.cuda.synchronize()  # the host copies must have landed before the CPU reads them
         self.inner.step()
         for p, h in zip(self.params, self.host):
             if h.grad is not None:
-                p.copy_(h, non_blocking=True)  # stream-ordered before any later use of p
+                _local(p).copy_(h, non_blocking=True)  # stream-ordered before any later use of p
