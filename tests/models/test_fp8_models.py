@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from detinfer.engine import EngineConfig, LLMEngine, SamplingParams
-from detinfer.engine.testing import drive
+from detinfer.engine import EngineConfig, LLMEngine
+from detinfer.engine.testing import drive, mixed_requests
 from detinfer.kernels.fp8_quant import FP8_DTYPE, dequantize_weight, quantize_weight_rows
 from detinfer.models.config import ModelConfig
 from detinfer.models.loader import load_model, load_state
@@ -87,24 +87,13 @@ def test_fp32_checkpoint_quantized_at_load(tmp_path):
     assert state["layers.0.mlp.down_proj.weight_scale"].shape == (64, 1)
 
 
-def _requests(vocab=320, n=5):
-    g = torch.Generator().manual_seed(11)
-    reqs = []
-    for i in range(n):
-        prompt = torch.randint(3, vocab, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g).tolist()
-        params = SamplingParams(max_tokens=6, temperature=0.0 if i % 2 else 0.8, seed=i, logprobs=2,
-                                ignore_eos=True)
-        reqs.append((i, f"r{i}", prompt, params))
-    return reqs
-
-
 ENGINE = dict(max_num_batched_tokens=64, max_num_seqs=8, block_size=16, num_kv_blocks=64)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3-moe"])
 def test_engine_fp8_alone_equals_batched_bitwise(checkpoints, name):
     _, fp8_dir = checkpoints[name]
-    reqs = _requests()
+    reqs = mixed_requests(max_tokens=6)
     engine = LLMEngine(fp8_dir, EngineConfig(**ENGINE), device="cpu")
     assert engine.model_config.quantization == "fp8"
     batched = drive(engine, reqs, max_steps=300)
@@ -117,7 +106,7 @@ def test_engine_fp8_alone_equals_batched_bitwise(checkpoints, name):
 
 def test_engine_quantization_flag_on_a_bf16_checkpoint_generates(checkpoints):
     src, fp8_dir = checkpoints["llama"]
-    reqs = _requests(n=3)
+    reqs = mixed_requests(3, max_tokens=6)
     flagged = drive(LLMEngine(src, EngineConfig(quantization="fp8", **ENGINE), device="cpu"), reqs, max_steps=300)
     stored = drive(LLMEngine(fp8_dir, EngineConfig(**ENGINE), device="cpu"), reqs, max_steps=300)
     plain = drive(LLMEngine(src, EngineConfig(**ENGINE), device="cpu"), reqs, max_steps=300)
@@ -136,7 +125,7 @@ def test_random_model_in_fp8_quantizes_the_drawn_weights():
     engine = LLMEngine.from_weights(RandomWeights(4, torch.bfloat16), config,
                                     EngineConfig(quantization="fp8", **ENGINE), device="cpu")
     assert engine.model_config.quantization == "fp8"
-    out = drive(engine, _requests(n=2), max_steps=300)
+    out = drive(engine, mixed_requests(2, max_tokens=6), max_steps=300)
     assert set(out) == {"r0", "r1"}
 
 

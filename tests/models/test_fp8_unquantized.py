@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from detinfer.engine import EngineConfig, LLMEngine, SamplingParams
-from detinfer.engine.testing import drive
+from detinfer.engine import EngineConfig, LLMEngine
+from detinfer.engine.testing import drive, mixed_requests
 from detinfer.kernels.fp8_quant import BLOCK, FP8_DTYPE, dequantize_weight, quantize_activations
 from detinfer.models import ReferenceAttention, fp8
 from detinfer.models.config import ModelConfig
@@ -123,24 +123,13 @@ def test_outputs_match_the_float64_reference(checkpoints, name):
     assert bool(((got - want).norm(dim=-1) <= 1e-4 * want.norm(dim=-1)).all())
 
 
-def _requests(vocab=320, n=5):
-    g = torch.Generator().manual_seed(11)
-    reqs = []
-    for i in range(n):
-        prompt = torch.randint(3, vocab, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g).tolist()
-        params = SamplingParams(max_tokens=5, temperature=0.0 if i % 2 else 0.8, seed=i, logprobs=2,
-                                ignore_eos=True)
-        reqs.append((i, f"r{i}", prompt, params))
-    return reqs
-
-
 ENGINE = dict(max_num_batched_tokens=64, max_num_seqs=8, block_size=16, num_kv_blocks=64)
 
 
 @pytest.mark.parametrize("name", ["hf-names", "moe"])
 def test_engine_alone_equals_batched_bitwise(checkpoints, name):
     fp8_dir = checkpoints[name][1]
-    reqs = _requests()
+    reqs = mixed_requests(max_tokens=5)
     batched = drive(LLMEngine(fp8_dir, EngineConfig(**ENGINE), device="cpu"), reqs, max_steps=300)
     for _arrival, rid, prompt, params in reqs[:3]:
         alone = drive(LLMEngine(fp8_dir, EngineConfig(**ENGINE), device="cpu"), [(0, rid, prompt, params)],

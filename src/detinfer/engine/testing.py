@@ -2,7 +2,8 @@
 
 `signature(out)` is everything a caller can observe about a finished request, with every float as its exact
 hex string (so -0.0 vs 0.0 or one ULP differ); `drive(engine, requests)` runs the requests with
-`engine.drive.drive` and returns their signatures.
+`engine.drive.drive` and returns their signatures; `mixed_requests` a seeded set of prompts, half greedy and
+half sampled.
 """
 
 from __future__ import annotations
@@ -51,6 +52,23 @@ def signature(out: RequestOutput) -> Signature:
                   for c in out.outputs)
     prompt = None if out.prompt_logprobs is None else tuple(_logprob(e) for e in out.prompt_logprobs)
     return Signature(tuple(out.prompt_token_ids or ()), comps, prompt, out.error)
+
+
+def mixed_requests(n: int = 5, *, vocab: int = 320, max_tokens: int = 5, seed: int = 11) -> list[TimedRequest]:
+    """n requests arriving at step i, random prompts of 3-39 ids in [3, vocab), odd ones greedy and even ones
+    sampled at temperature 0.8 with seed i; 2 top logprobs, EOS ignored (every request runs max_tokens)."""
+    import torch
+
+    from detinfer.engine.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    reqs = []
+    for i in range(n):
+        prompt = torch.randint(3, vocab, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g).tolist()
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if i % 2 else 0.8, seed=i, logprobs=2,
+                                ignore_eos=True)
+        reqs.append((i, f"r{i}", prompt, params))
+    return reqs
 
 
 def drive(engine, requests: Sequence[TimedRequest], *, max_steps: int = 1000,
