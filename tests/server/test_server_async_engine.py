@@ -216,11 +216,13 @@ def test_stream_skips_to_the_latest_cumulative_output():
     run(main())
 
 
-def test_engine_failure_fails_requests_and_refuses_new_ones(front):
+def _assert_failed_core_fails_requests_and_refuses_new_ones(front, engine, match=None):
+    """A request in flight gets EngineUnavailableError (matching `match`), the front end turns unhealthy with
+    nothing pending, and a new request is refused."""
     async def main():
-        ae = await _started(front, FakeEngine(fail_at_step=3))
+        ae = await _started(front, engine)
         s = await ae.add_request("r", [1], 100)
-        with pytest.raises(EngineUnavailableError, match="device lost"):
+        with pytest.raises(EngineUnavailableError, match=match):
             await _collect(s)
         assert not ae.is_healthy and ae.num_pending == 0
         with pytest.raises(EngineUnavailableError):
@@ -228,6 +230,10 @@ def test_engine_failure_fails_requests_and_refuses_new_ones(front):
         await ae.shutdown()
 
     run(main())
+
+
+def test_engine_failure_fails_requests_and_refuses_new_ones(front):
+    _assert_failed_core_fails_requests_and_refuses_new_ones(front, FakeEngine(fail_at_step=3), match="device lost")
 
 
 def test_shutdown_aborts_in_flight_and_refuses_new(front):
@@ -401,14 +407,4 @@ def test_an_unexpected_error_in_the_core_fails_requests_instead_of_hanging(front
                 raise RuntimeError("scheduler state corrupt")
             return super().has_unfinished_requests()
 
-    async def main():
-        ae = await _started(front, Broken())
-        s = await ae.add_request("r", [1], 100)
-        with pytest.raises(EngineUnavailableError):
-            await _collect(s)
-        assert not ae.is_healthy and ae.num_pending == 0
-        with pytest.raises(EngineUnavailableError):
-            await ae.add_request("r2", [1], 1)
-        await ae.shutdown()
-
-    run(main())
+    _assert_failed_core_fails_requests_and_refuses_new_ones(front, Broken())
