@@ -223,6 +223,36 @@ def test_chunk_tree_one_chunk_is_the_fp32_accumulator_and_chunks_add_in_the_tree
 
 
 # -- K runs (kernels/fp8_tiles.py) and split launches --------------------------------------------------------
+def test_padded_outer_major_quantization_off_the_gpu_is_the_zero_padded_one():
+    from detinfer.kernels.fp8_linear import quantize_activations_gpu
+
+    x = torch.randn(5, 300, generator=torch.Generator().manual_seed(3)).bfloat16()
+    q, s = quantize_activations_gpu(x, rows=16, scales_outer=True)
+    q_ref, s_ref = quantize_activations(torch.cat((x, x.new_zeros(11, 300))))
+    assert s.stride() == (1, 16) and torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    with pytest.raises(ValueError, match="rows=4 is below"):
+        quantize_activations_gpu(x, rows=4)
+
+
+def test_fast_mode_block_scales_are_built_once_per_tensor_and_version():
+    """Fast mode lays a weight's block scales out at its first call and reuses them while the same tensor
+    is unchanged; an in-place update (a weight push) or another tensor gets its own layout."""
+    from detinfer.kernels.fp8_linear import _block_scales
+
+    _, s = quantize_weight_rows(torch.randn(256, 640, generator=torch.Generator().manual_seed(1)))
+    first = _block_scales(s, "cols")
+    assert _block_scales(s, "cols") is first
+    assert first.shape == (8, 2) and first.stride() == (1, 8)  # 5 K blocks padded to 8, transposed
+    assert torch.equal(first[:5], s[::128].t()) and torch.equal(first[5:], torch.ones(3, 2))
+    assert torch.equal(_block_scales(s, "rows"), s[::128])
+    s.mul_(2)  # in place: a new version
+    again = _block_scales(s, "cols")
+    assert again is not first and torch.equal(again[:5], s[::128].t())
+    other = s.clone()
+    assert _block_scales(other, "cols") is not again
+
+
 def test_k_runs_depend_on_the_weight_shape_only_and_cover_k_in_order():
     from detinfer.kernels.fp8_linear import k_runs, run_bounds
 
@@ -294,4 +324,9 @@ def test_gpu_activation_quantization_equals_torchs_bitwise(m, k, scale, seed):
     x[0, : k // 2] = 0  # an all-zero group where k >= 256
     q, s = quantize_activations_gpu(x)
     q_ref, s_ref = quantize_activations(x)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+    pad = -m % 16  # fast mode's layout: rows padded as zero rows, scales outer-dim-major
+    q, s = quantize_activations_gpu(x, rows=m + pad, scales_outer=True)
+    q_ref, s_ref = quantize_activations(torch.cat((x, x.new_zeros(pad, k))))
+    assert s.stride() == (1, m + pad)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)

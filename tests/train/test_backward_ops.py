@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from detinfer.kernels.activations import silu_cpu
 from detinfer.kernels.attention_backward import (
+    TileConfig,
     attention_backward,
     attention_backward_ref,
     attention_forward_ref,
@@ -212,9 +213,33 @@ def test_weight_grad_triton_matches_reference(t, n, k):
     assert torch.equal(got, weight_grad(dy.to(dev), x.to(dev)).cpu())
 
 
+@pytest.mark.parametrize("t,n,k,cut", [(1, 8, 4, 0), (70, 36, 68, 64), (200, 40, 300, 128)])
+def test_weight_grad_descriptor_kernel_matches_fp64_and_continues_chunks(t, n, k, cut):
+    """The TMA-descriptor dW kernel (forced; fp32 under the interpreter on CPU): fp64 accuracy, two calls
+    bitwise, and a call continued over a token chunk (`out=`) gives the one-call bits."""
+    dy, x = (_rand(t, n, dtype=torch.float32, seed=t + 1, requires_grad=False),
+             _rand(t, k, dtype=torch.float32, seed=n + 1, requires_grad=False))
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dy, x = dy.to(dev), x.to(dev)
+    got = weight_grad(dy, x, tma=True)
+    ref64 = dy.double().t() @ x.double()
+    assert (got.double() - ref64).abs().max().item() <= 1e-5 * math.sqrt(t) * ref64.abs().max().item()
+    assert torch.equal(got, weight_grad(dy, x, tma=True))
+    if cut:
+        part = weight_grad(dy[:cut], x[:cut], tma=True)
+        assert torch.equal(weight_grad(dy[cut:], x[cut:], out=part, tma=True), got)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        weight_grad(dy[:, 1:], x[:, 1:], tma=True)  # rows no longer 16-byte aligned
+
+
+_UNEVEN_TILES = (TileConfig(32, 16, 4, 2), TileConfig(16, 32, 4, 2))  # other query/key steps per kernel
+
+
+@pytest.mark.parametrize("configs", [None, _UNEVEN_TILES])
 @pytest.mark.parametrize("lens,hq,hkv,d", [([5, 1, 34], 4, 2, 16), ([33, 67], 2, 1, 64), ([1], 2, 2, 32)])
-def test_attention_backward_triton_matches_fp64_and_is_packing_independent(lens, hq, hkv, d):
-    """The Triton backward (interpreter on CPU, fp32) against fp64, bitwise per sequence across packings."""
+def test_attention_backward_triton_matches_fp64_and_is_packing_independent(lens, hq, hkv, d, configs):
+    """The Triton backward (interpreter on CPU, fp32) against fp64, bitwise per sequence across packings;
+    with the dtype's tile configs and with query and key tiles of different heights in each kernel."""
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cu = [0]
     for n in lens:
@@ -223,11 +248,13 @@ def test_attention_backward_triton_matches_fp64_and_is_packing_independent(lens,
     q, k, v, do = (_rand(t, h, d, dtype=torch.float32, seed=i + d, requires_grad=False).to(dev)
                    for i, h in enumerate((hq, hkv, hkv, hq)))
     out = attention_forward_ref(q, k, v, cu, 0.3)
-    got = attention_backward(do, q, k, v, out, cu, 0.3)
+    got = attention_backward(do, q, k, v, out, cu, 0.3, configs=configs)
     ref = attention_backward_ref(*(x.double() for x in (do, q, k, v, out)), cu, 0.3)
     for a, b in zip(got, ref):
         assert (a.double() - b).abs().max().item() <= 2e-5 * (b.abs().max().item() + 1)
-    assert all(torch.equal(a, b) for a, b in zip(got, attention_backward(do, q, k, v, out, cu, 0.3)))
+    again = attention_backward(do, q, k, v, out, cu, 0.3, configs=configs)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
     s0, s1 = cu[-2], cu[-1]  # the last sequence alone, at offset 0
-    alone = attention_backward(do[s0:s1], q[s0:s1], k[s0:s1], v[s0:s1], out[s0:s1], [0, s1 - s0], 0.3)
+    alone = attention_backward(do[s0:s1], q[s0:s1], k[s0:s1], v[s0:s1], out[s0:s1], [0, s1 - s0], 0.3,
+                               configs=configs)
     assert all(torch.equal(a[s0:s1], b) for a, b in zip(got, alone))

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -129,21 +130,40 @@ def linear_fp8_stock(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
 def _scaled_mm_blockwise(x2: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out_dtype,
                          layout: str) -> torch.Tensor:
     """torch's scaled_mm with 1x128 activation and 128x128 weight scales (cuBLAS's blockwise recipe: the
-    activation scales outer-dim-major; the weight's block scales [N/128, K/128] as given ("rows") or
-    as a transposed view [K/128, N/128] with the K blocks padded to a multiple of 4 ("cols", what torch
-    2.11's cuBLASLt path asks for): torch builds differ in which they take)."""
+    activation scales outer-dim-major; the weight's block scales `_block_scales`). The activations are
+    quantized in one launch straight into the padded rows and scale layout cuBLASLt reads."""
     recipe = F.ScalingType
     m = x2.shape[0]
-    pad = -m % 16  # cuBLASLt's blockwise heuristic refuses some row counts (measured: M = 33); zero rows pad
-    x_q, sx = quantize_activations_gpu(torch.cat((x2, x2.new_zeros(pad, x2.shape[1]))) if pad else x2)
-    sx_outer = torch.empty_strided(sx.shape, (1, sx.shape[0]), dtype=sx.dtype, device=sx.device).copy_(sx)
+    rows = m + (-m % 16)  # cuBLASLt's blockwise heuristic refuses some row counts (measured: M = 33)
+    x_q, sx_outer = quantize_activations_gpu(x2, rows=rows, scales_outer=True)
+    y = F.scaled_mm(x_q, w_q.t(), sx_outer, recipe.BlockWise1x128, _block_scales(w_scale, layout),
+                    recipe.BlockWise128x128, output_dtype=out_dtype)
+    return y[:m] if rows != m else y
+
+
+# The block-scale layouts fast mode has built, by (id of the scale tensor, layout), each entry holding a weak
+# reference to that tensor and its version: a serving stack lays a weight's scales out once at load; here
+# they are built at the first call and reused while the same tensor is unchanged (an in-place update, such
+# as a weight push, bumps the version; a new tensor at a recycled id fails the identity check).
+_BLOCK_SCALES: dict = {}
+_BLOCK_SCALES_MAX = 4096  # entries (about four per layer); cleared when full
+
+
+def _block_scales(w_scale: torch.Tensor, layout: str) -> torch.Tensor:
+    """The weight's [N/128, K/128] block scales as given ("rows") or as a transposed view [K/128, N/128]
+    with the K blocks padded to a multiple of 4 ("cols", what torch 2.11's cuBLASLt path asks for)."""
+    key = (id(w_scale), layout)
+    hit = _BLOCK_SCALES.get(key)
+    if hit is not None and hit[0]() is w_scale and hit[1] == w_scale._version:
+        return hit[2]
     blocks = w_scale[::BLOCK].contiguous()  # [N/128, K/128]: every row of a block holds the block's scales
     if layout == "cols":  # [K/128 (padded to 4), N/128] with strides (1, padded K/128)
         kb = blocks.shape[1]
         blocks = torch.cat((blocks, blocks.new_ones(blocks.shape[0], -kb % 4)), 1).t()
-    y = F.scaled_mm(x_q, w_q.t(), sx_outer, recipe.BlockWise1x128, blocks, recipe.BlockWise128x128,
-                    output_dtype=out_dtype)
-    return y[:m] if pad else y
+    if len(_BLOCK_SCALES) >= _BLOCK_SCALES_MAX:
+        _BLOCK_SCALES.clear()
+    _BLOCK_SCALES[key] = (weakref.ref(w_scale), w_scale._version, blocks)
+    return blocks
 
 
 @functools.cache
@@ -178,6 +198,11 @@ def blockwise_layout(device: torch.device) -> str | None:
 # H100) with a few programs each to hide DRAM latency. A model-shape constant: never M, never the GPU.
 TARGET_PROGRAMS = 256
 MIN_BLOCKS_PER_RUN = 4  # a run shorter than this pays its prologue and partial more than it saves
+# Decode-class launches (M <= matmul.PREFETCH_MAX_M) under PDL ask the L2 for the first PREFETCH_COLS weight
+# columns of each program's first K run before waiting for the previous kernel (kernels/_pdl.py): the bf16
+# matmul's 512 bytes per row. Measured with an experimental copy of the split launch (H100, Qwen3-8B shapes,
+# M = 1): 1.2-1.6 us less per call on qkv, o and down (docs/performance.md). Speed only.
+PREFETCH_COLS = 512
 
 
 def kernel_config(n: int, k: int) -> dict:
@@ -203,25 +228,39 @@ def run_bounds(n: int, k: int) -> list[tuple[int, int]]:
     return [(c * kb // runs, (c + 1) * kb // runs) for c in range(runs)]
 
 
-def quantize_activations_gpu(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_activations` in one Triton launch (same bits: kernels/fp8_tiles.py): x [M, K] -> (fp8 [M, K],
-    fp32 scales [M, ceil(K/128)])."""
+def quantize_activations_gpu(x2: torch.Tensor, rows: int | None = None,
+                             scales_outer: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_activations` in one Triton launch (same bits: kernels/fp8_tiles.py): x [M, K] -> (fp8 [R, K],
+    fp32 scales [R, ceil(K/128)]) with R = `rows` (default M; rows past M come back as a zero row quantizes,
+    the padding cuBLASLt's blockwise GEMM wants) and the scales outer-dim-major (stride (1, R)) if
+    `scales_outer`: the layouts fast mode's scaled_mm reads, without a copy or a concatenation per call."""
     import triton
 
     from detinfer.kernels._pdl import launch_options, use_pdl
     from detinfer.kernels.fp8_tiles import quantize_activations_kernel
 
-    if interpreting():  # the CPU interpreter's fp32 -> e4m3 cast mis-rounds values that round up to a
-        return quantize_activations(x2)  # power of two (124.3 -> 64): the GPU's cast is checked on the GPU
     m, k = x2.shape
+    r = m if rows is None else rows
+    if r < m:
+        raise ValueError(f"quantize_activations_gpu: rows={r} is below the input's {m} rows")
+    if interpreting():  # the CPU interpreter's fp32 -> e4m3 cast mis-rounds values that round up to a
+        q, s = quantize_activations(x2)  # power of two (124.3 -> 64): the GPU's cast is checked on the GPU
+        if r > m:
+            pq, ps = quantize_activations(x2.new_zeros(r - m, k))
+            q, s = torch.cat((q, pq)), torch.cat((s, ps))
+        return q, (torch.empty_strided(s.shape, (1, r), dtype=s.dtype).copy_(s) if scales_outer else s)
     x2 = x2.contiguous()
-    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x2.device)
-    s = torch.empty((m, num_blocks(k)), dtype=torch.float32, device=x2.device)
-    if m and k:
-        pdl, rows = use_pdl(x2.device), 16
-        quantize_activations_kernel[(triton.cdiv(m, rows), num_blocks(k))](
-            x2, q, s, m, k, x2.stride(0), q.stride(0), s.stride(0), ROWS=rows, BLOCK_K=BLOCK, USE_PDL=pdl,
-            num_warps=4, **launch_options(pdl))
+    kb = num_blocks(k)
+    q = torch.empty((r, k), dtype=FP8_DTYPE, device=x2.device)
+    if scales_outer:
+        s = torch.empty_strided((r, kb), (1, r), dtype=torch.float32, device=x2.device)
+    else:
+        s = torch.empty((r, kb), dtype=torch.float32, device=x2.device)
+    if r and k:
+        pdl, per_program = use_pdl(x2.device), 16
+        quantize_activations_kernel[(triton.cdiv(r, per_program), kb)](
+            x2, q, s, m, r, k, x2.stride(0), q.stride(0), s.stride(0), s.stride(1), ROWS=per_program,
+            BLOCK_K=BLOCK, USE_PDL=pdl, num_warps=4, **launch_options(pdl))
     return q, s
 
 
@@ -248,6 +287,7 @@ def linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: 
     from detinfer.kernels._pdl import launch_options, use_pdl
     from detinfer.kernels.fp8_tiles import add_chunks_kernel
     from detinfer.kernels.fp8_tiles import linear_fp8_kernel as kernel
+    from detinfer.kernels.matmul import PREFETCH_MAX_M
 
     n, k = w_q.shape
     x2 = _flat(x)
@@ -261,9 +301,11 @@ def linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: 
     split = (split_runs(m, n, k, cfg) if split is None else split) and runs > 1
     target = torch.empty((runs, m, n), dtype=torch.float32, device=x.device) if split else y
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), runs if split else 1)
+    prefetch = PREFETCH_COLS if pdl and m <= PREFETCH_MAX_M and k >= PREFETCH_COLS else 0
     kernel[grid](a, sa, w_q, w_scale, bias if bias is not None else w_scale, target, m, n, k, num_blocks(k),
                  a.stride(0), sa.stride(0), w_q.stride(0), w_scale.stride(0), n if split else y.stride(0),
-                 HAS_BIAS=bias is not None, CHUNKS=runs, SPLIT=split, USE_PDL=pdl, **cfg, **launch_options(pdl))
+                 HAS_BIAS=bias is not None, CHUNKS=runs, SPLIT=split, USE_PDL=pdl, PREFETCH_K=prefetch, **cfg,
+                 **launch_options(pdl))
     if split:
         block = 1024
         add_chunks_kernel[(triton.cdiv(m * n, block),)](

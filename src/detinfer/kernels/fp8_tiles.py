@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from detinfer.kernels._pdl import pdl_start
+from detinfer.kernels._pdl import pdl_start, prefetch_rows_l2
 from detinfer.kernels.fp8_quant import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX
 
 # Triton reads module globals only as constexprs
@@ -58,19 +58,21 @@ def chunk_bounds(c, KB, CHUNKS: tl.constexpr):
 
 
 @triton.jit
-def quantize_activations_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
+def quantize_activations_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_xm, stride_qm, stride_sm, stride_sk,
                                 ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """quantize_activations for ROWS rows x one 128-group per program (grid: cdiv(M, ROWS), KB)."""
+    """quantize_activations for ROWS rows x one 128-group per program (grid: cdiv(M_OUT, ROWS), KB). Rows
+    M..M_OUT-1 are written as a zero row quantizes (padding for cuBLASLt); scale (m, kb) goes to
+    s_ptr + m * stride_sm + kb * stride_sk (row-major, or the outer-dim-major layout cuBLASLt reads)."""
     pdl_start(USE_PDL)
     rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     kb = tl.program_id(1)
     kk = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-    m_ok, k_ok = rm < M, kk < K
+    m_ok, out_ok, k_ok = rm < M, rm < M_OUT, kk < K
     rows = rm.to(tl.int64)[:, None]
     a = tl.load(x_ptr + rows * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
     q, scale = quantize_tile(a.to(tl.float32))
-    tl.store(q_ptr + rows * stride_qm + kk[None, :], q, mask=m_ok[:, None] & k_ok[None, :])
-    tl.store(s_ptr + rm.to(tl.int64) * stride_sm + kb, scale, mask=m_ok)
+    tl.store(q_ptr + rows * stride_qm + kk[None, :], q, mask=out_ok[:, None] & k_ok[None, :])
+    tl.store(s_ptr + rm.to(tl.int64) * stride_sm + kb * stride_sk, scale, mask=out_ok)
 
 
 @triton.jit
@@ -92,23 +94,27 @@ def add_chunks_kernel(p_ptr, b_ptr, y_ptr, MN, N, CHUNKS: tl.constexpr, HAS_BIAS
 def linear_fp8_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, M, N, K, KB,
                        stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym,
                        HAS_BIAS: tl.constexpr, CHUNKS: tl.constexpr,
-                       SPLIT: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       SPLIT: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One BLOCK_M x BLOCK_N output tile; every K run in turn (y = the result), or (SPLIT) run
-    program_id(2) alone (y = fp32 partials [CHUNKS, M, N], added by fp8_tiles.add_chunks_kernel)."""
+    program_id(2) alone (y = fp32 partials [CHUNKS, M, N], added by fp8_tiles.add_chunks_kernel).
+    PREFETCH_K > 0: the first PREFETCH_K weight columns of the program's first run are asked of the L2
+    before the PDL wait (kernels/_pdl.py: a cache hint, never stale)."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     m_ok, n_ok = rm < M, rn < N
     w_rows = w_ptr + rn.to(tl.int64)[None, :] * stride_wn
-    pdl_start(USE_PDL)  # kernels/_pdl.py: nothing is read before the previous kernel is done
-    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SPLIT:
         c_lo = tl.program_id(2)
         c_hi = c_lo + 1
     else:
         c_lo = 0
         c_hi = CHUNKS
+    if PREFETCH_K > 0:
+        prefetch_rows_l2(w_ptr + (c_lo * KB // CHUNKS) * BLOCK_K, rn, n_ok, stride_wn, PREFETCH_K, 128)
+    pdl_start(USE_PDL)  # kernels/_pdl.py: nothing is read before the previous kernel is done
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for c in range(c_lo, c_hi):
         kb_lo, kb_hi = chunk_bounds(c, KB, CHUNKS)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
