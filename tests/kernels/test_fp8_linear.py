@@ -208,6 +208,27 @@ def test_ops_deterministic_uses_the_kernel_on_cuda_and_fast_mode_runs():
     assert float((fast - ref).norm() / ref.norm()) < 0.06
 
 
+def test_fast_mode_in_an_engine_runs_the_blockwise_gemm_not_the_dequantizing_fallback(monkeypatch):
+    """An engine runs under inference mode with inference-tensor weights; the blockwise probe first runs
+    there too. Fast mode must take torch's blockwise scaled_mm on Hopper (a first version of the scale
+    cache read a version counter inference tensors lack, the probe failed, and every call dequantized)."""
+    if not _fp8_gpu() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the blockwise scaled_mm path is checked on Hopper")
+    from detinfer.kernels import fp8_linear
+
+    fp8_linear.blockwise_layout.cache_clear()
+
+    def no_dequant(*_):
+        raise AssertionError("fast mode dequantized the weight")
+    monkeypatch.setattr(fp8_linear, "dequantize_weight", no_dequant)
+    with torch.inference_mode():
+        x, _, q, s = (t.cuda() if t is not None else t for t in _operands(5, 256, 640, seed=2))
+        y = Ops("fast", "cuda", torch.bfloat16).linear_fp8(x, q, s)
+    assert fp8_linear.blockwise_layout(torch.device("cuda")) is not None
+    ref = linear_fp8_ref(x.cpu(), q.cpu(), s.cpu()).float().cuda()
+    assert float((y.float() - ref).norm() / ref.norm()) < 0.06
+
+
 # -- the chunk tree (row-parallel layers) -------------------------------------------------------------------
 def test_chunk_tree_one_chunk_is_the_fp32_accumulator_and_chunks_add_in_the_tree():
     x, _, q, s = _operands(9, 48, 512, seed=4)
@@ -251,6 +272,10 @@ def test_fast_mode_block_scales_are_built_once_per_tensor_and_version():
     assert again is not first and torch.equal(again[:5], s[::128].t())
     other = s.clone()
     assert _block_scales(other, "cols") is not again
+    with torch.inference_mode():  # an engine's weights: inference tensors, no version counter
+        frozen = s.clone()
+    with torch.inference_mode():
+        assert _block_scales(frozen, "cols") is _block_scales(frozen, "cols")
 
 
 def test_k_runs_depend_on_the_weight_shape_only_and_cover_k_in_order():

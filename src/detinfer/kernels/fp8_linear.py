@@ -143,8 +143,10 @@ def _scaled_mm_blockwise(x2: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Ten
 
 # The block-scale layouts fast mode has built, by (id of the scale tensor, layout), each entry holding a weak
 # reference to that tensor and its version: a serving stack lays a weight's scales out once at load; here
-# they are built at the first call and reused while the same tensor is unchanged (an in-place update, such
-# as a weight push, bumps the version; a new tensor at a recycled id fails the identity check).
+# they are built at the first call and reused while the same tensor is unchanged (an in-place update bumps
+# the version; a new tensor at a recycled id fails the identity check). Inference tensors (an engine's
+# weights) have no version counter: nothing updates an FP8 engine's weights in place (engine/admin.py refuses
+# weight loads into a quantized engine), so for them the identity check alone decides.
 _BLOCK_SCALES: dict = {}
 _BLOCK_SCALES_MAX = 4096  # entries (about four per layer); cleared when full
 
@@ -153,8 +155,9 @@ def _block_scales(w_scale: torch.Tensor, layout: str) -> torch.Tensor:
     """The weight's [N/128, K/128] block scales as given ("rows") or as a transposed view [K/128, N/128]
     with the K blocks padded to a multiple of 4 ("cols", what torch 2.11's cuBLASLt path asks for)."""
     key = (id(w_scale), layout)
+    version = -1 if w_scale.is_inference() else w_scale._version
     hit = _BLOCK_SCALES.get(key)
-    if hit is not None and hit[0]() is w_scale and hit[1] == w_scale._version:
+    if hit is not None and hit[0]() is w_scale and hit[1] == version:
         return hit[2]
     blocks = w_scale[::BLOCK].contiguous()  # [N/128, K/128]: every row of a block holds the block's scales
     if layout == "cols":  # [K/128 (padded to 4), N/128] with strides (1, padded K/128)
@@ -162,7 +165,7 @@ def _block_scales(w_scale: torch.Tensor, layout: str) -> torch.Tensor:
         blocks = torch.cat((blocks, blocks.new_ones(blocks.shape[0], -kb % 4)), 1).t()
     if len(_BLOCK_SCALES) >= _BLOCK_SCALES_MAX:
         _BLOCK_SCALES.clear()
-    _BLOCK_SCALES[key] = (weakref.ref(w_scale), w_scale._version, blocks)
+    _BLOCK_SCALES[key] = (weakref.ref(w_scale), version, blocks)
     return blocks
 
 
