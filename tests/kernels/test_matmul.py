@@ -112,6 +112,21 @@ def test_zero_extension_of_k_changes_no_bit(dtype, m, k, n, pad, seed):
     assert torch.equal(mm.matmul_ref(a_pad, b_pad), mm.matmul_ref(a, b))
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+def test_tma_kernel_reads_a_row_major_k_by_n_operand(persistent):
+    """B [K, N] with unit stride along N (dX = dY @ W in training) gets a descriptor of its own layout:
+    the same tiles and K order, so the pointer kernel's bits."""
+    a, b = rand((23, 104), torch.float16, 11), rand((104, 72), torch.float16, 12)  # rows of 208 / 144 B
+    ref = nan_out((1, 23, 72), torch.float16)
+    mm._launch(a.unsqueeze(0), b.unsqueeze(0), None, ref, MatmulConfig(1, 64, 32, 4, 1))
+    assert_accurate(ref[0], a, b)
+    tma = MatmulConfig(1, 64, 32, 4, 1, tma=True, persistent=persistent)
+    for lo, hi in ((0, 23), (5, 6)):
+        out = nan_out((1, hi - lo, 72), torch.float16)
+        mm._launch(a[lo:hi].unsqueeze(0), b.unsqueeze(0), None, out, tma)
+        assert torch.equal(out, ref[:, lo:hi])
+
+
 def test_other_tile_shapes_are_accurate_in_the_interpreter():
     """Multi-row tiles (the GPU configs' shapes) exercise the edge clamping and grouped launch order."""
     x, w = rand((45, 130), torch.float32, 5), rand((77, 130), torch.float32, 6)
@@ -358,6 +373,26 @@ def test_gpu_llama_shapes_rows_identical_for_every_m_and_config(dtype, shape):
         for m in (1, 5, 16, 64, 257):
             assert torch.equal(_run_cfg(x[:m], w, cfg), full[:m]), f"{cfg} M={m}"
         assert torch.equal(_run_cfg(x[100:133], w, cfg), full[100:133]), f"{cfg} rows 100:133"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gpu_row_major_b_rows_identical_for_every_m_and_config(dtype):
+    """matmul(dY, W) with W [N, K] read as a row-major B [K=N, N=K] (training's dX): every config, TMA
+    descriptors of that layout included, gives every row the bits of the dispatcher's full call."""
+    k, n = 4096, 1536
+    g = torch.Generator(device="cuda").manual_seed(n)
+    a = torch.randn(4096, k, device="cuda", generator=g).to(dtype)
+    b = (torch.randn(k, n, device="cuda", generator=g) / k**0.5).to(dtype)
+    full = mm.matmul(a, b)
+    assert_accurate(full[:64], a[:64], b)
+    for m in (1, 16, 64, 257, 4096):
+        assert torch.equal(mm.matmul(a[:m], b), full[:m]), f"M={m}"
+    for cfg in gpu_configs(dtype):
+        for lo, hi in ((0, 5), (0, 257), (100, 1124)):
+            out = nan_out((1, hi - lo, n), dtype)
+            mm._launch(a[lo:hi].unsqueeze(0), b.unsqueeze(0), None, out, cfg)
+            assert torch.equal(out[0], full[lo:hi]), f"{cfg} rows {lo}:{hi}"
 
 
 @pytest.mark.gpu

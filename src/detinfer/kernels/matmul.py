@@ -150,11 +150,13 @@ def _matmul_tma_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, USE_PDL: tl.constexpr,
+    B_KN: tl.constexpr,
 ):
     """Same tiles and the same K order as `_matmul_kernel`, operands fetched by the TMA engine from
-    descriptors of A [M, K] and W [N, K] (the weight layout). Out-of-range boxes read as zeros, which
-    covers the M/N edges and the K tail (contract B). With num_programs < tiles it is persistent: each
-    program walks tiles num_programs apart (which program owns a tile cannot change its bits)."""
+    descriptors of A [M, K] and W [N, K] (the weight layout), or with B_KN of B [K, N] row-major (dX = dY @ W
+    in training reads the weight that way). Out-of-range boxes read as zeros, which covers the M/N edges
+    and the K tail (contract B). With num_programs < tiles it is persistent: each program walks tiles
+    num_programs apart (which program owns a tile cannot change its bits)."""
     pdl_start(USE_PDL)
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -164,8 +166,10 @@ def _matmul_tma_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(0, k_tiles):
             a = a_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
-            w = w_desc.load([pid_n * BLOCK_N, kb * BLOCK_K])
-            acc = tl.dot(a, w.T, acc)
+            if B_KN:
+                acc = tl.dot(a, w_desc.load([kb * BLOCK_K, pid_n * BLOCK_N]), acc)
+            else:
+                acc = tl.dot(a, w_desc.load([pid_n * BLOCK_N, kb * BLOCK_K]).T, acc)
         _store_tile(acc, c_ptr, bias_ptr, pid_m, pid_n, M, N, stride_cm, stride_cn, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
@@ -298,15 +302,22 @@ def _run(a, sa, b, sb, c, sc, bias, nb: int, m: int, n: int, k: int, cfg: Matmul
         cfg = fit_to_output(_config(m, n, k, a.dtype, a.device), c.element_size(), a.element_size())
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     tiles = _cdiv(m, bm) * _cdiv(n, bn)
-    # W [N, K] is B [K, N] read through its strides: its row stride is B's column stride.
-    if cfg.tma and nb == 1 and TensorDescriptor is not None and _tma_ok(a, sa[1], sa[2], b, sb[2], sb[1], k):
+    # W [N, K] is B [K, N] read through its strides: its row stride is B's column stride. A B with unit
+    # stride along N instead (a row-major [K, N] matrix) gets a descriptor of that layout (B_KN).
+    tma = cfg.tma and nb == 1 and TensorDescriptor is not None
+    b_nk = tma and _tma_ok(a, sa[1], sa[2], b, sb[2], sb[1], k)
+    b_kn = tma and not b_nk and _tma_ok(a, sa[1], sa[2], b, sb[1], sb[2], k)
+    if b_nk or b_kn:
         a_desc = TensorDescriptor(a, [m, k], [sa[1], 1], [bm, bk])
-        w_desc = TensorDescriptor(b, [n, k], [sb[2], 1], [bn, bk])
+        if b_nk:
+            w_desc = TensorDescriptor(b, [n, k], [sb[2], 1], [bn, bk])
+        else:
+            w_desc = TensorDescriptor(b, [k, n], [sb[1], 1], [bk, bn])
         programs = min(tiles, _num_sms(a.device)) if cfg.persistent else tiles
         _matmul_tma_kernel[(programs,)](
             a_desc, w_desc, c, tensors[3], m, n, k, sc[1], sc[2], programs,
             HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
-            FLATTEN=cfg.persistent, WARP_SPECIALIZE=cfg.warp_specialize, USE_PDL=pdl,
+            FLATTEN=cfg.persistent, WARP_SPECIALIZE=cfg.warp_specialize, USE_PDL=pdl, B_KN=b_kn,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
         )
         return
