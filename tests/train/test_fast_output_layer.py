@@ -1,5 +1,6 @@
-"""Fast mode's output layer and its dW: the stock baseline (logprob_chunk_rows=None: plain autograd, no
-recompute) and the chunked head's fp32 dW accumulation (Ops.linear_backward, one GEMM per chunk on CUDA)."""
+"""The unchunked output layer (logprob_chunk_rows=None: no recompute; fast mode: plain autograd, the stock
+baseline; deterministic: the chunked bits) and fast mode's chunked fp32 dW accumulation
+(Ops.linear_backward, one GEMM per chunk on CUDA)."""
 
 import pytest
 import torch
@@ -48,12 +49,24 @@ def test_stock_head_matches_float64_and_uses_torch_autograd(n, subset, seed, tem
             torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
 
 
-def test_stock_head_is_fast_mode_only():
-    with pytest.raises(ValueError, match="fast mode"):
-        LogprobHead(Ops("deterministic", "cpu"), None)
-    model, _ = _tiny()
-    with pytest.raises(ValueError, match="logprob_chunk_rows=None"):
-        TrainableModel(model, logprob_chunk_rows=None)
+def test_deterministic_unchunked_head_gives_the_chunked_bits_and_recomputes_nothing():
+    """logprob_chunk_rows=None in deterministic mode: the [M, V] logits kept for backward instead of a
+    recompute per chunk, with the chunked head's logprobs and gradients bit for bit."""
+    model, cfg = _tiny()
+    ids = torch.randint(0, cfg.vocab_size, (150,), generator=torch.Generator().manual_seed(1))
+    cu = [0, 64, 150]
+    grads, logprobs, recomputes = {}, {}, {}
+    for rows in (None, 64):
+        trainer = TrainableModel(model, logprob_chunk_rows=rows)
+        logprobs[rows] = trainer.score(ids, cu).detach()
+        events = _backward_ops(trainer, ids, cu)
+        recomputes[rows] = sum(e.name == "ChunkedLogprobFnBackward" for e in events)
+        grads[rows] = [p.grad.clone() for p in trainer.parameters()]
+    assert recomputes[None] == 0 and recomputes[64] == 1
+    assert torch.equal(logprobs[None], logprobs[64])
+    assert all(torch.equal(a, b) for a, b in zip(grads[None], grads[64]))
+    with pytest.raises(ValueError, match="positive multiple"):
+        LogprobHead(Ops("deterministic", "cpu"), 100)
 
 
 def _tiny():

@@ -25,8 +25,11 @@ division runs at all.
 Fast mode uses the same chunking with stock ops (F.linear, torch.log_softmax, torch matmuls): the memory
 saving, with no bit promise beyond what stock PyTorch gives. Its price there (docs/performance.md): the
 backward recomputes the output layer's forward, and d W_out is a read-modify-write of the fp32 [V, H]
-accumulator per chunk instead of one GEMM over all rows. `chunk_rows=None` (fast mode only) skips the
-chunking: the stock autograd output layer, the baseline bench_train.py's fast arm measures.
+accumulator per chunk instead of one GEMM over all rows. `chunk_rows=None` skips the chunking and keeps
+the scored rows' [M, V] logits and log-distribution from the forward to the backward, as a plain PyTorch
+training loop does: in fast mode the stock autograd output layer (bench_train.py's fast arm), in
+deterministic mode the unchunked path above (`LinearFn` + `LogprobFn`, the bits chunking reproduces). It
+trades that memory for the recompute.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ LOGPROB_CHUNK_ROWS = 512
 
 
 def check_chunk_rows(chunk_rows) -> int | None:
-    if chunk_rows is None:  # fast mode's stock output layer (LogprobHead); the caller checks the mode
+    if chunk_rows is None:  # the unchunked output layer (LogprobHead)
         return None
     if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1 \
             or chunk_rows % TOKEN_CHUNK_MULTIPLE:
@@ -55,16 +58,12 @@ def check_chunk_rows(chunk_rows) -> int | None:
 
 class LogprobHead:
     """The output layer's ops: `base` (an Ops) decides them for its mode. Deterministic: the engine's linear
-    and log_softmax forward, the fixed-order backward kernels; fast: stock torch ops. `chunk_rows=None`
-    (fast mode only): no chunking and no recompute, the output layer is stock autograd over all scored rows
-    (what a plain PyTorch training loop runs; it holds the scored rows' [M, V] logits and log-distribution
-    from the forward to the backward)."""
+    and log_softmax forward, the fixed-order backward kernels; fast: stock torch ops. `chunk_rows=None`: no
+    chunking and no recompute, the output layer runs over all scored rows at once and holds their [M, V]
+    logits and log-distribution from the forward to the backward (what a plain PyTorch training loop does;
+    deterministic mode gives the chunked path's bits either way)."""
 
     def __init__(self, base, chunk_rows: int | None = LOGPROB_CHUNK_ROWS):
-        if chunk_rows is None and base.deterministic:
-            raise ValueError("logprob_chunk_rows=None (the stock, unchunked output layer) is for fast mode; "
-                             "deterministic mode scores in chunks of a positive multiple of "
-                             f"{TOKEN_CHUNK_MULTIPLE} rows")
         self.base, self.chunk_rows = base, check_chunk_rows(chunk_rows)
 
     def log_distribution(self, hidden: torch.Tensor, weight: torch.Tensor,
@@ -141,9 +140,15 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     """`ChunkedLogprobFn` when autograd needs it, the same chunked forward otherwise. temperature: score
     under softmax(logits / temperature), the division applied to the scored rows' fp32 logits before
     log_softmax, in the forward and the backward's recompute alike."""
-    if head.chunk_rows is None:  # fast mode's stock output layer: plain autograd through the ops
-        logprobs, _ = head.log_distribution(hidden if rows is None else hidden.index_select(0, rows), weight,
-                                            temperature)
+    if head.chunk_rows is None:
+        h = hidden if rows is None else hidden.index_select(0, rows)
+        if head.base.deterministic:  # the unchunked path (module doc): LinearFn, `/ T`, LogprobFn
+            from detinfer.train.adapter import DifferentiableOps
+            from detinfer.train.functions import LogprobFn
+
+            logits = _tempered(DifferentiableOps(head.base).logits(h, weight), temperature)
+            return LogprobFn.apply(logits, targets, head.base.log_softmax)
+        logprobs, _ = head.log_distribution(h, weight, temperature)  # fast: plain autograd through stock ops
         return logprobs.gather(1, targets[:, None])[:, 0]
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return ChunkedLogprobFn.apply(hidden, weight, targets, rows, head, temperature)

@@ -29,8 +29,9 @@ owns a model's gradients: creating another calls `close()` on the previous one.
 
 Memory (docs/training.md, "Memory"): logits are computed only for the scored rows, in chunks of
 `logprob_chunk_rows` (a multiple of 64; the bits do not depend on it) recomputed in backward
-(logprobs.py); fast mode with `logprob_chunk_rows=None` runs the stock autograd output layer over all
-scored rows instead (no recompute; the [M, V] logits are kept for backward); `activation_checkpointing=True`
+(logprobs.py); `logprob_chunk_rows=None` runs the output layer over all scored rows at once instead (no
+recompute; the [M, V] logits are kept for backward, as a plain PyTorch loop does; fast mode: stock
+autograd; deterministic mode: the same bits as the chunks); `activation_checkpointing=True`
 keeps only each decoder layer's inputs and recomputes the rest in backward (same bits).
 """
 
