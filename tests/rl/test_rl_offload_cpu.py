@@ -57,6 +57,17 @@ def test_offloaded_run_equals_the_on_device_run_bitwise(stories_dir, on_device_r
     _assert_same_checkpoints(tmp_path, out_a)
 
 
+def test_kept_logits_run_equals_the_chunked_run_bitwise(stories_dir, on_device_run, tmp_path):
+    """--keep-logits: the trainer keeps [tokens, vocab] logits for backward instead of recomputing chunks;
+    deterministic mode gives the same metrics, weights hashes and checkpoint."""
+    out_a, history_a = on_device_run
+    history_b = _run(stories_dir, tmp_path, CFG.replace(keep_logits=True))
+    assert _untimed(history_b) == _untimed(history_a)
+    _assert_same_checkpoints(tmp_path, out_a)
+    with pytest.raises(TypeError, match="keep_logits must be a bool"):
+        CFG.replace(keep_logits="yes")
+
+
 def test_offloaded_resume_equals_the_uninterrupted_run(stories_dir, on_device_run, tmp_path):
     out_a, history_a = on_device_run
     offload = CFG.replace(offload_optimizer=True)

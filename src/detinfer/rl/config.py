@@ -76,6 +76,11 @@ class RLConfig:
         "single-tensor AdamW: on a CPU the same bits as without; on a GPU it may differ in the last bits from "
         "the fused CUDA AdamW, so offloaded runs reproduce each other but are another trajectory than "
         "non-offloaded ones (a resume keeps the setting)."))
+    keep_logits: bool = field(default=False, metadata=_help(
+        "Keep the scored tokens' [tokens, vocab] logits from the trainer's forward to its backward instead of "
+        "recomputing them in 512-row chunks (TrainableModel(logprob_chunk_rows=None)): a faster training step "
+        "(Qwen3-8B shapes on an H100: 0.64x the time) for 8 bytes x vocab per scored token of GPU memory per "
+        "micro-batch. Deterministic mode gives the same bits either way."))
     scale_rewards: bool = field(default=True, metadata=_help(
         "Divide group-relative advantages by the group's reward std (GRPO); --no-scale-rewards keeps "
         "reward - group mean."))
@@ -184,6 +189,7 @@ class RLConfig:
         if self.max_grad_norm is not None:
             check_float("max_grad_norm", self.max_grad_norm, minimum=0.0, min_exclusive=True)
         _check_bool("offload_optimizer", self.offload_optimizer)
+        _check_bool("keep_logits", self.keep_logits)
         _check_bool("scale_rewards", self.scale_rewards)
         check_float("tis_cap", self.tis_cap, minimum=0.0, min_exclusive=True)
         check_float("kl_coef", self.kl_coef, minimum=0.0)

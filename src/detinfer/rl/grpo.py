@@ -63,6 +63,7 @@ from detinfer.rl.trainer_ranks import (
     shareable,
     summed_across_ranks,
 )
+from detinfer.train.logprobs import LOGPROB_CHUNK_ROWS
 
 
 def _sync(device: torch.device) -> None:
@@ -114,7 +115,8 @@ class GRPOTrainer:
         if c.kl_coef > 0:
             ref_model = copy.deepcopy(self.train_llm.engine.runner.model)
             self.reference = TrainableModel(ref_model, mode=self.mode, master_weights=False)
-        self.trainer = TrainableModel(self.train_llm, mode=self.mode)
+        self.trainer = TrainableModel(self.train_llm, mode=self.mode,
+                                      logprob_chunk_rows=None if c.keep_logits else LOGPROB_CHUNK_ROWS)
         if self.dp_size > 1:
             from detinfer.train.fsdp import FSDPTrainer
 
