@@ -48,16 +48,12 @@ def matmul_det(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _weight_grad_kernel(dy_ptr, x_ptr, dw_ptr, T, N, K, stride_dyt, stride_dyn, stride_xt, stride_xk,
-                        stride_dwn, stride_dwk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr, PRECISION: tl.constexpr,
-                        ACCUMULATE: tl.constexpr):
-    """One program per BLOCK_N x BLOCK_K tile of dW; tokens in ascending BLOCK_T steps, one accumulator.
-
-    Launch order (speed only): GROUP_N consecutive n-tiles share each k-tile, so the dY column strips and
-    X column strips that programs running at the same time read are shared through L2 (without it, a
-    151936-row lm_head dW re-reads all of dY from HBM once per k-tile)."""
-    pid = tl.program_id(0)
+def _dw_tile(pid, N, K, stride_dwn, stride_dwk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             GROUP_N: tl.constexpr):
+    """dW tile `pid` in grouped launch order (GROUP_N consecutive n-tiles share each k-tile, so the dY and X
+    column strips that programs running at the same time read are shared through L2; without it, a
+    151936-row lm_head dW re-reads all of dY from HBM once per k-tile) -> (tile row, tile column, n offsets,
+    k offsets, mask, dW element offsets). Decides only which program computes which tile."""
     num_n = tl.cdiv(N, BLOCK_N)
     num_k = tl.cdiv(K, BLOCK_K)
     per_group = GROUP_N * num_k
@@ -67,9 +63,21 @@ def _weight_grad_kernel(dy_ptr, x_ptr, dw_ptr, T, N, K, stride_dyt, stride_dyn, 
     pid_k = (pid % per_group) // group_size
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_t = tl.arange(0, BLOCK_T)
     mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
-    dw_ptrs = dw_ptr + offs_n[:, None].to(tl.int64) * stride_dwn + offs_k[None, :] * stride_dwk
+    return pid_n, pid_k, offs_n, offs_k, mask, offs_n[:, None].to(tl.int64) * stride_dwn + offs_k[None, :] * stride_dwk
+
+
+@triton.jit
+def _weight_grad_kernel(dy_ptr, x_ptr, dw_ptr, T, N, K, stride_dyt, stride_dyn, stride_xt, stride_xk,
+                        stride_dwn, stride_dwk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr, PRECISION: tl.constexpr,
+                        ACCUMULATE: tl.constexpr):
+    """One program per BLOCK_N x BLOCK_K tile of dW (`_dw_tile`'s launch order); tokens in ascending
+    BLOCK_T steps, one accumulator."""
+    _, _, offs_n, offs_k, mask, dw_offs = _dw_tile(tl.program_id(0), N, K, stride_dwn, stride_dwk, BLOCK_N,
+                                                   BLOCK_K, GROUP_N)
+    dw_ptrs = dw_ptr + dw_offs
+    offs_t = tl.arange(0, BLOCK_T)
     if ACCUMULATE:  # continue an earlier call's token walk from its stored fp32 accumulator
         acc = tl.load(dw_ptrs, mask=mask, other=0.0)
     else:
@@ -91,18 +99,9 @@ def _weight_grad_tma_kernel(dy_desc, x_desc, dw_ptr, T, N, K, stride_dwn, BLOCK_
                             PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr):
     """`_weight_grad_kernel`'s tiles and token walk, dY and X strips fetched by the TMA engine from
     descriptors of dY [T, N] and X [T, K]: boxes past T read as zeros, whose products add nothing."""
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    num_k = tl.cdiv(K, BLOCK_K)
-    per_group = GROUP_N * num_k
-    first_n = (pid // per_group) * GROUP_N
-    group_size = tl.minimum(num_n - first_n, GROUP_N)
-    pid_n = first_n + (pid % per_group) % group_size
-    pid_k = (pid % per_group) // group_size
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
-    dw_ptrs = dw_ptr + offs_n[:, None].to(tl.int64) * stride_dwn + offs_k[None, :]
+    pid_n, pid_k, _, _, mask, dw_offs = _dw_tile(tl.program_id(0), N, K, stride_dwn, 1, BLOCK_N, BLOCK_K,
+                                                 GROUP_N)
+    dw_ptrs = dw_ptr + dw_offs
     if ACCUMULATE:
         acc = tl.load(dw_ptrs, mask=mask, other=0.0)
     else:
