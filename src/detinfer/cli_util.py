@@ -47,6 +47,15 @@ def model_path(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> str |
     return None if path is None else os.path.expanduser(path)
 
 
+def runs_on_cpu(device: str | None) -> bool:
+    """Whether a run asked for `device` (None: the default, a GPU where there is one) runs on the CPU."""
+    if device is not None:
+        return str(device).startswith("cpu")
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 def cpu_thread_policy(device: str | None) -> int | None:
     """Torch threads for a CPU run, set once before the work (None: leave torch's choice).
 

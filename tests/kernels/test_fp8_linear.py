@@ -208,6 +208,8 @@ def test_ops_deterministic_uses_the_kernel_on_cuda_and_fast_mode_runs():
     assert float((fast - ref).norm() / ref.norm()) < 0.06
 
 
+@pytest.mark.gpu
+@cuda
 def test_fast_mode_in_an_engine_runs_the_blockwise_gemm_not_the_dequantizing_fallback(monkeypatch):
     """An engine runs under inference mode with inference-tensor weights; the blockwise probe first runs
     there too. Fast mode must take torch's blockwise scaled_mm on Hopper (a first version of the scale

@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from detinfer.cache.paged_kv import upload
 from detinfer.engine.logits_processors import process_logits
 from detinfer.engine.sampling_params import SamplingParams
 from detinfer.ops.backend import Ops
@@ -72,12 +73,10 @@ fold_sum, _inclusive_scan = Ops.fold_sum, Ops.cumsum
 
 
 def _row_tensor(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host values on `device`. On CUDA through pinned memory and a non-blocking copy: a pageable copy may
-    wait for the device to finish its queued work, and the engine enqueues sampling behind a forward pass
-    it does not want to wait for."""
-    if device.type != "cuda":
-        return torch.tensor(list(values), dtype=dtype, device=device)
-    return torch.tensor(list(values), dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    """Host values on `device` through the engine's one host->device path (`cache.paged_kv.upload`: pinned
+    memory and a non-blocking copy on CUDA; the engine enqueues sampling behind a forward pass it does not
+    want to wait for)."""
+    return upload(list(values), dtype, device)
 
 
 def _token_counts(histories: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:

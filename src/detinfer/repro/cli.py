@@ -29,6 +29,7 @@ from detinfer.cli_util import (
     check_outcome,
     interrupt_handling,
     model_path,
+    runs_on_cpu,
 )
 from detinfer.constants import MODES as ENGINE_MODES
 from detinfer.engine.config import EngineConfig, add_dataclass_args, from_args
@@ -87,13 +88,7 @@ GPU_DEFAULTS = {"n": 1000, "max_tokens": 256}
 
 
 def _on_cpu(ns: argparse.Namespace) -> bool:
-    if ns.url:
-        return False
-    if ns.device is not None:
-        return str(ns.device).startswith("cpu")
-    import torch
-
-    return not torch.cuda.is_available()
+    return not ns.url and runs_on_cpu(ns.device)
 
 
 def _size_defaults(ns: argparse.Namespace) -> None:

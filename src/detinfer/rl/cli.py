@@ -29,6 +29,7 @@ from detinfer.cli_util import (
     check_outcome,
     interrupt_handling,
     model_path,
+    runs_on_cpu,
 )
 from detinfer.engine.config import add_dataclass_args, from_args
 from detinfer.rl.config import MODE_ARMS, RLConfig
@@ -72,17 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _on_cpu(device: str | None) -> bool:
-    if device is not None:
-        return str(device).startswith("cpu")
-    import torch
-
-    return not torch.cuda.is_available()
-
-
 def _size_defaults(ns: argparse.Namespace) -> str | None:
     """Fill the sizes left out with the device's defaults; on a CPU, the one-line notice saying so."""
-    cpu = _on_cpu(ns.device)
+    cpu = runs_on_cpu(ns.device)
     left_out = [k for k in CPU_DEFAULTS if getattr(ns, k) is None]
     for k in left_out:
         setattr(ns, k, CPU_DEFAULTS[k] if cpu else getattr(RLConfig, k))
