@@ -39,7 +39,8 @@ from detinfer.kernels._fold import fold_sum
 from detinfer.kernels._launch import check_kernel_inputs, dot_precision, interpreting
 from detinfer.kernels.linear_backward import matmul_det
 
-__all__ = ["attention_backward", "attention_backward_ref", "attention_forward_ref", "kernel_supports"]
+__all__ = ["TileConfig", "attention_backward", "attention_backward_ref", "attention_forward_ref", "kernel_supports",
+           "tile_configs"]
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
