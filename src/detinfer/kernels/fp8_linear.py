@@ -203,8 +203,10 @@ TARGET_PROGRAMS = 256
 MIN_BLOCKS_PER_RUN = 4  # a run shorter than this pays its prologue and partial more than it saves
 # Decode-class launches (M <= matmul.PREFETCH_MAX_M) under PDL ask the L2 for the first PREFETCH_COLS weight
 # columns of each program's first K run before waiting for the previous kernel (kernels/_pdl.py): the bf16
-# matmul's 512 bytes per row. Measured with an experimental copy of the split launch (H100, Qwen3-8B shapes,
-# M = 1): 1.2-1.6 us less per call on qkv, o and down (docs/performance.md). Speed only.
+# matmul's 512 bytes per row, inside the run (a run is at least MIN_BLOCKS_PER_RUN = 4 blocks; K a multiple
+# of 128, so no prefetch leaves the weight). Measured (docs/performance.md, "FP8, second pass"): 1.2-1.6 us
+# less per call in an experimental split launch (H100); the shipped kernel against the one before, 0.1-0.7 us
+# at M = 1 (H200), a decode step within noise. Speed only, and free.
 PREFETCH_COLS = 512
 
 
@@ -304,7 +306,7 @@ def linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: 
     split = (split_runs(m, n, k, cfg) if split is None else split) and runs > 1
     target = torch.empty((runs, m, n), dtype=torch.float32, device=x.device) if split else y
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), runs if split else 1)
-    prefetch = PREFETCH_COLS if pdl and m <= PREFETCH_MAX_M and k >= PREFETCH_COLS else 0
+    prefetch = PREFETCH_COLS if pdl and m <= PREFETCH_MAX_M and k >= PREFETCH_COLS and k % BLOCK == 0 else 0
     kernel[grid](a, sa, w_q, w_scale, bias if bias is not None else w_scale, target, m, n, k, num_blocks(k),
                  a.stride(0), sa.stride(0), w_q.stride(0), w_scale.stride(0), n if split else y.stride(0),
                  HAS_BIAS=bias is not None, CHUNKS=runs, SPLIT=split, USE_PDL=pdl, PREFETCH_K=prefetch, **cfg,
