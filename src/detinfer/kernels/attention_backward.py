@@ -29,6 +29,7 @@ needs atomics for dQ): the LSE recompute and the split into two kernels are the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -243,7 +244,14 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, delta_ptr, lse_ptr, dk_ptr, dv_ptr,
 
 
 def _tiles(cu_seqlens: list[int], block: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per tile: its first token, its sequence's first token and end (tiles anchored at sequence starts)."""
+    """Per tile: its first token, its sequence's first token and end (tiles anchored at sequence starts).
+    Every layer of a training step packs the same sequences: the tables are built and uploaded once per
+    (packing, tile height, device), not once per layer and kernel (read-only on the device)."""
+    return _tile_tables(tuple(cu_seqlens), block, torch.device(device))
+
+
+@functools.lru_cache(maxsize=16)
+def _tile_tables(cu_seqlens: tuple[int, ...], block: int, device: torch.device):
     start, seq0, seq1 = [], [], []
     for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
         for t in range(a, b, block):
