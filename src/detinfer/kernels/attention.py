@@ -38,7 +38,7 @@ from detinfer.kernels._launch import (
     sm_count,
 )
 from detinfer.kernels._pdl import launch_options, use_pdl
-from detinfer.kernels.attention_ref import attention_contiguous_ref, paged_attention_ref
+from detinfer.kernels.attention_ref import attention_contiguous_ref, check_lse_out, paged_attention_ref
 
 __all__ = ["DEFAULT_SPLIT_SIZE", "SUPPORTED_HEAD_DIMS", "attention_contiguous", "attention_contiguous_ref",
            "block_n_for", "paged_attention", "paged_attention_fast", "paged_attention_ref"]
@@ -199,8 +199,10 @@ def _check_paged_values(op, q, k_cache, block_tables, kv_lens, cu_q_lens, max_kv
 def _launch(q, k, v, out, *, paged: bool, cu_q, kv_lens, bt, key_start, num_seqs: int, n_tiles: int,
             fixed_q_len: int, fixed_kv_len: int, block_size: int, num_blocks: int, max_blocks: int,
             split_size: int, num_splits: int, parallel: bool, window, scale: float, group: int,
-            max_q_len: int, q_strides, o_strides, k_strides, v_strides, bt_stride: int) -> None:
-    """Run the attention kernel (and the merge kernel when split-parallel) into `out`."""
+            max_q_len: int, q_strides, o_strides, k_strides, v_strides, bt_stride: int,
+            lse_out: torch.Tensor | None = None) -> None:
+    """Run the attention kernel (and the merge kernel when split-parallel) into `out` (and each row's
+    log-sum-exp into `lse_out` [T, Hq], paged launches only)."""
     hq, d = (q.shape[1], q.shape[2]) if paged else (q.shape[1], q.shape[3])
     hkv = hq // group
     tokens = q.shape[0] if paged else q.shape[0] * q.shape[2]
@@ -220,16 +222,20 @@ def _launch(q, k, v, out, *, paged: bool, cu_q, kv_lens, bt, key_start, num_seqs
     else:
         ws_o = ws_ml = out  # unused pointers
     dummy_i32 = cu_q if cu_q is not None else key_start
+    # STORE_LSE is a constexpr: launches without lse_out (every engine call) compile the kernel they did
+    # before it existed; the pointer is then an unused stand-in. Only paged launches pass lse_out.
+    store_lse = lse_out is not None
+    lse_ptr = lse_out if store_lse else out
     grid = (n_tiles, hkv, triton.cdiv(num_splits, splits_per_program) if parallel else 1)
     K._attention_kernel[grid](
-        q, k, v, out, ws_o, ws_ml, dummy_i32, kv_lens if kv_lens is not None else dummy_i32,
+        q, k, v, out, ws_o, ws_ml, lse_ptr, dummy_i32, kv_lens if kv_lens is not None else dummy_i32,
         bt if bt is not None else dummy_i32, key_start if key_start is not None else dummy_i32,
         *q_strides, *o_strides, *k_strides, *v_strides, bt_stride,
         num_seqs, fixed_q_len, fixed_kv_len, max_blocks, num_blocks, block_size, split_size,
         window if has_window else 0, hq, num_splits, splits_per_program, scale * math.log2(math.e),
         GROUP=group, GROUP_PAD=gp, BLOCK_T=bt_, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, PAGED=paged,
         SPLIT_PARALLEL=parallel, HAS_WINDOW=has_window, MASK_ALL=_TUNE["mask_all"], FIXED_ORDER_DOT=fixed,
-        PRECISION=dot_precision(q.dtype), MULTI_SPLIT=splits_per_program > 1, USE_PDL=pdl,
+        PRECISION=dot_precision(q.dtype), MULTI_SPLIT=splits_per_program > 1, USE_PDL=pdl, STORE_LSE=store_lse,
         # fusion off: see the kernels' module doc.
         num_warps=warps, enable_fp_fusion=False, **launch_options(pdl),
         num_stages=_num_stages(d, parallel, splits_per_program, split_size, num_splits * split_size, bn))
@@ -238,12 +244,12 @@ def _launch(q, k, v, out, *, paged: bool, cu_q, kv_lens, bt, key_start, num_seqs
         # rows in flight); more in the interpreter, where each program costs milliseconds.
         tokens_per = max(1, (64 if fixed else 16) // gp)
         K._merge_splits_kernel[(triton.cdiv(tokens, tokens_per), hkv)](
-            ws_o, ws_ml, out, dummy_i32, kv_lens if kv_lens is not None else dummy_i32,
+            ws_o, ws_ml, out, lse_ptr, dummy_i32, kv_lens if kv_lens is not None else dummy_i32,
             key_start if key_start is not None else dummy_i32, *o_strides,
             num_seqs, tokens, fixed_q_len, fixed_kv_len, split_size,
             window if has_window else 0, hq, num_splits,
             GROUP=group, GROUP_PAD=gp, TOKENS=tokens_per, HEAD_DIM=d, PAGED=paged, HAS_WINDOW=has_window,
-            USE_PDL=pdl, num_warps=4, enable_fp_fusion=False, **launch_options(pdl))
+            USE_PDL=pdl, STORE_LSE=store_lse, num_warps=4, enable_fp_fusion=False, **launch_options(pdl))
 
 
 def _check_out(op: str, out, shape, q: torch.Tensor) -> torch.Tensor:
@@ -266,7 +272,7 @@ def _pick_parallel(schedule: str, n_programs: int, num_splits: int, device: torc
 
 
 def _paged(op, q, k_cache, v_cache, block_tables, kv_lens, cu_q_lens, scale, sliding_window, max_q_len,
-           max_kv_len, validate, split_size, schedule, fast: bool, out):
+           max_kv_len, validate, split_size, schedule, fast: bool, out, lse_out=None):
     group, scale = _check_paged(op, q, k_cache, v_cache, block_tables, kv_lens, cu_q_lens, scale,
                                 sliding_window, max_q_len, max_kv_len)
     if schedule not in SCHEDULES:
@@ -281,6 +287,7 @@ def _paged(op, q, k_cache, v_cache, block_tables, kv_lens, cu_q_lens, scale, sli
         _check_paged_values(op, q, k_cache, block_tables, kv_lens, cu_q_lens, max_kv_len)
     t, s = q.shape[0], kv_lens.shape[0]
     out = _check_out(op, out, (t, q.shape[1], d), q)
+    check_lse_out(op, lse_out, q)
     if t == 0 or s == 0:
         return out
     # Upper bounds need no sync: every q_len <= T, every kv_len <= the table's capacity.
@@ -304,7 +311,8 @@ def _paged(op, q, k_cache, v_cache, block_tables, kv_lens, cu_q_lens, scale, sli
             split_size=split_size, num_splits=triton.cdiv(max_kv_len, split_size), parallel=parallel,
             window=sliding_window, scale=scale, group=group, max_q_len=max_q_len,
             q_strides=(0, q.stride(0), q.stride(1)), o_strides=(0, out.stride(0), out.stride(1)),
-            k_strides=k_cache.stride()[:3], v_strides=v_cache.stride()[:3], bt_stride=block_tables.stride(0))
+            k_strides=k_cache.stride()[:3], v_strides=v_cache.stride()[:3], bt_stride=block_tables.stride(0),
+            lse_out=lse_out)
     return out
 
 
@@ -313,7 +321,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     sliding_window: int | None = None, max_q_len: int | None = None,
                     max_kv_len: int | None = None, validate: bool | None = None,
                     split_size: int = DEFAULT_SPLIT_SIZE, schedule: str = "auto",
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None) -> torch.Tensor:
     """Batch-invariant paged attention -> [T, Hq, D] in q.dtype (see the module doc for conventions).
 
     max_q_len: hint for the query-tile height (speed only, any value gives the same bits; default T:
@@ -323,22 +331,30 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     a CUDA graph is being captured. split_size: keys per split (the invariance constant; every run that
     must agree bitwise must use the same value). schedule: "auto" | "parallel" | "sequential" -- how
     splits are spread over programs; never changes the bits. out: optional [T, Hq, D] buffer to write
-    (e.g. a CUDA graph's static output); rows past cu_q_lens[-1] are left untouched.
+    (e.g. a CUDA graph's static output); rows past cu_q_lens[-1] are left untouched. lse_out: optional
+    contiguous fp32 [T, Hq] buffer that also receives each query row's log-sum-exp in log2 units of the
+    scaled scores, log2(sum_j 2^(scale * log2(e) * q.k_j)) (the training backward's input, so it skips
+    recomputing it); a row that sees no key gets -inf; rows past cu_q_lens[-1] are left untouched.
+    Storing it changes no bit of the output.
     """
     return _paged("paged_attention", q, k_cache, v_cache, block_tables, kv_lens, cu_q_lens, scale,
-                  sliding_window, max_q_len, max_kv_len, validate, split_size, schedule, fast=False, out=out)
+                  sliding_window, max_q_len, max_kv_len, validate, split_size, schedule, fast=False, out=out,
+                  lse_out=lse_out)
 
 
 def paged_attention_fast(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, kv_lens: torch.Tensor, cu_q_lens: torch.Tensor,
                          scale: float, *, sliding_window: int | None = None, max_q_len: int | None = None,
                          max_kv_len: int | None = None, validate: bool | None = None,
-                         schedule: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as `paged_attention` minus invariance: the split size follows the batch (one split
-    per query when the batch fills the GPU, else enough splits to fill it), so bits vary with the batch.
+                         schedule: str = "auto", out: torch.Tensor | None = None,
+                         lse_out: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as `paged_attention` (lse_out included) minus invariance: the split size follows the
+    batch (one split per query when the batch fills the GPU, else enough splits to fill it), so bits vary
+    with the batch.
     For the engine's fast mode and for measuring the cost of invariance on the same kernel."""
     return _paged("paged_attention_fast", q, k_cache, v_cache, block_tables, kv_lens, cu_q_lens, scale,
-                  sliding_window, max_q_len, max_kv_len, validate, None, schedule, fast=True, out=out)
+                  sliding_window, max_q_len, max_kv_len, validate, None, schedule, fast=True, out=out,
+                  lse_out=lse_out)
 
 
 def attention_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_start: torch.Tensor,

@@ -12,9 +12,10 @@ one [G * L, L] fp32 score block per kv head of one sequence at a time.
 
 `attention_backward` (Triton, flash-style, no [L, L] matrix in memory) runs two kernels, each output
 element owned by exactly one program, so no atomics and no order that depends on scheduling:
-  * `_dq_kernel`, one program per (query tile, query head): pass 1 walks the visible keys in ascending
-    tiles to rebuild the row's log-sum-exp (the engine's forward kernel does not return it), pass 2
-    accumulates dQ = sum_j dS_ij K_j in the same ascending order; it stores dQ and the LSE.
+  * `_dq_kernel`, one program per (query tile, query head): with the forward's row log-sum-exps given
+    (`lse=`, what `paged_attention(lse_out=)` stores: the training forward passes them), it reads each
+    row's; without, pass 1 walks the visible keys in ascending tiles to rebuild them and stores them for
+    the dK/dV kernel. Then it accumulates dQ = sum_j dS_ij K_j over the keys in ascending tiles.
   * `_dkv_kernel`, one program per (key tile, kv head): for g = 0..G-1 (heads of the group, in order),
     for query tiles from the key tile up to the sequence end (ascending), accumulates dV += P^T dO and
     dK += dS^T Q.
@@ -23,7 +24,10 @@ anchored at each sequence's first token (dQ) or at the key tile (dK/dV), key til
 token, and the configs depend only on head_dim and dtype, so a
 sequence's gradient bits do not depend on the other sequences of the training batch, nor on its offset in
 the packing. Cost: 8 tile matmuls per (query tile, key tile) pair against FlashAttention-2's 5 (which
-needs atomics for dQ): the LSE recompute and the split into two kernels are the price of a fixed order.
+needs atomics for dQ), 7 with the forward's LSE: the split into two kernels is the price of a fixed order.
+The forward's LSE and the recomputed one differ in their last bits (the forward sums the probabilities
+rounded to the value dtype, in its own tile order), so the two give gradients equal within rounding, not
+bitwise; either is deterministic and batch-invariant (the forward's LSE is, by its contract).
 """
 
 from __future__ import annotations
@@ -149,7 +153,9 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, delta_ptr, dq_ptr, lse_ptr, tile_sta
                tile_seq_start_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                stride_dot, stride_doh, stride_dqt, stride_dqh, scale_log2, scale,
                GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-               PRECISION: tl.constexpr):
+               PRECISION: tl.constexpr, HAS_LSE: tl.constexpr):
+    """HAS_LSE: lse_ptr holds the forward's row LSEs (read, pass 1 skipped); else pass 1 rebuilds and
+    stores them for `_dkv_kernel`."""
     tile = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // GROUP
@@ -165,20 +171,24 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, delta_ptr, dq_ptr, lse_ptr, tile_sta
                  mask=row_ok[:, None], other=0.0)
     delta = tl.load(delta_ptr + offs_m.to(tl.int64) * tl.num_programs(1) + h, mask=row_ok, other=0.0)
     end = tl.minimum(q0 + BLOCK_M, seq1)
-    m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    l = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for n0 in range(seq0, end, BLOCK_N):  # pass 1: log-sum-exp of each row, keys ascending
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        k = tl.load(k_ptr + offs_n[:, None].to(tl.int64) * stride_kt + kvh * stride_kh + offs_d[None, :],
-                    mask=(offs_n < seq1)[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        vis = (offs_n[None, :] <= offs_m[:, None]) & (offs_n < seq1)[None, :]
-        s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l = l * tl.exp2(m - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
-        m = m_new
-    lse = tl.where(row_ok, m + tl.log2(tl.where(l > 0, l, 1.0)), 0.0)
+    lse_off = offs_m.to(tl.int64) * tl.num_programs(1) + h
+    if HAS_LSE:
+        lse = tl.load(lse_ptr + lse_off, mask=row_ok, other=0.0)
+    else:
+        m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for n0 in range(seq0, end, BLOCK_N):  # pass 1: log-sum-exp of each row, keys ascending
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            k = tl.load(k_ptr + offs_n[:, None].to(tl.int64) * stride_kt + kvh * stride_kh + offs_d[None, :],
+                        mask=(offs_n < seq1)[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            vis = (offs_n[None, :] <= offs_m[:, None]) & (offs_n < seq1)[None, :]
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l = l * tl.exp2(m - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+            m = m_new
+        lse = tl.where(row_ok, m + tl.log2(tl.where(l > 0, l, 1.0)), 0.0)
     dq = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
     for n0 in range(seq0, end, BLOCK_N):  # pass 2: dQ, keys ascending
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -196,7 +206,8 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, delta_ptr, dq_ptr, lse_ptr, tile_sta
     dq = dq * scale
     tl.store(dq_ptr + offs_m[:, None].to(tl.int64) * stride_dqt + h * stride_dqh + offs_d[None, :], dq,
              mask=row_ok[:, None])
-    tl.store(lse_ptr + offs_m.to(tl.int64) * tl.num_programs(1) + h, lse, mask=row_ok)
+    if not HAS_LSE:
+        tl.store(lse_ptr + lse_off, lse, mask=row_ok)
 
 
 @triton.jit
@@ -264,9 +275,11 @@ def _tile_tables(cu_seqlens: tuple[int, ...], block: int, device: torch.device):
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, cu_seqlens: list[int], scale: float,
-                       configs: tuple[TileConfig, TileConfig] | None = None):
+                       configs: tuple[TileConfig, TileConfig] | None = None, lse: torch.Tensor | None = None):
     """Triton flash-style backward (see the module doc) -> (dq, dk, dv) in the dtypes of q, k, v.
-    `configs` overrides `tile_configs` (tests: other tile shapes keep every property)."""
+    `configs` overrides `tile_configs` (tests: other tile shapes keep every property). `lse`: the forward's
+    row log-sum-exps, fp32 [T, Hq] in log2 units of the scaled scores (`paged_attention(lse_out=)`), read
+    instead of recomputed; None recomputes them (pass 1)."""
     op = "attention_backward"
     check_kernel_inputs(op, dout, q, k, v, out)
     t, hq, d = q.shape
@@ -285,7 +298,13 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     dq = torch.empty((t, hq, d), dtype=torch.float32, device=q.device)
     dk = torch.empty((t, hkv, d), dtype=torch.float32, device=q.device)
     dv = torch.empty((t, hkv, d), dtype=torch.float32, device=q.device)
-    lse = torch.empty((t, hq), dtype=torch.float32, device=q.device)
+    has_lse = lse is not None
+    if has_lse and (not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32
+                    or tuple(lse.shape) != (t, hq) or lse.device != q.device):
+        raise ValueError(f"{op}: lse must be a torch.float32 tensor of shape {(t, hq)} on {q.device} (the "
+                         f"forward's lse_out), got {getattr(lse, 'dtype', type(lse).__name__)} "
+                         f"{tuple(getattr(lse, 'shape', ()))}")
+    lse = lse.contiguous() if has_lse else torch.empty((t, hq), dtype=torch.float32, device=q.device)
     dq_cfg, dkv_cfg = configs or tile_configs(d, q.dtype)
     if interpreting():  # Triton's CPU interpreter runs one warp layout: a cheaper launch, same numerics
         dq_cfg, dkv_cfg = (dataclasses.replace(c, num_warps=4) for c in (dq_cfg, dkv_cfg))
@@ -300,7 +319,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), scale_log2, scale,
         GROUP=group, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, HEAD_DIM=d, PRECISION=precision,
-        num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages)
+        HAS_LSE=has_lse, num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages)
     tile_start, _, tile_seq1 = _tiles(cu_seqlens, dkv_cfg.block_n, q.device)
     _dkv_kernel[(tile_start.shape[0], hkv)](
         q, k, v, dout, delta, lse, dk, dv, tile_start, tile_seq1, hq,

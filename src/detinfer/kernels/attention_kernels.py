@@ -81,6 +81,15 @@ def _finalize(l, o):
 
 
 @triton.jit
+def _store_lse(lse_ptr, token, head, num_q_heads, row_ok, m, l):
+    """Row log-sum-exp in log2 units of the scaled scores, lse = m + log2(l), at lse[token, head] ([T, Hq]
+    fp32): what the attention backward needs for p = exp2(s * qk_scale - lse). A row that saw no key
+    (l == 0) stores -inf."""
+    lse = tl.where(l > 0.0, m + tl.log2(tl.where(l > 0.0, l, 1.0)), float("-inf"))
+    tl.store(lse_ptr + token.to(tl.int64) * num_q_heads + head, lse, mask=row_ok)
+
+
+@triton.jit
 def _tile_step(start, t_start, q, pos, M, L, O, m_i, l_acc, acc, blk_next, ones, split_size, window, qk_scale,
                k_ptr, v_ptr, seq, kvh, kv_len, key_start, bt_row, max_blocks, num_blocks, block_size,
                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, ws_o_ptr, ws_ml_ptr, w_row,
@@ -214,7 +223,7 @@ def _attend_tiles(q, pos, p_first, p_last, t_start, t_end, split_size, window, q
 @triton.jit(do_not_specialize=["num_seqs", "fixed_q_len", "fixed_kv_len", "max_blocks", "num_blocks",
                                "splits_per_program", "window"])
 def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_ml_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_ml_ptr, lse_ptr,
     cu_q_ptr, kv_lens_ptr, bt_ptr, key_start_ptr,
     stride_qs, stride_qt, stride_qh, stride_os, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
@@ -223,12 +232,13 @@ def _attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, SPLIT_PARALLEL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, MASK_ALL: tl.constexpr, FIXED_ORDER_DOT: tl.constexpr,
-    PRECISION: tl.constexpr, MULTI_SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
+    PRECISION: tl.constexpr, MULTI_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     """One program: BLOCK_T query tokens x GROUP query heads sharing kv head `pid(1)`.
 
-    Sequential: all splits of the tile's key range, result written to out. Split-parallel: split
-    `pid(2)` only, partial written to the workspace for `_merge_splits_kernel`.
+    Sequential: all splits of the tile's key range, result written to out (and with STORE_LSE, paged
+    launches only, each row's log-sum-exp to lse[token, head]). Split-parallel: split `pid(2)` only,
+    partial written to the workspace for `_merge_splits_kernel`.
     """
     pdl_start(USE_PDL)  # PDL (kernels/_pdl.py): wait for the previous kernel before reading anything
     # Last query tiles first: causal prefill tiles get heavier towards a sequence's end, and starting
@@ -302,6 +312,8 @@ def _attention_kernel(
         out = _finalize(L, O).to(out_ptr.dtype.element_ty)
         o_off = o_base + t.to(tl.int64) * stride_ot + head * stride_oh
         tl.store(out_ptr + o_off[:, None] + d[None, :], out, mask=row_ok[:, None])
+        if STORE_LSE:
+            _store_lse(lse_ptr, q_first + t, head, num_q_heads, row_ok, M, L)
 
 
 @triton.jit
@@ -324,14 +336,15 @@ def _seq_of_tile(cu_q_ptr, num_seqs, tile, BLOCK_T: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_seqs", "num_tokens", "fixed_q_len", "fixed_kv_len", "window"])
 def _merge_splits_kernel(
-    ws_o_ptr, ws_ml_ptr, out_ptr, cu_q_ptr, kv_lens_ptr, key_start_ptr,
+    ws_o_ptr, ws_ml_ptr, out_ptr, lse_ptr, cu_q_ptr, kv_lens_ptr, key_start_ptr,
     stride_os, stride_ot, stride_oh,
     num_seqs, num_tokens, fixed_q_len, fixed_kv_len, split_size, window, num_q_heads,
     num_splits_ws,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_PDL: tl.constexpr,
+    PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_PDL: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
-    """Chain each token's split partials left to right (the sequential path's chain) and normalize.
+    """Chain each token's split partials left to right (the sequential path's chain) and normalize (and
+    with STORE_LSE, paged launches only, store each row's log-sum-exp as the sequential path does).
 
     Rows are TOKENS tokens x GROUP_PAD heads of one kv head. Rows whose token needs fewer splits than
     the program's longest merge masked partials (-inf, 0, 0), which `_merge` passes through exactly.
@@ -384,3 +397,5 @@ def _merge_splits_kernel(
         M, L, O = _merge(M, L, O, m, l, o)
     out = _finalize(L, O).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + o_off[:, None] + d[None, :], out, mask=row_ok[:, None])
+    if STORE_LSE:
+        _store_lse(lse_ptr, tok, head, num_q_heads, row_ok, M, L)

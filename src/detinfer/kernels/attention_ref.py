@@ -9,6 +9,8 @@ nor on how its sequence was chunked into steps. Not bitwise equal to the Triton 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from detinfer.kernels._fold import fold_sum
@@ -16,6 +18,21 @@ from detinfer.kernels._fold import fold_sum
 # Elements of the largest broadcast product held at once (queries are processed in chunks of rows;
 # rows are independent, so the chunking does not change any bits).
 _CHUNK_ELEMS = 1 << 24
+
+
+def check_lse_out(op: str, lse_out, q: torch.Tensor) -> None:
+    """lse_out (paged attention's optional row log-sum-exp buffer): None or a contiguous fp32 [T, Hq] tensor
+    on q's device."""
+    if lse_out is None:
+        return
+    shape = (q.shape[0], q.shape[1])
+    ok = isinstance(lse_out, torch.Tensor) and lse_out.dtype == torch.float32 and tuple(lse_out.shape) == shape
+    if not (ok and lse_out.device == q.device and lse_out.is_contiguous()):
+        got = (f"{lse_out.dtype} {tuple(lse_out.shape)} on {lse_out.device}"
+               f"{'' if lse_out.is_contiguous() else ', not contiguous'}") \
+            if isinstance(lse_out, torch.Tensor) else type(lse_out).__name__
+        raise ValueError(f"{op}: lse_out must be a contiguous torch.float32 tensor of shape {shape} on "
+                         f"{q.device}, got {got}")
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -56,11 +73,13 @@ def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.T
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, kv_lens: torch.Tensor, cu_q_lens: torch.Tensor,
                         scale: float, *, sliding_window: int | None = None, max_q_len: int | None = None,
-                        max_kv_len: int | None = None, validate: bool | None = None, **_ignored
-                        ) -> torch.Tensor:
+                        max_kv_len: int | None = None, validate: bool | None = None,
+                        lse_out: torch.Tensor | None = None, **_ignored) -> torch.Tensor:
     """`paged_attention` in pure torch (any float dtype, any device).
 
     Same signature as `paged_attention`; the hints and split/schedule keywords are accepted and ignored.
+    lse_out gets the rows' log-sum-exps as the kernel defines them (log2 units of the scaled scores),
+    computed in the accumulation dtype (fp64 for fp64 inputs: the accuracy reference).
     Metadata values are always checked (the function reads them on the host anyway).
 
     The step's single-query sequences (decode) are attended together (a host loop per sequence made a
@@ -82,34 +101,40 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     check_step_metadata(cu_q_lens, kv_lens, block_tables, block_size=k_cache.shape[1],
                         num_blocks=k_cache.shape[0], num_tokens=q.shape[0], max_kv_len=max_kv_len,
                         op="paged_attention_ref")
+    check_lse_out("paged_attention_ref", lse_out, q)
     out = torch.zeros_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     cu, kvl = cu_q_lens.tolist(), kv_lens.tolist()
     singles = [s for s in range(len(kvl)) if cu[s + 1] - cu[s] == 1]
     if singles:  # decode rows: one batch, keys padded to the longest of them
         keys, values = _gather_padded(k_cache, v_cache, block_tables[singles], [kvl[s] for s in singles])
         rows = torch.tensor([cu[s] for s in singles], device=q.device)
         pos = torch.tensor([kvl[s] - 1 for s in singles], device=q.device)
-        out[rows] = _attend_chunked(q[rows], keys, values, pos, scale, sliding_window)
+        out[rows], lse[rows] = _attend_chunked(q[rows], keys, values, pos, scale, sliding_window)
     for s, kv_len in enumerate(kvl):  # prefill chunks: one sequence at a time, its keys shared by its rows
         q0, q1 = cu[s], cu[s + 1]
         if q1 - q0 > 1:
             keys, values = _gather_padded(k_cache, v_cache, block_tables[s:s + 1], [kv_len])
             pos = torch.arange(kv_len - (q1 - q0), kv_len, device=q.device)
-            out[q0:q1] = _attend_chunked(q[q0:q1], keys, values, pos, scale, sliding_window)
+            out[q0:q1], lse[q0:q1] = _attend_chunked(q[q0:q1], keys, values, pos, scale, sliding_window)
+    if lse_out is not None:
+        lse_out[:cu[-1]] = lse[:cu[-1]]
     return out
 
 
 def _attend_chunked(q, keys, values, pos, scale, sliding_window):
     """`_attend_rows` over memory-bounded chunks of rows (rows are independent: chunking changes no bit).
-    keys / values: [r, L, Hkv, D] (one sequence per row) or [1, L, Hkv, D] (one shared by every row)."""
+    keys / values: [r, L, Hkv, D] (one sequence per row) or [1, L, Hkv, D] (one shared by every row).
+    -> (out, lse [n, Hq] fp32)."""
     n, hq, d = q.shape
     out = torch.empty_like(q)
+    lse = torch.empty((n, hq), dtype=torch.float32, device=q.device)
     rows = max(1, _CHUNK_ELEMS // max(1, hq * keys.shape[1] * d))
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         k, v = (keys, values) if keys.shape[0] == 1 else (keys[r0:r1], values[r0:r1])
-        out[r0:r1] = _attend_rows(q[r0:r1], k, v, pos[r0:r1], scale, sliding_window)
-    return out
+        out[r0:r1], lse[r0:r1] = _attend_rows(q[r0:r1], k, v, pos[r0:r1], scale, sliding_window)
+    return out, lse
 
 
 def _gather_padded(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, kvl: list[int]):
@@ -130,10 +155,11 @@ def _gather_padded(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: t
 
 
 def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
-                 sliding_window: int | None) -> torch.Tensor:
+                 sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Query rows q [r, Hq, D] at positions q_pos [r], each with its own keys/values k, v [r, L, Hkv, D]
     (zeros past its sequence's end), or all with the same ones ([1, L, Hkv, D]). The arithmetic of
-    `attend_ref`, op for op."""
+    `attend_ref`, op for op. -> (out, lse): lse [r, Hq] = log2(sum_j 2^(scale * log2(e) * q.k_j)), as the
+    kernel stores it (-inf for a row that sees no key)."""
     acc = _acc_dtype(q.dtype)
     r, hq, d = q.shape
     hkv = k.shape[2]
@@ -154,7 +180,8 @@ def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch
     l = fold_sum(p, -1)  # [r, Hq]
     o = fold_sum(p.view(r, hkv, group, -1)[..., None] * vf, -2).reshape(r, hq, d)  # [r, Hq, D]
     safe_l = torch.where(l == 0, torch.ones_like(l), l)
-    return torch.where(l[..., None] == 0, 0.0, o / safe_l[..., None]).to(q.dtype)
+    lse = torch.where(l == 0, float("-inf"), (m[..., 0] + torch.log(safe_l)) * (1 / math.log(2)))
+    return torch.where(l[..., None] == 0, 0.0, o / safe_l[..., None]).to(q.dtype), lse.float()
 
 
 def attention_contiguous_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_start: torch.Tensor,

@@ -377,10 +377,15 @@ class Ops(MoeOps, Fp8Ops):
         fn(k, v, k_cache, v_cache, slot_mapping, validate=validate)
 
     def paged_attention(self, q, k_cache, v_cache, block_tables, kv_lens, cu_q_lens, scale, *, max_q_len,
-                        max_kv_len, validate: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+                        max_kv_len, validate: bool = True, out: torch.Tensor | None = None,
+                        lse_out: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of packed queries q [T, Hq, D] over each sequence's paged keys (prefill,
-        chunked prefill and decode are one call); see kernels.attention for the metadata."""
+        chunked prefill and decode are one call); see kernels.attention for the metadata. lse_out: an
+        optional fp32 [T, Hq] buffer for the rows' log-sum-exps (the trainer's backward input), filled by
+        every implementation (kernels.attention.paged_attention's definition)."""
         kwargs = {} if out is None else {"out": out}
+        if lse_out is not None:
+            kwargs["lse_out"] = lse_out
         if self.attention_impl == "kernel":
             from detinfer.kernels import attention
 

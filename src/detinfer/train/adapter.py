@@ -165,7 +165,11 @@ def attention_functions(model, runner=None):
 
 class PackedPagedAttention:
     """`attn(layer_idx, q, k, v)` for a packed training batch: full causal attention within each sequence
-    (positions 0..L-1), computed by the engine's paged attention over a temporary cache, differentiable."""
+    (positions 0..L-1), computed by the engine's paged attention over a temporary cache, differentiable.
+    `attend` takes `lse_out=` (`Ops.paged_attention`): the forward stores the rows' log-sum-exps for the
+    backward (AttentionFn), unless `reuse_forward_lse` is False (the backward then recomputes them)."""
+
+    reuse_forward_lse = True
 
     def __init__(self, attend, write, cu_seqlens: list[int], scale: float, block_size: int,
                  device: torch.device):
@@ -186,18 +190,19 @@ class PackedPagedAttention:
         self.slots = torch.tensor(slots, dtype=torch.int64, device=device)
         self.max_len = max([1] + lens)
 
-    def _forward(self, q, k, v):
+    def _forward(self, q, k, v, lse_out=None):
         shape = (self.num_blocks, self.block_size, k.shape[1], k.shape[2])
         k_cache = torch.zeros(shape, dtype=k.dtype, device=k.device)
         v_cache = torch.zeros(shape, dtype=v.dtype, device=v.device)
         self.write(k, v, k_cache, v_cache, self.slots, validate=False)
         return self.attend(q, k_cache, v_cache, self.block_tables, self.kv_lens, self.cu_q, self.scale,
-                           max_q_len=self.max_len, max_kv_len=self.max_len, validate=False)
+                           max_q_len=self.max_len, max_kv_len=self.max_len, validate=False,
+                           **({} if lse_out is None else {"lse_out": lse_out}))
 
     def __call__(self, layer_idx, q, k, v):
         if not _needs_grad(q, k, v):
             return self._forward(q, k, v)
-        return AttentionFn.apply(q, k, v, self._forward, self.cu, self.scale)
+        return AttentionFn.apply(q, k, v, self._forward, self.cu, self.scale, self.reuse_forward_lse)
 
 
 def _checkpointed(forward):

@@ -189,27 +189,43 @@ class LogprobFn(torch.autograd.Function):
         return log_softmax_gather_backward_ref(grad, logprobs, targets).to(logprobs.dtype), None, None
 
 
-def _attention_backward_for(q: torch.Tensor):
-    """The Triton backward on CUDA (and on CPU in fp32 under Triton's interpreter, as the engine's
-    attention kernel), for head_dims it takes; the pure-torch reference otherwise."""
+def _attention_kernel_backward_runs(q: torch.Tensor) -> bool:
+    """The Triton backward runs on CUDA (and on CPU in fp32 under Triton's interpreter, as the engine's
+    attention kernel), for head_dims it takes; the pure-torch reference elsewhere."""
     kernel_ok = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16, torch.float32) or \
         (interpreting() and q.dtype == torch.float32)
-    return attention_backward if kernel_ok and kernel_supports(q.shape[-1]) else attention_backward_ref
+    return kernel_ok and kernel_supports(q.shape[-1])
 
 
 class AttentionFn(torch.autograd.Function):
     """Causal varlen GQA attention: forward = the engine's paged attention (via `fwd(q, k, v)`), backward =
-    the fixed-order recompute backward over the same packed layout."""
+    the fixed-order recompute backward over the same packed layout.
+
+    `fwd_fills_lse`: `fwd` takes `lse_out=` (a [T, Hq] fp32 buffer for the rows' log-sum-exps, as
+    `paged_attention` defines them). Then, where the Triton backward runs, the forward stores them and the
+    backward reads them instead of recomputing (one pass over the keys fewer). The reference backward
+    recomputes its own softmax in its accumulation dtype and takes none."""
 
     @staticmethod
-    def forward(ctx, q, k, v, fwd: Callable, cu_seqlens: list[int], scale: float):
-        out = fwd(q, k, v)
-        ctx.save_for_backward(q, k, v, out)
+    def forward(ctx, q, k, v, fwd: Callable, cu_seqlens: list[int], scale: float, fwd_fills_lse: bool = False):
+        lse = None
+        if fwd_fills_lse and _attention_kernel_backward_runs(q):
+            lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+            out = fwd(q, k, v, lse_out=lse)
+        else:
+            out = fwd(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.cu_seqlens, ctx.scale = cu_seqlens, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out = ctx.saved_tensors
-        dq, dk, dv = _attention_backward_for(q)(dout.contiguous(), q, k, v, out, ctx.cu_seqlens, ctx.scale)
-        return dq, dk, dv, None, None, None
+        q, k, v, out, lse = ctx.saved_tensors
+        args = (dout.contiguous(), q, k, v, out, ctx.cu_seqlens, ctx.scale)
+        if lse is not None:
+            dq, dk, dv = attention_backward(*args, lse=lse)
+        elif _attention_kernel_backward_runs(q):
+            dq, dk, dv = attention_backward(*args)
+        else:
+            dq, dk, dv = attention_backward_ref(*args)
+        return dq, dk, dv, None, None, None, None
