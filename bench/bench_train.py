@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -177,7 +178,8 @@ def _linear_rows(t: int) -> list[dict]:
     return rows
 
 
-def _attention_row(seqs: int, seq_len: int) -> dict:
+def _attention_rows(seqs: int, seq_len: int) -> list[dict]:
+    """The backward recomputing the row LSEs, and reading the forward's (what the trainer runs)."""
     from detinfer.kernels.attention_backward import attention_backward
 
     t, hq, hkv, d = seqs * seq_len, SHAPE["hq"], SHAPE["hkv"], SHAPE["d"]
@@ -194,8 +196,16 @@ def _attention_row(seqs: int, seq_len: int) -> dict:
     gb = do.view(seqs, seq_len, hq, d).transpose(1, 2)
     stock = bench(lambda: torch.autograd.grad(ob, (qb, kb, vb), gb, retain_graph=True))
     fwd_flops = 2 * 2 * seqs * seq_len ** 2 / 2 * d * hq  # causal: half of QK^T and of PV
-    return _row(f"attention bwd {seqs}x{seq_len} Hq{hq}/Hkv{hkv} D{d}",
-                bench(lambda: attention_backward(do, q, k, v, out, cu, scale)), stock, flops=2.5 * fwd_flops)
+    # The forward's LSE (log2 units of the scaled scores, paged_attention's lse_out), one sequence at a time.
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).tril()
+    lse = torch.cat([torch.logsumexp(((qb[i].float() @ kb[i].float().transpose(1, 2)) * scale)
+                                     .masked_fill(~causal, float("-inf")), -1).T / math.log(2)
+                     for i in range(seqs)]).detach().contiguous()
+    name = f"attention bwd {seqs}x{seq_len} Hq{hq}/Hkv{hkv} D{d}"
+    return [_row(f"{name} (LSE recomputed)", bench(lambda: attention_backward(do, q, k, v, out, cu, scale)),
+                 stock, flops=2.5 * fwd_flops),
+            _row(f"{name} (forward's LSE)", bench(lambda: attention_backward(do, q, k, v, out, cu, scale, lse=lse)),
+                 stock, flops=2.5 * fwd_flops)]
 
 
 def _norm_act_rope_rows(t: int, seq_len: int) -> list[dict]:
@@ -267,7 +277,7 @@ def kernels(args) -> list[dict]:
     t = args.seqs * args.seq_len
     rows = _linear_rows(t)
     torch.cuda.empty_cache()
-    rows.append(_attention_row(args.seqs, args.seq_len))
+    rows += _attention_rows(args.seqs, args.seq_len)
     torch.cuda.empty_cache()
     rows += _norm_act_rope_rows(t, args.seq_len)
     torch.cuda.empty_cache()

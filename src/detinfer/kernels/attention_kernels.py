@@ -20,6 +20,9 @@ The invariance argument (what makes a query's bits independent of everything but
   when the max does not move and a merge with an empty partial (-inf, 0, 0) returns the other side.
   Hence a query gets the same bits whether extra masked tiles/splits run (prefill tiles hold several
   queries) or not (decode), and whichever other rows share its tile.
+* The row log-sum-exp (STORE_LSE, paged launches: the training forward's, for the attention backward) is
+  M + log2(L) of the chain's final (M, L), stored where the output is normalized (sequential programs or
+  `_merge_splits_kernel`), so it inherits every invariance above; STORE_LSE=False compiles it out.
 * No fma contraction is left to the compiler: mul-adds that matter are explicit `tl.fma`, and launches
   pass enable_fp_fusion=False, so every kernel variant evaluates the same expressions the same way.
 

@@ -12,7 +12,8 @@ Contract with the model (all that training relies on; `TrainingForward` is the a
     and `model.layers`, each called as `layer(h, residual, positions, rotary, attn, ops)` (activation
     checkpointing wraps these calls);
   * `F.embedding(ids, model.embed_tokens)`;
-  * the Ops' `paged_attention` / `write_kv` are the attention functions the engine calls.
+  * the Ops' `paged_attention` / `write_kv` are the attention functions the engine calls
+    (`paged_attention(..., lse_out=)` also stores the rows' log-sum-exps, for the attention backward).
 For the duration of one forward (`TrainingForward.run`) the adapter
   * sets `model.ops` to `DifferentiableOps` (forward = the engine's op, backward = ours),
   * routes `F.embedding` on the model's embedding weight through `EmbeddingFn` (a TorchFunctionMode),
