@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from detinfer.kernels.attention import paged_attention
+from detinfer.kernels.attention import paged_attention, paged_attention_fast
 from detinfer.kernels.attention_backward import attention_backward, attention_backward_ref
 from detinfer.kernels.attention_ref import paged_attention_ref
 from detinfer.kernels.kv_write import write_kv_ref
@@ -98,7 +98,8 @@ def test_forward_lse_accurate_schedule_and_packing_invariant(lens, heads, seed):
 
 
 def test_forward_lse_leaves_rows_past_the_packed_queries_untouched():
-    """Kernel (both schedules) and reference: rows past cu_q_lens[-1] (padding) keep what they held."""
+    """Kernel (both schedules, and its non-invariant twin) and reference: accurate LSE, and rows past
+    cu_q_lens[-1] (padding) keep what they held."""
     cu, scale = [0, 3, 40], 0.125
     q, k, v, _ = _qkv(43, 4, 2, 64, torch.float32, 1)  # 3 padding rows past cu[-1]
     k_cache = torch.zeros(4, 16, 2, 64, device=DEV)
@@ -108,11 +109,13 @@ def test_forward_lse_leaves_rows_past_the_packed_queries_untouched():
     meta = (torch.tensor([[0, 0, 0], [1, 2, 3]], dtype=torch.int32, device=DEV),
             torch.tensor([3, 37], dtype=torch.int32, device=DEV), torch.tensor(cu, dtype=torch.int32, device=DEV))
     ref = lse_f64(q[:40], k[:40], cu, scale)
-    for fn, schedule in ((paged_attention, "sequential"), (paged_attention, "parallel"), (paged_attention_ref, "")):
+    for fn, launch in ((paged_attention, dict(schedule="sequential", split_size=64)),
+                       (paged_attention, dict(schedule="parallel", split_size=64)),
+                       (paged_attention_fast, {}), (paged_attention_ref, {})):
         lse = torch.full((43, 4), 7.0, device=DEV)
-        fn(q, k_cache, v_cache, *meta, scale, split_size=64, schedule=schedule, lse_out=lse)
+        fn(q, k_cache, v_cache, *meta, scale, lse_out=lse, **launch)
         assert_lse_accurate(lse[:40], ref, torch.float32)
-        assert torch.equal(lse[40:], torch.full((3, 4), 7.0, device=DEV)), (fn.__name__, schedule)
+        assert torch.equal(lse[40:], torch.full((3, 4), 7.0, device=DEV)), (fn.__name__, launch)
 
 
 def test_reference_lse_is_the_float64_logsumexp():

@@ -1,6 +1,7 @@
 """The trainer's attention backward reads the row log-sum-exps its forward stored (paged_attention's
 lse_out) instead of recomputing them: whole-model gradients equal the recompute path's within rounding
-(not bitwise: the two LSEs differ in their last bits) and two runs give one set of bits. CPU: fp32 tiny
+(not bitwise: the two LSEs differ in their last bits); two runs, and a run with activation checkpointing,
+give one set of bits. CPU: fp32 tiny
 checkpoints with head_dim 64, so the engine's attention kernel and the Triton backward run in Triton's
 interpreter."""
 
@@ -38,10 +39,13 @@ def test_gradients_with_the_forward_lse_match_the_recompute_and_repeat(model_dir
     assert seen and all(lse is not None and lse.shape == (ids.shape[0], model.config.num_attention_heads)
                         for lse in seen)  # every layer's backward got its forward's LSE
     assert all(torch.equal(a, b) for a, b in zip(with_lse.values(), _grads(trainer, ids, cu).values()))
+    # activation checkpointing recomputes the forward (and its LSE) in backward: the same bits
+    checkpointed = _grads(TrainableModel(model, activation_checkpointing=True), ids, cu)
+    assert all(torch.equal(a, b) for a, b in zip(with_lse.values(), checkpointed.values(), strict=True))
 
     seen.clear()
     monkeypatch.setattr(PackedPagedAttention, "reuse_forward_lse", False)
-    recomputed = _grads(trainer, ids, cu)
+    recomputed = _grads(TrainableModel(model), ids, cu)
     assert seen and all(lse is None for lse in seen)
     for n, g in recomputed.items():
         scale = g.abs().max().item()
