@@ -1,8 +1,10 @@
 """Cross-rank sums for tensor parallelism, per call inside a CUDA graph (2 GPUs): torch's ProcessGroupNCCL
 vs detinfer's direct communicator (distributed/nccl_comm.py), fp32 all-reduce and all-gather + add, and
-whether each result equals the gather-then-add bits (it must at 2 ranks: one IEEE addition).
+whether each result equals the gather-then-add bits (it must at 2 ranks: one IEEE addition). `peer`: the
+row-parallel layer's whole sum + cast to bf16, through the peer kernel (distributed/peer_sum.py) against
+the direct NCCL all-reduce followed by the cast, side by side in the same processes.
 
-    PYTHONPATH=src python bench/bench_collectives.py [--sizes-kb 8,64,256,1024] [--which ours,torch]
+    PYTHONPATH=src python bench/bench_collectives.py [--sizes-kb 8,64,256,1024] [--which ours,torch,peer]
 
 Each rank prints its lines; a rank stuck for 60 s dumps its stack and exits (a hang is a finding too).
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends are set if unset).
@@ -62,6 +64,8 @@ def _collectives(which: str, rank: int, size: int, store):
 def _rank(rank: int, size: int, port: int, which: str, sizes_kb: list[int]) -> None:
     faulthandler.dump_traceback_later(60, exit=True)
     torch.cuda.set_device(rank)
+    if which == "peer":
+        _peer_rank(rank, size, port, sizes_kb)
     store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=datetime.timedelta(seconds=30))
     all_reduce, all_gather = _collectives(which, rank, size, store)
     for kb in sizes_kb:
@@ -87,10 +91,33 @@ def _rank(rank: int, size: int, port: int, which: str, sizes_kb: list[int]) -> N
     os._exit(0)
 
 
+def _peer_rank(rank: int, size: int, port: int, sizes_kb: list[int]) -> None:
+    from detinfer.distributed.group import connect
+
+    group = connect(rank, size, port, torch.device("cuda", rank))
+    if group.peer is None:
+        print(f"rank {rank}: no peer sum (no peer access, or DETINFER_TP_PEER_SUM=0)", flush=True)
+        os._exit(0)
+    for kb in sizes_kb:
+        n = kb * 1024 // 4
+        gen = torch.Generator("cuda").manual_seed(rank)
+        x = torch.randn(n // 4096 or 1, min(n, 4096), device="cuda", generator=gen)  # [tokens, hidden]
+        buf = x.clone()
+        fused = lambda x=x: group.exact_sum_rounded(x, None, torch.bfloat16)  # noqa: E731
+        unfused = lambda x=x, buf=buf: group.exact_sum(buf.copy_(x)).to(torch.bfloat16)  # noqa: E731
+        us_peer, us_nccl = _graph_us(fused), _graph_us(unfused)
+        same = torch.equal(fused().view(torch.int16), unfused().view(torch.int16))
+        if rank == 0:
+            print(f"peer  {kb:6d} KB  peer sum + cast {us_peer:6.1f} us   NCCL all-reduce + cast {us_nccl:6.1f} us   "
+                  f"same bits: {same}", flush=True)
+    faulthandler.cancel_dump_traceback_later()
+    os._exit(0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes-kb", default="8,64,256,1024")
-    ap.add_argument("--which", default="ours,torch")
+    ap.add_argument("--which", default="ours,torch,peer")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes_kb.split(",")]
     ctx = mp.get_context("spawn")

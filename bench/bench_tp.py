@@ -6,7 +6,9 @@ all with CUDA graphs: deterministic TP=1 and TP=N, fast TP=1 and TP=N, determini
 --tp-invariant-reduction (`--eager` adds deterministic TP=N without graphs). For each, B sequences decode
 together (every step: one token each) and the median step time is taken over `--steps` steps after a
 warm-up. The table gives each step time, TP=N / TP=1 (same mode and reduction; goal <= 0.6) and
-deterministic / fast at the same TP size (goal <= 1.10).
+deterministic / fast at the same TP size (goal <= 1.10). At TP=2 the deterministic engine is also run with
+its row-parallel sums through NCCL + a cast (DETINFER_TP_PEER_SUM=0, row "nccl") beside the default peer
+kernel (distributed/peer_sum.py), as an A/B in the same process.
 
 Cross-rank sums (2 GPUs, `--no-collectives` to skip): one reduction of an fp32 partial of 8 KB / 64 KB /
 256 KB per call, timed eagerly and inside a CUDA graph (`--graph-calls` calls captured back to back, the
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import statistics
 import sys
@@ -67,16 +70,20 @@ def decode_step_ms(engine: LLMEngine, batch: int, steps: int, vocab: int) -> flo
     return 1e3 * statistics.median(times)
 
 
-def engine_runs(args) -> list[tuple[str, int, bool, bool]]:
-    """(mode, tp, tp_invariant_reduction, enforce_eager). TP=1 with the flag comes last: it swaps the
-    o_proj/down_proj modules of the model it is given in place."""
-    runs = [("deterministic", 1, False, False), ("fast", 1, False, False), ("deterministic", args.tp, False, False),
-            ("fast", args.tp, False, False), ("deterministic", args.tp, True, False)]
+def engine_runs(args) -> list[tuple[str, int, bool, bool, bool]]:
+    """(mode, tp, tp_invariant_reduction, enforce_eager, nccl_sums). TP=1 with the flag comes last: it swaps
+    the o_proj/down_proj modules of the model it is given in place. nccl_sums: DETINFER_TP_PEER_SUM=0."""
+    det, tp = "deterministic", args.tp
+    runs = [(det, 1, False, False, False), ("fast", 1, False, False, False), (det, tp, False, False, False),
+            ("fast", tp, False, False, False), (det, tp, True, False, False)]
+    if tp == 2:
+        runs += [(det, tp, False, False, True), (det, tp, True, False, True)]
     if args.eager:
-        runs.append(("deterministic", args.tp, False, True))
-    runs.append(("deterministic", 1, True, False))
+        runs.append((det, tp, False, True, False))
+    runs.append((det, 1, True, False, False))
     if args.only:
-        names = {f"{m[:3]}{t}{'inv' if inv else ''}{'eager' if e else ''}": (m, t, inv, e) for m, t, inv, e in runs}
+        names = {f"{m[:3]}{t}{'inv' if inv else ''}{'eager' if e else ''}{'nccl' if n else ''}": (m, t, inv, e, n)
+                 for m, t, inv, e, n in runs}
         unknown = set(args.only) - set(names)
         if unknown:
             raise SystemExit(f"--only: unknown {sorted(unknown)}; choose from {sorted(names)}")
@@ -100,7 +107,8 @@ def bench_engines(args) -> list[dict]:
     else:
         cfg = qwen3_8b_config(args.layers, args.max_len)
         model = random_model(cfg, torch.device("cuda", 0), seed=0)
-    for mode, tp, invariant, eager in engine_runs(args):
+    for mode, tp, invariant, eager, nccl in engine_runs(args):
+        os.environ["DETINFER_TP_PEER_SUM"] = "0" if nccl else "1"  # read by every rank as it joins the group
         config = EngineConfig(mode=mode, tensor_parallel_size=tp, tp_invariant_reduction=invariant,
                               enforce_eager=eager, max_num_seqs=max(args.batch_sizes),
                               max_num_batched_tokens=max(512, max(args.batch_sizes)), max_model_len=args.max_len,
@@ -112,8 +120,10 @@ def bench_engines(args) -> list[dict]:
         try:
             graphs = engine.runner.graphs
             for b in args.batch_sizes:
+                group = getattr(engine.runner, "group", None)
                 row = {"mode": mode, "tp": tp, "tp_invariant_reduction": invariant, "graphs": graphs is not None,
-                       "batch": b, "step_ms": decode_step_ms(engine, b, args.steps, cfg.vocab_size),
+                       "nccl_sums": nccl, "peer_sum": getattr(group, "peer", None) is not None, "batch": b,
+                       "step_ms": decode_step_ms(engine, b, args.steps, cfg.vocab_size),
                        "engine_build_s": built, "capture_s": graphs.capture_seconds if graphs else 0.0}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
@@ -182,19 +192,19 @@ def bench_collectives(calls: int) -> list[dict]:
 
 
 def print_tables(engines: list[dict], sums: list[dict], tp: int) -> None:
-    by = {(r["mode"], r["tp"], r["tp_invariant_reduction"], r["graphs"], r["batch"]): r["step_ms"] for r in engines}
+    by = {(r["mode"], r["tp"], r["tp_invariant_reduction"], r["graphs"], r["nccl_sums"], r["batch"]): r["step_ms"]
+          for r in engines}
     batches = sorted({r["batch"] for r in engines})
     print("\ndecode step (ms, median)" + "".join(f" | batch {b:>4}" for b in batches) +
           "".join(f" | TP{tp}/TP1 b{b}" for b in batches) + "".join(f" | det/fast b{b}" for b in batches))
-    for mode, t, inv, graphs in dict.fromkeys(k[:4] for k in by):
-        name = f"{mode[:5]} TP={t}{' inv' if inv else ''}{'' if graphs else ' eager'}"
-        cells = [f"{by[(mode, t, inv, graphs, b)]:10.2f}" for b in batches]
-        base = [by.get((mode, 1, inv, True, b)) for b in batches]
-        cells += [f"{by[(mode, t, inv, graphs, b)] / x:11.2f}" if x and t > 1 else f"{'':>11}"
-                  for b, x in zip(batches, base)]
-        fast = [by.get(("fast", t, False, graphs, b)) for b in batches]
-        cells += [f"{by[(mode, t, inv, graphs, b)] / f:11.2f}" if f and mode == "deterministic" else f"{'':>11}"
-                  for b, f in zip(batches, fast)]
+    for mode, t, inv, graphs, nccl in dict.fromkeys(k[:5] for k in by):
+        name = f"{mode[:5]} TP={t}{' inv' if inv else ''}{'' if graphs else ' eager'}{' nccl' if nccl else ''}"
+        mine = [by[(mode, t, inv, graphs, nccl, b)] for b in batches]
+        cells = [f"{x:10.2f}" for x in mine]
+        base = [by.get((mode, 1, inv, True, False, b)) for b in batches]
+        cells += [f"{m / x:11.2f}" if x and t > 1 else f"{'':>11}" for m, x in zip(mine, base)]
+        fast = [by.get(("fast", t, False, graphs, False, b)) for b in batches]
+        cells += [f"{m / f:11.2f}" if f and mode == "deterministic" else f"{'':>11}" for m, f in zip(mine, fast)]
         print(f"{name:<24}" + "".join(f" | {c}" for c in cells))
     if sums:
         print("\ncross-rank sum, us per call (2 GPUs)" + "".join(f" | {n >> 10:>3} KB eager | {n >> 10:>3} KB graph"
@@ -225,7 +235,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="smoke test: 4 layers, batch 1 and 8, 8 steps")
     p.add_argument("--out", type=Path, help="write all rows as JSON here")
     p.add_argument("--only", type=lambda s: s.split(","), default=None,
-                   help="engines to run, e.g. det1,det2 (det/fas + TP size + inv / eager)")
+                   help="engines to run, e.g. det1,det2 (det/fas + TP size + inv / eager / nccl)")
     args = p.parse_args()
     if args.quick:
         args.layers, args.batch_sizes, args.steps, args.max_len, args.graph_calls = 4, [1, 8], 8, 512, 20

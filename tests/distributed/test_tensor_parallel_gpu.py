@@ -178,3 +178,45 @@ def test_exact_sum_nccl_is_gather_and_tree_in_and_out_of_graphs(two_gpus):
         for i, (eager_ok, captured_ok, _) in enumerate(got[rank]):
             assert eager_ok and captured_ok, f"rank {rank}, case {i}: eager {eager_ok}, in a graph {captured_ok}"
     assert [c[2] for c in got[0]] == [c[2] for c in got[1]], "the ranks' sums differ"
+
+
+def test_tp2_peer_sum_on_and_off_give_the_same_bits(model_dir, two_gpus, monkeypatch):
+    """The row-parallel sums through the peer kernel (the default with two GPUs that reach each other's
+    memory) and through NCCL + a cast (DETINFER_TP_PEER_SUM=0) give the same requests and logits, in CUDA
+    graphs, with and without the chunk tree."""
+    if not torch.cuda.can_device_access_peer(0, 1):
+        pytest.skip("GPUs 0 and 1 cannot access each other's memory (the peer sum is off)")
+    for invariant in (False, True):
+        results = {}
+        for flag in ("1", "0"):
+            monkeypatch.setenv("DETINFER_TP_PEER_SUM", flag)  # read by every rank as it joins the group
+            engine = engine_at(model_dir, 2, device="cuda", max_num_batched_tokens=64, max_num_seqs=8,
+                               tp_invariant_reduction=invariant)
+            try:
+                assert (engine.runner.group.peer is not None) == (flag == "1")
+                results[flag] = (run(engine, REQUESTS), forward_logits(engine).cpu())
+            finally:
+                engine.close()
+        assert results["1"][0] == results["0"][0]
+        assert torch.equal(results["1"][1].view(torch.int32), results["0"][1].view(torch.int32))
+
+
+def test_tp2_killed_worker_is_an_error_not_a_hang_with_the_peer_sum(model_dir, two_gpus):
+    """A worker killed between requests: rank 0's next step waits in a peer-sum kernel, the watcher's abort
+    makes it trap, and the request ends with an error naming the worker (no hang)."""
+    import signal
+    import time
+
+    engine = engine_at(model_dir, 2, device="cuda", max_num_batched_tokens=64, max_num_seqs=8)
+    try:
+        first = run(engine, [(0, "ok", [5, 6, 7, 8], greedy(3))])["ok"]
+        assert first.error is None and len(first.completions[0].token_ids) == 3
+        worker = engine.runner._procs[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(timeout=30)
+        start = time.monotonic()
+        dead = run(engine, [(0, "after", [5, 6, 7], greedy(3))])["after"]
+        assert dead.error is not None and "worker rank 1 failed" in dead.error, dead.error
+        assert time.monotonic() - start < 60
+    finally:
+        engine.close()

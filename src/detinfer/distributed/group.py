@@ -16,6 +16,11 @@ Collectives and their determinism:
 - `broadcast(t)`: rank 0's `t` on every rank (a data move: exact).
 - `scatter(out, parts)`: rank r gets rank 0's `parts[r]` (a data move: exact; weight loads).
 
+- `exact_sum_rounded(t, bias, dtype)`: `exact_sum`, then the row-parallel epilogue (+ bias, round to the
+  model dtype). With two GPUs that can read each other's memory it is one kernel of our own
+  (`distributed.peer_sum`: ~3x faster than the library all-reduce plus a cast in a decode step), else
+  `exact_sum` and two elementwise ops; the same bits either way (the sum is one IEEE addition).
+
 On GPUs the per-step collectives (all_gather, all_reduce_sum, exact_sum, broadcast) go through a direct NCCL
 communicator (`nccl_comm.NcclComm`) that enqueues on the current CUDA stream: one kernel launch, captured in
 CUDA graphs like any other (faster than the torch group's collectives inside a graph: 8.9 vs 12.3 us per fp32
@@ -72,6 +77,7 @@ class TPGroup:
     pg: object  # the ProcessGroupGloo / ProcessGroupNCCL
     device: torch.device = torch.device("cpu")  # where this rank's tensors live (NCCL: its GPU)
     comm: object | None = None  # NcclComm on GPUs (see the module doc); None: the torch group does it all
+    peer: object | None = None  # PeerSum (two GPUs with peer access); None: exact_sum_rounded uses exact_sum
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's `t` (same shape and dtype on all ranks), stacked in rank order: [P, *t.shape]."""
@@ -117,6 +123,17 @@ class TPGroup:
             return self.all_reduce_sum(t.contiguous())
         return pairwise_tree_sum(self.all_gather(t))
 
+    def exact_sum_rounded(self, t: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """`(exact_sum(t) + bias.float()).to(dtype)` (no bias: `exact_sum(t).to(dtype)`): the row-parallel
+        layer's sum and epilogue. The peer kernel where it applies (every rank decides alike: it depends on
+        the size only), else the collective; the same bits, since at P = 2 the sum is one addition."""
+        if self.peer is not None and self.peer.fits(t):
+            return self.peer.sum_rounded(t, bias, dtype)
+        y = self.exact_sum(t)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(dtype)
+
     def broadcast(self, t: torch.Tensor) -> torch.Tensor:
         """In place: rank 0's `t` on every rank (same shape and dtype everywhere)."""
         if self.comm is not None:
@@ -143,6 +160,11 @@ class TPGroup:
 
     def abort(self) -> None:
         """Unblock collectives stuck on a dead peer (NCCL; gloo notices closed sockets by itself)."""
+        if self.peer is not None:
+            try:
+                self.peer.abort()  # a peer-sum kernel waiting for the dead rank traps
+            except Exception:  # noqa: BLE001 - best effort on a group that is already broken
+                pass
         if self.comm is not None:
             try:
                 self.comm.abort()
@@ -179,4 +201,9 @@ def connect(rank: int, size: int, port: int, device: torch.device, *, host: str 
         comm = NcclComm(rank, size, device, store)
     group = TPGroup(rank, size, backend, pg, device, comm)
     group._store = store  # the store must outlive the group
+    if backend == "nccl":
+        from detinfer.distributed import peer_sum
+        # Both ranks must take the same path for every sum, or one waits in a kernel the other never runs.
+        if group.agree_min(int(peer_sum.wanted(rank, size, device))):
+            group.peer = peer_sum.connect_pair(rank, device, store, timeout_s, group.agree_min)
     return group

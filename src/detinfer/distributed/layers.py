@@ -157,8 +157,8 @@ class RowParallelLinear(nn.Module):
             y = ops.linear_tree(x, self.weight, self.chunks or 1)  # fp32 [T, N]: this rank's subtree
         else:
             y = ops.linear_fp8_tree(x, self.weight, scale, self.chunks or 1)
-        if g is not None:
-            y = g.exact_sum(y)  # the tree's top levels, in rank order, on every rank (all-reduce at P=2)
+        if g is not None:  # the tree's top levels, in rank order, on every rank; then + bias, rounded
+            return g.exact_sum_rounded(y, self.bias, x.dtype)
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype)

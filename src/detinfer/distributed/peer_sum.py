@@ -1,0 +1,150 @@
+"""The two-GPU cross-rank sum through peer memory: set-up and use of `kernels.peer_sum` (see its doc).
+
+Each rank allocates one block on its GPU (mailboxes, flags, epoch counters, abort flag), shares it with the
+other rank as a CUDA IPC handle through the group's TCP store, and maps the peer's block. From then on a
+row-parallel sum is one kernel launch on the current stream (captured in CUDA graphs like any kernel).
+
+When it is used: two ranks on CUDA GPUs that can access each other's memory (NVLink or PCIe peer access),
+both agreeing at start-up, and messages of at most `kernels.peer_sum.CAPACITY` elements (8 MiB of fp32: a
+decode step or a small prefill); larger messages take the library all-reduce, which gives the same bits at
+two ranks (`TPGroup.exact_sum`). `DETINFER_TP_PEER_SUM=0` turns it off (every sum through NCCL).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import warnings
+import weakref
+
+import torch
+
+from detinfer.kernels import peer_sum as kernel
+
+_KEY = "detinfer/peer_sum/{}"
+_IPC_LAZY_ENABLE_PEER_ACCESS = 1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+
+
+def wanted(rank: int, size: int, device: torch.device) -> bool:
+    """Whether this rank can and may use the peer sum (the ranks then agree: `TPGroup.agree_min`)."""
+    if size != 2 or device.type != "cuda" or os.environ.get("DETINFER_TP_PEER_SUM", "1") == "0":
+        return False
+    # Rank r runs on the r-th GPU after rank 0's (engine/tp_runner.py), so the peer is the neighbour.
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    peer = index + 1 if rank == 0 else index - 1
+    return 0 <= peer < torch.cuda.device_count() and torch.cuda.can_device_access_peer(index, peer)
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]  # CUipcMemHandle
+
+
+def _open_peer_allocation(handle: bytes) -> int:
+    """Map the peer's allocation (a CUDA IPC handle) into this process for the current GPU; its base."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = getattr(lib, "cuIpcOpenMemHandle_v2", None) or lib.cuIpcOpenMemHandle
+    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), _IpcHandle, ctypes.c_uint]
+    h = _IpcHandle()
+    ctypes.memmove(ctypes.addressof(h), handle, ctypes.sizeof(h))
+    base = ctypes.c_uint64()
+    code = fn(ctypes.byref(base), h, _IPC_LAZY_ENABLE_PEER_ACCESS)
+    if code != 0:
+        raise RuntimeError(f"peer sum: cuIpcOpenMemHandle failed (CUresult {code})")
+    return base.value
+
+
+def _close_peer_allocation(base: int) -> None:
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuIpcCloseMemHandle.argtypes = [ctypes.c_uint64]
+        lib.cuIpcCloseMemHandle(base)
+    except Exception:  # noqa: BLE001 - teardown (the process may be exiting, the context gone)
+        pass
+
+
+def _export(block: torch.Tensor) -> tuple[bytes, int]:
+    """This rank's block as (CUDA IPC handle of its allocation, byte offset in it)."""
+    _dev, handle, _size, offset, *_ = block.untyped_storage()._share_cuda_()
+    if len(handle) != ctypes.sizeof(_IpcHandle):  # e.g. expandable segments: another kind of handle
+        raise RuntimeError(f"torch gave a {len(handle)}-byte IPC handle, not a CUDA IPC handle")
+    return handle, offset
+
+
+def connect_pair(rank: int, device: torch.device, store, timeout_s: float, agree) -> PeerSum | None:
+    """Set up the peer sum on both ranks (call on both at the same point): a `PeerSum`, or None on both
+    ranks when either rank could not share or map its block (then every sum goes through NCCL; a warning
+    says why). `agree(int) -> int` is the group's min over ranks."""
+    words = PeerSum.MAIL_WORDS + PeerSum.FLAG_WORDS + kernel.G_MAX + 1
+    block, shared, problem = None, None, None
+    with torch.cuda.device(device):
+        try:
+            block = torch.zeros(words, dtype=torch.int64, device=device)
+            torch.cuda.synchronize(device)  # zeroed before the peer can see it
+            shared = _export(block)
+        except Exception as e:  # noqa: BLE001 - reported below, both ranks fall back together
+            problem = f"{type(e).__name__}: {e}"
+        store.set(_KEY.format(rank), pickle.dumps(shared))  # always: the peer waits for this key
+        peer_shared = pickle.loads(store.get(_KEY.format(1 - rank)))
+        mapped = None
+        if shared is not None and peer_shared is not None:
+            try:
+                mapped = _open_peer_allocation(peer_shared[0])
+            except Exception as e:  # noqa: BLE001 - as above
+                problem = f"{type(e).__name__}: {e}"
+        elif problem is None:
+            problem = "the peer could not share its block"
+    if not agree(int(mapped is not None)):
+        if mapped is not None:
+            _close_peer_allocation(mapped)
+        warnings.warn(f"detinfer: the two-GPU peer sum is off, the row-parallel sums go through NCCL "
+                      f"(same bits, slower): {problem or 'the peer could not map this block'}", RuntimeWarning,
+                      stacklevel=2)
+        return None
+    return PeerSum(rank, device, block, mapped, mapped + peer_shared[1], timeout_s)
+
+
+class PeerSum:
+    """This rank's block (mailboxes, flags, epochs, abort flag) and the peer's, mapped (`connect_pair`)."""
+
+    # Block layout in int64 words: mailboxes [2, G_MAX, PER] fp32, flags [2, G_MAX], epochs [G_MAX], abort.
+    MAIL_WORDS = kernel.CAPACITY  # 2 slots of CAPACITY fp32 = CAPACITY int64 words
+    FLAG_WORDS = 2 * kernel.G_MAX
+
+    def __init__(self, rank: int, device: torch.device, block: torch.Tensor, mapped: int, peer_base: int,
+                 timeout_s: float):
+        self.rank, self.device, self._block = rank, device, block
+        self.timeout_ns = int(timeout_s * 1e9)
+        weakref.finalize(self, _close_peer_allocation, mapped)  # the peer's mapping lives as long as this
+        own_base = block.data_ptr()
+        bases = (own_base, peer_base) if rank == 0 else (peer_base, own_base)
+        flag_offset = self.MAIL_WORDS * 8
+        self.addresses = (bases[0], bases[1], bases[0] + flag_offset, bases[1] + flag_offset)
+        tail = block[self.MAIL_WORDS + self.FLAG_WORDS:]
+        self.epochs, self.abort_flag = tail[:kernel.G_MAX], tail[kernel.G_MAX:].view(torch.int32)[:1]
+        self._one = torch.ones(1, dtype=torch.int32).pin_memory()
+        self._abort_stream = torch.cuda.Stream(device)
+
+    @staticmethod
+    def fits(t: torch.Tensor) -> bool:
+        return t.numel() <= kernel.CAPACITY
+
+    def sum_rounded(self, partial: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """round_to(dtype, partial + the peer's partial [+ bias]) for fp32 `partial` [..., N] on this rank's
+        GPU, `fits(partial)`; the peer calls with the same shape at the same point of its step."""
+        if partial.dtype != torch.float32 or partial.device != self.device:
+            raise ValueError(f"peer sum: takes fp32 partials on {self.device}, got {partial.dtype} on {partial.device}")
+        if not self.fits(partial):
+            raise ValueError(f"peer sum: {partial.numel()} elements exceed its capacity {kernel.CAPACITY}")
+        partial = partial.contiguous()
+        out = torch.empty(partial.shape, dtype=dtype, device=partial.device)
+        if bias is not None:
+            bias = bias.contiguous()
+        kernel.launch_peer_sum(partial, bias, out, self.rank, self.addresses, self.epochs, self.abort_flag,
+                               self.timeout_ns)
+        return out
+
+    def abort(self) -> None:
+        """Make a kernel waiting for a dead peer trap now (a copy engine writes the flag: it needs no free SM)."""
+        with torch.cuda.stream(self._abort_stream):
+            self.abort_flag.copy_(self._one, non_blocking=True)

@@ -1,0 +1,154 @@
+"""The sum of two GPUs' fp32 partials in one kernel that reads the other GPU's memory (tensor parallelism, P = 2).
+
+What it computes: out = round_to(out.dtype, own + peer [+ bias]), the same on both ranks. At two ranks every
+element has two summands and IEEE addition is commutative and correctly rounded, so own + peer on rank 0 and
+on rank 1 are the same bits, and the same bits as the library all-reduce or the all-gather + tree
+(`distributed.group.TPGroup.exact_sum` says why). The bias add and the rounding to the model dtype are the
+row-parallel layer's own epilogue (`y + bias.float()`, then `.to(dtype)`), so fusing them changes no bit.
+
+Why a kernel of our own: in a decode step the cross-rank sum is a latency problem (16 KB at batch 1), and a
+library all-reduce costs ~8 us inside a CUDA graph plus a separate cast launch. Here each program copies its
+slice of the local partial into its mailbox, tells the peer (a flag write over NVLink), waits for the
+peer's flag, reads the peer's mailbox and writes the rounded sum: one launch, a few microseconds.
+
+Protocol (per program g, identical grids on both ranks since they see the same message size):
+- Each rank owns mailboxes [2 slots, G_MAX programs, PER_PROGRAM] fp32 and flags [2 source ranks, G_MAX]
+  int64 in memory the peer can map (`distributed.peer_sum`), plus its own epoch counters [G_MAX].
+- Program g of a call takes epoch e = epochs[g] + 1 and slot e % 2, writes its slice to mailbox (slot, g),
+  then writes e into the PEER's flags[my rank, g] (release, system scope); it waits until its own
+  flags[peer, g] >= e (acquire), reads the peer's mailbox (slot, g), and stores epochs[g] = e.
+- Why the mailbox can be reused two calls later: a rank writes (slot, g) again at epoch e + 2 only after
+  its program g passed the wait of epoch e + 1, i.e. after the peer's program g signalled e + 1, which it
+  does in a later launch than the one that read (slot, g) at epoch e. Program g only ever touches mailbox g,
+  so grids of different sizes (message sizes) never overlap; ">=" because the peer may already be one call
+  ahead (it signals e + 1 as soon as it has read our e).
+- A peer that never signals (dead process, a rank that skipped a collective): the wait gives up after
+  `timeout_ns` or when the host sets `abort` (the runner's watcher does when a worker exits), and the
+  program executes a trap, so the step fails with a CUDA error instead of hanging or returning wrong bits.
+
+Launch constants: PER_PROGRAM elements per program and 4 warps; they fix the partition of the message, not
+any arithmetic (each element is one addition), so they may be anything. The CPU interpreter cannot run two
+ranks at once: `phases` lets a test run the send half of both ranks, then the receive half.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from detinfer.kernels._direct import LaunchCache
+from detinfer.kernels._launch import interpreting
+from detinfer.kernels._pdl import launch_options, pdl_start, use_pdl
+
+# Elements per program: 16 fp32 per thread at 4 warps. A decode step's 4096-wide partial is 2 programs; a
+# batch of 64 is 128 programs reading the peer in parallel (the NVLink round trip is the cost, not bytes).
+PER_PROGRAM = 2048
+# Programs (and mailboxes) per slot: the largest message is G_MAX * PER_PROGRAM elements (8 MiB of fp32).
+G_MAX = 1024
+CAPACITY = G_MAX * PER_PROGRAM
+SEND, RECEIVE, BOTH = 1, 2, 3  # phases
+
+_HAS_TIMER = hasattr(getattr(getattr(tl, "extra", None), "cuda", None), "globaltimer")
+
+
+@triton.jit
+def _trap(x):
+    """Kill the kernel (and with it the step): the CUDA launch fails with an error the runner reports."""
+    tl.inline_asm_elementwise("trap;\n\tmov.u64 $0, $1;", "=l,l", [x], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _wait_for_peer(flag_ptr, ep, abort_ptr, timeout_ns, HW_WAIT: tl.constexpr, HAS_TIMER: tl.constexpr):
+    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    if HW_WAIT:
+        spins = 0
+        if HAS_TIMER:
+            start = tl.extra.cuda.globaltimer()
+        while seen < ep:
+            spins += 1
+            if HAS_TIMER:
+                late = (tl.extra.cuda.globaltimer() - start) > timeout_ns
+            else:  # no clock: count polls (each is at least ~100 ns of an L2 round trip)
+                late = spins > timeout_ns // 100
+            stop = tl.load(abort_ptr, volatile=True) != 0
+            if late | stop:
+                _trap(seen)
+            seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    else:
+        tl.device_assert(seen >= ep, "peer_sum: the peer has not sent (interpreter: run SEND on both first)")
+
+
+@triton.jit
+def _peer_sum_kernel(partial_ptr, bias_ptr, out_ptr, epochs_ptr, abort_ptr,
+                     mail0_addr, mail1_addr, flags0_addr, flags1_addr, n, row_len, timeout_ns,
+                     RANK: tl.constexpr, HAS_BIAS: tl.constexpr, PHASES: tl.constexpr,
+                     PER: tl.constexpr, GMAX: tl.constexpr, HW_WAIT: tl.constexpr, HAS_TIMER: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)  # the partial is the previous kernel's output
+    g = tl.program_id(0)
+    offs = g.to(tl.int64) * PER + tl.arange(0, PER)
+    ok = offs < n
+    ep = tl.load(epochs_ptr + g) + 1
+    box = ((ep % 2) * GMAX + g) * PER + tl.arange(0, PER)
+    # The mailboxes and flags arrive as addresses: the peer's are a mapping of its GPU's memory, which no
+    # torch tensor of this process describes.
+    mail0 = mail0_addr.to(tl.pointer_type(tl.float32), bitcast=True)
+    mail1 = mail1_addr.to(tl.pointer_type(tl.float32), bitcast=True)
+    flags0 = flags0_addr.to(tl.pointer_type(tl.int64), bitcast=True)
+    flags1 = flags1_addr.to(tl.pointer_type(tl.int64), bitcast=True)
+    if RANK == 0:
+        own_mail, peer_mail, own_flags, peer_flags = mail0, mail1, flags0, flags1
+    else:
+        own_mail, peer_mail, own_flags, peer_flags = mail1, mail0, flags1, flags0
+    x = tl.load(partial_ptr + offs, mask=ok, other=0.0)
+    if PHASES % 2 == 1:  # send
+        tl.store(own_mail + box, x, mask=ok)
+        tl.debug_barrier()  # every thread's mailbox writes happen before the flag's release
+        tl.atomic_xchg(peer_flags + RANK * GMAX + g, ep, sem="release", scope="sys")
+    if PHASES >= 2:  # receive
+        _wait_for_peer(own_flags + (1 - RANK) * GMAX + g, ep, abort_ptr, timeout_ns, HW_WAIT, HAS_TIMER)
+        tl.debug_barrier()  # the acquire (one thread) happens before every thread's mailbox reads
+        y = tl.load(peer_mail + box, mask=ok, other=0.0, cache_modifier=".cv")  # never a stale cached line
+        s = x + y  # one IEEE addition: the same bits on both ranks (commutative)
+        if HAS_BIAS:
+            s = s + tl.load(bias_ptr + offs % row_len, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs, s.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(epochs_ptr + g, ep)
+
+
+_LAUNCHES = LaunchCache(_peer_sum_kernel)
+
+
+def launch_peer_sum(partial: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, rank: int,
+                    addresses: tuple[int, int, int, int], epochs: torch.Tensor, abort: torch.Tensor,
+                    timeout_ns: int, phases: int = BOTH) -> None:
+    """out = round(partial + the peer's partial [+ bias]) for contiguous fp32 `partial` [..., N] with at most
+    CAPACITY elements. `addresses`: rank 0's mailboxes, rank 1's mailboxes, rank 0's flags, rank 1's flags
+    (this rank's own among them, the peer's mapped into this process); `epochs` [G_MAX] int64 and `abort`
+    [1] int32 are this rank's. Both ranks must call with the same element count, in the same order.
+    Validation is the caller's (`distributed.peer_sum.PeerSum`)."""
+    n = partial.numel()
+    if n == 0:
+        return
+    grid = (-(-n // PER_PROGRAM),)
+    row_len = partial.shape[-1]
+    hw_wait = phases == BOTH and not interpreting()
+    pdl = use_pdl(partial.device)
+    tensors = (partial, bias if bias is not None else partial, out, epochs, abort)
+    # Every scalar is part of the key: a direct launch replays the scalars it was first compiled with.
+    key = (n, row_len, rank, bias is not None, phases, out.dtype, pdl, timeout_ns, addresses)
+    if _LAUNCHES.try_launch(key, tensors):
+        return
+    _LAUNCHES.launch(key, tensors, grid, (*addresses, n, row_len, int(timeout_ns)),
+                     dict(RANK=rank, HAS_BIAS=bias is not None, PHASES=phases, PER=PER_PROGRAM, GMAX=G_MAX,
+                          HW_WAIT=hw_wait, HAS_TIMER=_HAS_TIMER and hw_wait, USE_PDL=pdl),
+                     num_warps=4, **launch_options(pdl))
+
+
+def peer_sum_ref(own: torch.Tensor, peer: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """What the kernel computes, in torch: the row-parallel layer's unfused epilogue after the sum."""
+    s = own + peer
+    if bias is not None:
+        s = s + bias.float()
+    return s.to(dtype)

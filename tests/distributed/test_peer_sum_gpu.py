@@ -1,0 +1,167 @@
+"""The two-GPU peer sum (distributed/peer_sum.py, kernels/peer_sum.py) on real GPUs, asserted bitwise.
+
+- `TPGroup.exact_sum_rounded` through the peer kernel == the unfused path (NCCL all-reduce, + bias, round)
+  == all-gather + add, from 1 element to past the kernel's capacity (where it hands over to NCCL), with
+  -0.0, infinities and subnormals; eagerly, captured in a CUDA graph, and over hundreds of calls while one
+  rank lags the other by random amounts (the mailboxes' reuse two calls later).
+- A peer that never joins a sum: the waiting kernel traps (abort from the host, or its timeout), so the
+  caller gets an error instead of a hang.
+Skipped (shown as skipped) without 2 GPUs that can access each other's memory.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.fixture
+def peer_gpus():
+    if GPUS < 2:
+        pytest.skip(f"needs 2 GPUs, {GPUS} visible")
+    if not torch.cuda.can_device_access_peer(0, 1):
+        pytest.skip("GPUs 0 and 1 cannot access each other's memory (the peer sum is off; NCCL sums)")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def _case(gen: torch.Generator, rows: int, cols: int, rank: int) -> torch.Tensor:
+    scale = torch.exp2(torch.randint(-100, 100, (rows, cols), generator=gen).float())
+    x = torch.randn(rows, cols, generator=gen) * scale
+    flat = x.view(-1)
+    flat[::13] = -0.0
+    flat[5::97] = float("inf") if rank == 0 else 1.0
+    flat[7::101] = 1e-42  # subnormal
+    return x
+
+
+def _sum_checks(rank: int, port: int, queue) -> None:
+    from detinfer.distributed.group import connect
+    from detinfer.kernels.peer_sum import CAPACITY
+
+    dev = torch.device("cuda", rank)
+    group = connect(rank, 2, port, dev)
+    out = {"peer": group.peer is not None}
+    gen = torch.Generator().manual_seed(1234)  # same draws on both ranks: each takes its own part
+    shapes = [(1, 1), (1, 7), (3, 333), (1, 4096), (64, 4096), (CAPACITY // 4096, 4096), (CAPACITY // 4096 + 1, 4096)]
+    for rows, cols in shapes:
+        parts = [_case(gen, rows, cols, r) for r in range(2)]
+        bias = (torch.randn(cols, generator=gen) * 4).to(torch.bfloat16).to(dev)
+        mine = parts[rank].to(dev)
+        for b in (None, bias):
+            fused = group.exact_sum_rounded(mine.clone(), b, torch.bfloat16)
+            unfused = group.exact_sum(mine.clone())
+            unfused = (unfused if b is None else unfused + b.float()).to(torch.bfloat16)
+            gathered = group.all_gather(mine.clone())
+            ref = gathered[0] + gathered[1]
+            ref = (ref if b is None else ref + b.float()).to(torch.bfloat16)
+            out[f"{rows}x{cols} bias={b is not None}"] = (torch.equal(_bits(fused), _bits(ref)),
+                                                          torch.equal(_bits(unfused), _bits(ref)))
+    # Captured: three sums of different sizes in one graph, replayed on new inputs.
+    statics = [torch.zeros(r, 4096, device=dev) for r in (1, 5, 64)]
+    for s in statics:  # warm-up (compiles) outside the capture
+        group.exact_sum_rounded(s, None, torch.bfloat16)
+    torch.cuda.synchronize(dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        captured = [group.exact_sum_rounded(s, None, torch.bfloat16) for s in statics]
+    ok = True
+    for _ in range(3):
+        for s in statics:
+            s.copy_(_case(gen, s.shape[0], 4096, rank).to(dev))
+        graph.replay()
+        for s, c in zip(statics, captured):
+            g = group.all_gather(s)
+            ok &= torch.equal(_bits(c), _bits((g[0] + g[1]).to(torch.bfloat16)))
+    out["graph"] = ok
+    # Drift: rank 1 sleeps a random while before some calls; 300 calls of alternating sizes.
+    lag = torch.Generator().manual_seed(7)
+    results, inputs = [], []
+    for i in range(300):
+        x = torch.randn(1 + (i % 3) * 31, 4096, device=dev)
+        if rank == 1 and torch.rand(1, generator=lag).item() < 0.3:
+            torch.cuda._sleep(int(torch.randint(1000, 2_000_000, (1,), generator=lag)))
+        inputs.append(x)
+        results.append(group.exact_sum_rounded(x, None, torch.float32))
+    drift_ok = True
+    for x, r in zip(inputs, results):
+        g = group.all_gather(x)
+        drift_ok &= torch.equal(_bits(r), _bits(g[0] + g[1]))
+    out["drift"] = drift_ok
+    torch.cuda.synchronize(dev)
+    queue.put((rank, out))
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
+
+
+def _spawn(target, extra=()):
+    from detinfer.distributed.group import free_port
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=target, args=(r, port, queue, *extra)) for r in range(2)]
+    for p in procs:
+        p.start()
+    return procs, queue
+
+
+def _join(procs, timeout_s=120):
+    for p in procs:
+        p.join(timeout_s)
+        if p.is_alive():
+            p.kill()
+
+
+def test_peer_sum_equals_nccl_and_gather_in_and_out_of_graphs(peer_gpus):
+    procs, queue = _spawn(_sum_checks)
+    got = dict(queue.get(timeout=300) for _ in procs)
+    _join(procs)
+    for rank in (0, 1):
+        out = got[rank]
+        assert out.pop("peer"), f"rank {rank}: the peer sum was not set up"
+        bad = {k: v for k, v in out.items() if v not in (True, (True, True))}
+        assert not bad, f"rank {rank}: {bad}"
+
+
+def _lonely_sum(rank: int, port: int, queue, how: str) -> None:
+    from detinfer.distributed.group import connect
+
+    dev = torch.device("cuda", rank)
+    group = connect(rank, 2, port, dev, timeout_s=3.0 if how == "timeout" else 60.0)
+    if rank == 1:  # never joins the sum; stays alive until rank 0 reports
+        queue.put((1, "idle"))
+        time.sleep(40)
+        os._exit(0)
+    if how == "abort":
+        threading.Timer(1.0, group.abort).start()
+    start = time.monotonic()
+    try:
+        group.exact_sum_rounded(torch.ones(4096, device=dev), None, torch.bfloat16)
+        torch.cuda.synchronize(dev)
+        result = "returned"
+    except RuntimeError as e:
+        result = f"error: {e}"
+    queue.put((0, (result, time.monotonic() - start)))
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("how", ["abort", "timeout"])
+def test_a_sum_whose_peer_never_comes_fails_instead_of_hanging(peer_gpus, how):
+    procs, queue = _spawn(_lonely_sum, (how,))
+    got = dict(queue.get(timeout=120) for _ in procs)
+    _join(procs, 60)
+    result, seconds = got[0]
+    assert result.startswith("error"), result
+    assert seconds < 30, seconds
