@@ -138,6 +138,9 @@ def _lonely_sum(rank: int, port: int, queue, how: str) -> None:
 
     dev = torch.device("cuda", rank)
     group = connect(rank, 2, port, dev, timeout_s=3.0 if how == "timeout" else 60.0)
+    if group.peer is None:  # the sum would go through NCCL, which has no timeout here: report, don't hang
+        queue.put((rank, ("no peer sum", 0.0)))
+        os._exit(0)
     if rank == 1:  # never joins the sum; stays alive until rank 0 reports
         queue.put((1, "idle"))
         time.sleep(40)
@@ -163,5 +166,7 @@ def test_a_sum_whose_peer_never_comes_fails_instead_of_hanging(peer_gpus, how):
     got = dict(queue.get(timeout=120) for _ in procs)
     _join(procs, 60)
     result, seconds = got[0]
+    assert got[1] != ("no peer sum", 0.0), "the peer sum was not set up"
+
     assert result.startswith("error"), result
     assert seconds < 30, seconds

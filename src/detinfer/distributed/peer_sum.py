@@ -42,7 +42,7 @@ class _IpcHandle(ctypes.Structure):
 
 def _open_peer_allocation(handle: bytes) -> int:
     """Map the peer's allocation (a CUDA IPC handle) into this process for the current GPU; its base."""
-    lib = ctypes.CDLL("libcuda.so.1")
+    lib = _driver()
     fn = getattr(lib, "cuIpcOpenMemHandle_v2", None) or lib.cuIpcOpenMemHandle
     fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), _IpcHandle, ctypes.c_uint]
     h = _IpcHandle()
@@ -56,19 +56,33 @@ def _open_peer_allocation(handle: bytes) -> int:
 
 def _close_peer_allocation(base: int) -> None:
     try:
-        lib = ctypes.CDLL("libcuda.so.1")
+        lib = _driver()
         lib.cuIpcCloseMemHandle.argtypes = [ctypes.c_uint64]
         lib.cuIpcCloseMemHandle(base)
     except Exception:  # noqa: BLE001 - teardown (the process may be exiting, the context gone)
         pass
 
 
+def _driver() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
 def _export(block: torch.Tensor) -> tuple[bytes, int]:
-    """This rank's block as (CUDA IPC handle of its allocation, byte offset in it)."""
-    _dev, handle, _size, offset, *_ = block.untyped_storage()._share_cuda_()
-    if len(handle) != ctypes.sizeof(_IpcHandle):  # e.g. expandable segments: another kind of handle
-        raise RuntimeError(f"torch gave a {len(handle)}-byte IPC handle, not a CUDA IPC handle")
-    return handle, offset
+    """This rank's block as (CUDA IPC handle of the allocation holding it, the block's byte offset in it).
+    Through the driver, not torch's sharing format (which wraps the handle in a header of its own)."""
+    lib = _driver()
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    get_range = getattr(lib, "cuMemGetAddressRange_v2", None) or lib.cuMemGetAddressRange
+    get_range.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+    code = get_range(ctypes.byref(base), ctypes.byref(size), block.data_ptr())
+    if code != 0:
+        raise RuntimeError(f"cuMemGetAddressRange failed (CUresult {code})")
+    handle = _IpcHandle()
+    lib.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), ctypes.c_uint64]
+    code = lib.cuIpcGetMemHandle(ctypes.byref(handle), base.value)
+    if code != 0:  # e.g. memory from expandable segments (cuMemCreate), which this kind of handle cannot share
+        raise RuntimeError(f"cuIpcGetMemHandle failed (CUresult {code})")
+    return ctypes.string_at(ctypes.addressof(handle), ctypes.sizeof(handle)), block.data_ptr() - base.value
 
 
 def connect_pair(rank: int, device: torch.device, store, timeout_s: float, agree) -> PeerSum | None:
