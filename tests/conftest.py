@@ -104,3 +104,20 @@ def stories_expected(stories_dir) -> dict:
 def device():
     """The device kernel tests run on: cuda when present, else cpu (Triton interpreter)."""
     return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+GPUS = torch.cuda.device_count() if HAS_CUDA else 0
+
+
+@pytest.fixture
+def two_gpus():
+    """Skip (shown as skipped) unless two CUDA GPUs are visible (tensor / expert parallelism, trainer ranks)."""
+    if GPUS < 2:
+        pytest.skip(f"needs >= 2 GPUs, {GPUS} visible")
+
+
+@pytest.fixture
+def peer_gpus(two_gpus):
+    """Two GPUs that can read each other's memory (the two-GPU peer sum); else skipped, saying why."""
+    if not torch.cuda.can_device_access_peer(0, 1):
+        pytest.skip("GPUs 0 and 1 cannot access each other's memory (the peer sum is off; NCCL sums)")

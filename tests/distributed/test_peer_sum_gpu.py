@@ -19,15 +19,7 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.gpu
-GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
-
-@pytest.fixture
-def peer_gpus():
-    if GPUS < 2:
-        pytest.skip(f"needs 2 GPUs, {GPUS} visible")
-    if not torch.cuda.can_device_access_peer(0, 1):
-        pytest.skip("GPUs 0 and 1 cannot access each other's memory (the peer sum is off; NCCL sums)")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -22,11 +22,6 @@ pytestmark = pytest.mark.gpu
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-@pytest.fixture
-def two_gpus():
-    if GPUS < 2:
-        pytest.skip(f"tensor parallelism needs >= 2 GPUs, {GPUS} visible")
-
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
@@ -180,12 +175,10 @@ def test_exact_sum_nccl_is_gather_and_tree_in_and_out_of_graphs(two_gpus):
     assert [c[2] for c in got[0]] == [c[2] for c in got[1]], "the ranks' sums differ"
 
 
-def test_tp2_peer_sum_on_and_off_give_the_same_bits(model_dir, two_gpus, monkeypatch):
+def test_tp2_peer_sum_on_and_off_give_the_same_bits(model_dir, peer_gpus, monkeypatch):
     """The row-parallel sums through the peer kernel (the default with two GPUs that reach each other's
     memory) and through NCCL + a cast (DETINFER_TP_PEER_SUM=0) give the same requests and logits, in CUDA
     graphs, with and without the chunk tree."""
-    if not torch.cuda.can_device_access_peer(0, 1):
-        pytest.skip("GPUs 0 and 1 cannot access each other's memory (the peer sum is off)")
     for invariant in (False, True):
         results = {}
         for flag in ("1", "0"):

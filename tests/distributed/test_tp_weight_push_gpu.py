@@ -19,11 +19,6 @@ SHAPE = dict(vocab_size=2048, hidden_size=512, intermediate_size=1408, num_hidde
              num_key_value_heads=2, head_dim=128, max_position_embeddings=1024, dtype="bfloat16")
 
 
-@pytest.fixture
-def two_gpus():
-    if GPUS < 2:
-        pytest.skip(f"tensor parallelism needs >= 2 GPUs, {GPUS} visible")
-
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):

@@ -12,11 +12,6 @@ pytestmark = pytest.mark.gpu
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-@pytest.fixture
-def two_gpus():
-    if GPUS < 2:
-        pytest.skip(f"needs >= 2 GPUs, {GPUS} visible")
-
 
 def _hashes(history):
     for h in history:
