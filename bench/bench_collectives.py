@@ -103,7 +103,7 @@ def _peer_rank(rank: int, size: int, port: int, sizes_kb: list[int]) -> None:
         gen = torch.Generator("cuda").manual_seed(rank)
         x = torch.randn(n // 4096 or 1, min(n, 4096), device="cuda", generator=gen)  # [tokens, hidden]
         buf = x.clone()
-        fused = lambda x=x: group.exact_sum_rounded(x, None, torch.bfloat16)  # noqa: E731
+        fused = lambda x=x: group.exact_sum_rounded(x[None], None, torch.bfloat16)  # noqa: E731
         unfused = lambda x=x, buf=buf: group.exact_sum(buf.copy_(x)).to(torch.bfloat16)  # noqa: E731
         us_peer, us_nccl = _graph_us(fused), _graph_us(unfused)
         same = torch.equal(fused().view(torch.int16), unfused().view(torch.int16))

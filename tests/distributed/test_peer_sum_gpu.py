@@ -50,7 +50,7 @@ def _sum_checks(rank: int, port: int, queue) -> None:
         bias = (torch.randn(cols, generator=gen) * 4).to(torch.bfloat16).to(dev)
         mine = parts[rank].to(dev)
         for b in (None, bias):
-            fused = group.exact_sum_rounded(mine.clone(), b, torch.bfloat16)
+            fused = group.exact_sum_rounded(mine.clone()[None], b, torch.bfloat16)
             unfused = group.exact_sum(mine.clone())
             unfused = (unfused if b is None else unfused + b.float()).to(torch.bfloat16)
             gathered = group.all_gather(mine.clone())
@@ -61,11 +61,11 @@ def _sum_checks(rank: int, port: int, queue) -> None:
     # Captured: three sums of different sizes in one graph, replayed on new inputs.
     statics = [torch.zeros(r, 4096, device=dev) for r in (1, 5, 64)]
     for s in statics:  # warm-up (compiles) outside the capture
-        group.exact_sum_rounded(s, None, torch.bfloat16)
+        group.exact_sum_rounded(s[None], None, torch.bfloat16)
     torch.cuda.synchronize(dev)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        captured = [group.exact_sum_rounded(s, None, torch.bfloat16) for s in statics]
+        captured = [group.exact_sum_rounded(s[None], None, torch.bfloat16) for s in statics]
     ok = True
     for _ in range(3):
         for s in statics:
@@ -83,12 +83,23 @@ def _sum_checks(rank: int, port: int, queue) -> None:
         if rank == 1 and torch.rand(1, generator=lag).item() < 0.3:
             torch.cuda._sleep(int(torch.randint(1000, 2_000_000, (1,), generator=lag)))
         inputs.append(x)
-        results.append(group.exact_sum_rounded(x, None, torch.float32))
+        results.append(group.exact_sum_rounded(x[None], None, torch.float32))
     drift_ok = True
     for x, r in zip(inputs, results):
         g = group.all_gather(x)
         drift_ok &= torch.equal(_bits(r), _bits(g[0] + g[1]))
     out["drift"] = drift_ok
+    # --tp-invariant-reduction: 4 chunk partials per rank, added in the kernel == the tree over all 8 chunks.
+    from detinfer.kernels.chunked_linear import pairwise_tree_sum
+    for rows in (1, 64):
+        parts = [torch.stack([_case(gen, rows, 4096, r) for _ in range(4)]) for r in range(2)]
+        fused = group.exact_sum_rounded(parts[rank].to(dev), None, torch.bfloat16).cpu()
+        full = pairwise_tree_sum(torch.cat(parts)).to(torch.bfloat16)  # rank 0's chunks, then rank 1's
+        out[f"chunk tree {rows}"] = torch.equal(_bits(fused), _bits(full))
+    # Fast mode's bf16 partials through the same kernel: one fp32 addition, one rounding.
+    halves = [torch.randn(64, 4096, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    fast = group.fast_sum(halves[rank].to(dev)).cpu()
+    out["fast bf16"] = torch.equal(_bits(fast), _bits((halves[0].float() + halves[1].float()).to(torch.bfloat16)))
     torch.cuda.synchronize(dev)
     queue.put((rank, out))
     queue.close()
@@ -141,7 +152,7 @@ def _lonely_sum(rank: int, port: int, queue, how: str) -> None:
         threading.Timer(1.0, group.abort).start()
     start = time.monotonic()
     try:
-        group.exact_sum_rounded(torch.ones(4096, device=dev), None, torch.bfloat16)
+        group.exact_sum_rounded(torch.ones(1, 4096, device=dev), None, torch.bfloat16)
         torch.cuda.synchronize(dev)
         result = "returned"
     except RuntimeError as e:

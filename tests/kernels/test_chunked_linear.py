@@ -171,3 +171,29 @@ def test_gpu_prefill_sized_partials_fit_and_keep_row_bits():
     w = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16) / 32
     full = cl.linear_tree(x, w, 8)
     assert torch.equal(full[100:117], cl.linear_tree(x[100:117], w, 8))
+
+
+@pytest.mark.parametrize("parts_fn, tree_fn", [pytest.param(cl.linear_parts_ref, cl.linear_tree_ref, id="ref"),
+                                               pytest.param(cl.linear_parts, cl.linear_tree, id="triton")])
+def test_parts_before_the_tree_give_the_tree_bits(parts_fn, tree_fn):
+    """`linear_parts` is `linear_tree` before its tree: the tree of the parts == linear_tree, bitwise."""
+    x, w = rand((2, 3, 96), 7), rand((24, 96), 8)
+    for chunks in (1, 2, 4, 8):
+        parts = parts_fn(x, w, chunks)
+        assert parts.shape == (chunks, 2, 3, 24) and parts.dtype == torch.float32
+        assert torch.equal(cl.pairwise_tree_sum(parts), tree_fn(x, w, chunks))
+
+
+@pytest.mark.parametrize("cpu_triton", [False, True])
+def test_ops_tree_sum_rounded_is_the_unfused_epilogue(cpu_triton):
+    """Ops.tree_sum_rounded (TP=1's row-parallel epilogue with the chunk tree: one launch on the kernel path)
+    == tree, + bias in fp32, rounded once; and fast mode's linear_parts are stock matmuls per chunk."""
+    x, w, bias = rand((3, 64), 5), rand((16, 64), 6), rand((16,), 9, torch.float16)
+    det = Ops("deterministic", "cpu", torch.float32, cpu_triton=cpu_triton)
+    parts = det.linear_parts(x, w, 4)
+    for b in (None, bias):
+        want = cl.pairwise_tree_sum(parts)
+        want = (want if b is None else want + b.float()).to(torch.float16)
+        assert torch.equal(det.tree_sum_rounded(parts, b, torch.float16).view(torch.int16), want.view(torch.int16))
+    fast = Ops("fast", "cpu", torch.float32).linear_parts(x, w, 4)
+    torch.testing.assert_close(cl.pairwise_tree_sum(fast), x @ w.T, rtol=1e-5, atol=1e-5)

@@ -16,10 +16,10 @@ Collectives and their determinism:
 - `broadcast(t)`: rank 0's `t` on every rank (a data move: exact).
 - `scatter(out, parts)`: rank r gets rank 0's `parts[r]` (a data move: exact; weight loads).
 
-- `exact_sum_rounded(t, bias, dtype)`: `exact_sum`, then the row-parallel epilogue (+ bias, round to the
-  model dtype). With two GPUs that can read each other's memory it is one kernel of our own
-  (`distributed.peer_sum`: ~3x faster than the library all-reduce plus a cast in a decode step), else
-  `exact_sum` and two elementwise ops; the same bits either way (the sum is one IEEE addition).
+- `exact_sum_rounded(parts, bias, dtype)`: this rank's chunk tree, `exact_sum`, then the row-parallel
+  epilogue (+ bias, round to the model dtype). With two GPUs that can read each other's memory it is one
+  kernel of our own (`distributed.peer_sum`), else the tree, `exact_sum` and elementwise ops; the same bits
+  either way (the sum is one IEEE addition). `fast_sum(t)`: fast mode's, through the same kernel.
 
 On GPUs the per-step collectives (all_gather, all_reduce_sum, exact_sum, broadcast) go through a direct NCCL
 communicator (`nccl_comm.NcclComm`) that enqueues on the current CUDA stream: one kernel launch, captured in
@@ -123,16 +123,25 @@ class TPGroup:
             return self.all_reduce_sum(t.contiguous())
         return pairwise_tree_sum(self.all_gather(t))
 
-    def exact_sum_rounded(self, t: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """`(exact_sum(t) + bias.float()).to(dtype)` (no bias: `exact_sum(t).to(dtype)`): the row-parallel
-        layer's sum and epilogue. The peer kernel where it applies (every rank decides alike: it depends on
-        the size only), else the collective; the same bits, since at P = 2 the sum is one addition."""
-        if self.peer is not None and self.peer.fits(t):
-            return self.peer.sum_rounded(t, bias, dtype)
-        y = self.exact_sum(t)
+    def exact_sum_rounded(self, parts: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """`(exact_sum(tree_sum(parts)) + bias.float()).to(dtype)` (no bias: without the add) for this rank's
+        fp32 partials parts [C, ..., N] (C = 1 without the chunk tree): the row-parallel layer's sum and
+        epilogue. The peer kernel where it applies (every rank decides alike: it depends on the shape only),
+        else the tree, the collective and two elementwise ops; the same bits (elementwise additions in the
+        same order, and at P = 2 the cross-rank sum is one addition)."""
+        if self.peer is not None and self.peer.fits(parts):
+            return self.peer.sum_rounded(parts, bias, dtype)
+        y = self.exact_sum(pairwise_tree_sum(parts) if parts.shape[0] > 1 else parts[0])
         if bias is not None:
             y = y + bias.float()
         return y.to(dtype)
+
+    def fast_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Fast mode's sum of model-dtype partials: the peer kernel where it applies (what a serving stack's
+        custom all-reduce does at two GPUs), else the library all-reduce (in place)."""
+        if self.peer is not None and self.peer.fits(t[None]):
+            return self.peer.sum_rounded(t[None], None, t.dtype)
+        return self.all_reduce_sum(t)
 
     def broadcast(self, t: torch.Tensor) -> torch.Tensor:
         """In place: rank 0's `t` on every rank (same shape and dtype everywhere)."""

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from detinfer.distributed.group import TPGroup
+from detinfer.kernels.chunked_linear import TREE_MAX_PARTIAL_ELEMS
 from detinfer.models.config import ModelConfig
 from detinfer.models.sharding import expert_block, shard_spec, take_shard, vocab_shard_size
 from detinfer.models.transformer import MLP, Transformer, fp8_scale_param
@@ -151,17 +152,18 @@ class RowParallelLinear(nn.Module):
         g, scale = self.group, self.weight_scale
         if g is not None and not ops.deterministic:
             y = ops.linear(x, self.weight) if scale is None else ops.linear_fp8(x, self.weight, scale)
-            y = g.all_reduce_sum(y)  # fast mode: the library's order
+            y = g.fast_sum(y)  # fast mode: the peer kernel or the library's all-reduce
             return y if self.bias is None else y + self.bias
-        if scale is None:
-            y = ops.linear_tree(x, self.weight, self.chunks or 1)  # fp32 [T, N]: this rank's subtree
-        else:
-            y = ops.linear_fp8_tree(x, self.weight, scale, self.chunks or 1)
-        if g is not None:  # the tree's top levels, in rank order, on every rank; then + bias, rounded
-            return g.exact_sum_rounded(y, self.bias, x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.float()
-        return y.to(x.dtype)
+        chunks = self.chunks or 1
+        if scale is not None:
+            parts = ops.linear_fp8_tree(x, self.weight, scale, chunks)[None]  # this rank's subtree, summed
+        elif x.numel() // x.shape[-1] * self.weight.shape[0] * chunks <= TREE_MAX_PARTIAL_ELEMS:
+            parts = ops.linear_parts(x, self.weight, chunks)  # fp32 [C / P, T, N]: the subtree's leaves
+        else:  # a long prefill: the tree in row blocks, summed here
+            parts = ops.linear_tree(x, self.weight, chunks)[None]
+        if g is not None:  # the subtree, the tree's top levels in rank order on every rank, + bias, rounded
+            return g.exact_sum_rounded(parts, self.bias, x.dtype)
+        return ops.tree_sum_rounded(parts, self.bias, x.dtype)
 
 
 class ExpertParallelMoE(nn.Module):
@@ -192,7 +194,7 @@ class ExpertParallelMoE(nn.Module):
             y = ops.moe_expert_outputs(x, ids, self.gate_up_proj, self.down_proj, self.first_expert,
                                        self.num_experts)  # [T, k, H]: this rank's slots, zeros elsewhere
         if not ops.deterministic:
-            return self.group.all_reduce_sum(ops.moe_combine(weights, y, x.dtype))
+            return self.group.fast_sum(ops.moe_combine(weights, y, x.dtype))
         y = pick_slot_owners(self.group.all_gather(y), ids, self.experts_per_rank)
         return ops.moe_combine(weights, y, x.dtype)
 
@@ -217,7 +219,7 @@ class TPTransformer(Transformer):
         rows = F.embedding(local.clamp(0, per - 1), self.embed_tokens)
         rows = torch.where(mine[:, None], rows, torch.zeros_like(rows))  # [T, hidden]
         if not self.ops.deterministic:
-            return g.all_reduce_sum(rows)
+            return g.fast_sum(rows)
         gathered = g.all_gather(rows)  # [P, T, hidden]; token t's row is at [owner(t), t]
         owner = (input_ids // per)[None, :, None].expand(1, -1, rows.shape[-1])
         return gathered.gather(0, owner)[0]

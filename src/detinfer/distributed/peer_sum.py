@@ -140,21 +140,24 @@ class PeerSum:
         self._abort_stream = torch.cuda.Stream(device)
 
     @staticmethod
-    def fits(t: torch.Tensor) -> bool:
-        return t.numel() <= kernel.CAPACITY
+    def fits(parts: torch.Tensor) -> bool:
+        """Whether the kernel takes this rank's partials parts [C, ..., N] (C in LOCAL_PARTS, small enough)."""
+        return parts.dim() >= 2 and parts.shape[0] in kernel.LOCAL_PARTS and parts[0].numel() <= kernel.CAPACITY
 
-    def sum_rounded(self, partial: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """round_to(dtype, partial + the peer's partial [+ bias]) for fp32 `partial` [..., N] on this rank's
-        GPU, `fits(partial)`; the peer calls with the same shape at the same point of its step."""
-        if partial.dtype != torch.float32 or partial.device != self.device:
-            raise ValueError(f"peer sum: takes fp32 partials on {self.device}, got {partial.dtype} on {partial.device}")
-        if not self.fits(partial):
-            raise ValueError(f"peer sum: {partial.numel()} elements exceed its capacity {kernel.CAPACITY}")
-        partial = partial.contiguous()
-        out = torch.empty(partial.shape, dtype=dtype, device=partial.device)
+    def sum_rounded(self, parts: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """round_to(dtype, tree(parts) + the peer's tree(parts) [+ bias]) for this rank's partials parts
+        [C, ..., N] on its GPU (fp32; fast mode's are 16-bit), `fits(parts)`; the peer calls with the same
+        shape at the same point of its step."""
+        if parts.dtype not in (torch.float32, torch.bfloat16, torch.float16) or parts.device != self.device:
+            raise ValueError(f"peer sum: takes float partials on {self.device}, got {parts.dtype} on {parts.device}")
+        if not self.fits(parts):
+            raise ValueError(f"peer sum: parts {tuple(parts.shape)}: the kernel adds {kernel.LOCAL_PARTS} parts of "
+                             f"at most {kernel.CAPACITY} elements")
+        parts = parts.contiguous()
+        out = torch.empty(parts.shape[1:], dtype=dtype, device=parts.device)
         if bias is not None:
             bias = bias.contiguous()
-        kernel.launch_peer_sum(partial, bias, out, self.rank, self.addresses, self.epochs, self.abort_flag,
+        kernel.launch_peer_sum(parts, bias, out, self.rank, self.addresses, self.epochs, self.abort_flag,
                                self.timeout_ns)
         return out
 

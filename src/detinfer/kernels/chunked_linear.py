@@ -29,7 +29,8 @@ import torch
 from detinfer.kernels import _exact_dot as _ed
 from detinfer.kernels import matmul as _mm
 
-__all__ = ["pairwise_tree_sum", "linear_tree", "linear_tree_ref", "check_chunks"]
+__all__ = ["pairwise_tree_sum", "linear_tree", "linear_tree_ref", "linear_parts", "linear_parts_ref",
+           "check_chunks"]
 
 # Rows per kernel launch: bounds the fp32 partial buffer [c, rows, N] for long prefills (rows are
 # independent, so the row blocking cannot change a bit).
@@ -117,6 +118,12 @@ def _exact_partials(x2: torch.Tensor, weight: torch.Tensor, num_chunks: int) -> 
 def linear_tree_ref(x: torch.Tensor, weight: torch.Tensor, num_chunks: int) -> torch.Tensor:
     """Pure-torch `linear_tree`: x [..., K], weight [N, K] -> fp32 [..., N] (module doc)."""
     check_chunks("linear_tree_ref", x, weight, num_chunks)
+    return pairwise_tree_sum(linear_parts_ref(x, weight, num_chunks))
+
+
+def linear_parts_ref(x: torch.Tensor, weight: torch.Tensor, num_chunks: int) -> torch.Tensor:
+    """Pure-torch `linear_parts`: the chunk partials [C, ..., N] (fp32; fp64 for fp64 input)."""
+    check_chunks("linear_parts_ref", x, weight, num_chunks)
     n, k = weight.shape
     kc = k // num_chunks
     rows = math.prod(x.shape[:-1])
@@ -129,7 +136,34 @@ def linear_tree_ref(x: torch.Tensor, weight: torch.Tensor, num_chunks: int) -> t
         xa, w = x2.to(acc_dt), weight.to(acc_dt)
         parts = torch.stack([_mm.linear_ref(xa[:, c * kc:(c + 1) * kc], w[:, c * kc:(c + 1) * kc])
                              for c in range(num_chunks)])  # [C, M, N]
-    return pairwise_tree_sum(parts).reshape(tuple(x.shape[:-1]) + (n,))
+    return parts.reshape((num_chunks,) + tuple(x.shape[:-1]) + (n,))
+
+
+def _run_chunks(x2: torch.Tensor, weight: torch.Tensor, num_chunks: int, r0: int, m: int,
+                parts: torch.Tensor) -> None:
+    """The C chunk partials of rows [r0, r0 + m) into `parts` [C, m, N] fp32, in one batched launch. Batch
+    entry c = chunk c: A[c] = x2[r0:r0+m, c kc:(c+1) kc], B[c] = weight[:, c kc:(c+1) kc]^T. The kernel's
+    config comes from (m, N, kc) only; batch entries never interact (matmul contract A)."""
+    n, k = weight.shape
+    kc = k // num_chunks
+    sxm, sxk = x2.stride()
+    swn, swk = weight.stride()
+    _mm._run(x2[r0:r0 + m], (kc * sxk, sxm, sxk), weight, (kc * swk, swk, swn), parts, parts.stride(),
+             None, num_chunks, m, n, kc, None)
+
+
+def linear_parts(x: torch.Tensor, weight: torch.Tensor, num_chunks: int) -> torch.Tensor:
+    """Triton: the chunk partials of `linear_tree` before the tree, fp32 [C, ..., N] (`linear_tree` ==
+    `pairwise_tree_sum(linear_parts(...))` bit for bit); for callers that fuse the tree into the next step
+    (`kernels.peer_sum`). The whole [C, rows, N] buffer at once: keep rows small (decode-sized)."""
+    _mm._check_inputs("linear_parts", x, weight)
+    check_chunks("linear_parts", x, weight, num_chunks)
+    n, k = weight.shape
+    rows = math.prod(x.shape[:-1])
+    parts = torch.empty((num_chunks, rows, n), dtype=torch.float32, device=x.device)
+    if rows and n:
+        _run_chunks(x.reshape(rows, k), weight, num_chunks, 0, rows, parts)
+    return parts.view((num_chunks,) + tuple(x.shape[:-1]) + (n,))
 
 
 def linear_tree(x: torch.Tensor, weight: torch.Tensor, num_chunks: int) -> torch.Tensor:
@@ -137,12 +171,9 @@ def linear_tree(x: torch.Tensor, weight: torch.Tensor, num_chunks: int) -> torch
     _mm._check_inputs("linear_tree", x, weight)
     check_chunks("linear_tree", x, weight, num_chunks)
     n, k = weight.shape
-    kc = k // num_chunks
     rows = math.prod(x.shape[:-1])
     x2 = x.reshape(rows, k)
     out = torch.empty((rows, n), dtype=torch.float32, device=x.device)
-    sxm, sxk = x2.stride()
-    swn, swk = weight.stride()
     step = max(1, TREE_MAX_PARTIAL_ELEMS // max(1, num_chunks * n))
     for r0 in range(0, rows, step):
         m = min(rows, r0 + step) - r0
@@ -151,10 +182,7 @@ def linear_tree(x: torch.Tensor, weight: torch.Tensor, num_chunks: int) -> torch
         one = num_chunks == 1
         parts = out[r0:r0 + m].unsqueeze(0) if one else \
             torch.empty((num_chunks, m, n), dtype=torch.float32, device=x.device)
-        # Batch entry c = chunk c: A[c] = x2[r0:r0+m, c kc:(c+1) kc], B[c] = weight[:, c kc:(c+1) kc]^T. The
-        # kernel's config comes from (m, N, kc) only; batch entries never interact (matmul contract A).
-        _mm._run(x2[r0:r0 + m], (kc * sxk, sxm, sxk), weight, (kc * swk, swk, swn), parts, parts.stride(),
-                 None, num_chunks, m, n, kc, None)
+        _run_chunks(x2, weight, num_chunks, r0, m, parts)
         if not one:
             out[r0:r0 + m] = pairwise_tree_sum(parts)
     return out.reshape(tuple(x.shape[:-1]) + (n,))

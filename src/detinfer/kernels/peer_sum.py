@@ -1,15 +1,21 @@
 """The sum of two GPUs' fp32 partials in one kernel that reads the other GPU's memory (tensor parallelism, P = 2).
 
-What it computes: out = round_to(out.dtype, own + peer [+ bias]), the same on both ranks. At two ranks every
-element has two summands and IEEE addition is commutative and correctly rounded, so own + peer on rank 0 and
-on rank 1 are the same bits, and the same bits as the library all-reduce or the all-gather + tree
-(`distributed.group.TPGroup.exact_sum` says why). The bias add and the rounding to the model dtype are the
-row-parallel layer's own epilogue (`y + bias.float()`, then `.to(dtype)`), so fusing them changes no bit.
+What it computes: out = round_to(out.dtype, tree(own parts) + tree(peer's parts) [+ bias]), the same on both
+ranks. A rank's parts are its C / P chunk partials under `--tp-invariant-reduction` (one part without it),
+added in `pairwise_tree_sum`'s tree: elementwise fp32 additions, so the kernel has the torch tree's bits. At
+two ranks every element then has two summands and IEEE addition is commutative and correctly rounded, so
+own + peer on rank 0 and on rank 1 are the same bits, and the same bits as the library all-reduce or the
+all-gather + tree (`distributed.group.TPGroup.exact_sum` says why). The bias add and the rounding to the
+model dtype are the row-parallel layer's own epilogue (`y + bias.float()`, then `.to(dtype)`), so fusing
+them changes no bit. Without a peer (`addresses=None`) the same kernel is one GPU's tree + bias + rounding
+(TP=1 with the chunk tree). Fast mode's 16-bit partials are upcast exactly, added once in fp32 and rounded
+once (what a library all-reduce of two bf16 values gives).
 
 Why a kernel of our own: in a decode step the cross-rank sum is a latency problem (16 KB at batch 1), and a
-library all-reduce costs ~8 us inside a CUDA graph plus a separate cast launch. Here each program copies its
-slice of the local partial into its mailbox, tells the peer (a flag write over NVLink), waits for the
-peer's flag, reads the peer's mailbox and writes the rounded sum: one launch, a few microseconds.
+library all-reduce costs ~8 us inside a CUDA graph plus a separate cast launch (and, with the chunk tree, the
+tree's launches). Here each program adds its slice of the local parts, copies it into its mailbox, tells
+the peer (a flag write over NVLink), waits for the peer's flag, reads the peer's mailbox and writes the
+rounded sum: one launch, a few microseconds.
 
 Protocol (per program g, identical grids on both ranks since they see the same message size):
 - Each rank owns mailboxes [2 slots, G_MAX programs, PER_PROGRAM] fp32 and flags [2 source ranks, G_MAX]
@@ -40,6 +46,7 @@ import triton.language as tl
 from detinfer.kernels._direct import LaunchCache
 from detinfer.kernels._launch import interpreting
 from detinfer.kernels._pdl import launch_options, pdl_start, use_pdl
+from detinfer.kernels.chunked_linear import pairwise_tree_sum
 
 # Elements per program: 16 fp32 per thread at 4 warps. A decode step's 4096-wide partial is 2 programs; a
 # batch of 64 is 128 programs reading the peer in parallel (the NVLink round trip is the cost, not bytes).
@@ -48,6 +55,7 @@ PER_PROGRAM = 2048
 G_MAX = 1024
 CAPACITY = G_MAX * PER_PROGRAM
 SEND, RECEIVE, BOTH = 1, 2, 3  # phases
+LOCAL_PARTS = (1, 2, 4, 8)  # a rank's chunk partials the kernel adds itself (`--tp-invariant-reduction`: C / N)
 
 _HAS_TIMER = hasattr(getattr(getattr(tl, "extra", None), "cuda", None), "globaltimer")
 
@@ -80,75 +88,116 @@ def _wait_for_peer(flag_ptr, ep, abort_ptr, timeout_ns, HW_WAIT: tl.constexpr, H
 
 
 @triton.jit
-def _peer_sum_kernel(partial_ptr, bias_ptr, out_ptr, epochs_ptr, abort_ptr,
-                     mail0_addr, mail1_addr, flags0_addr, flags1_addr, n, row_len, timeout_ns,
-                     RANK: tl.constexpr, HAS_BIAS: tl.constexpr, PHASES: tl.constexpr,
-                     PER: tl.constexpr, GMAX: tl.constexpr, HW_WAIT: tl.constexpr, HAS_TIMER: tl.constexpr,
-                     USE_PDL: tl.constexpr):
-    pdl_start(USE_PDL)  # the partial is the previous kernel's output
+def _local_tree(parts_ptr, offs, ok, part_stride, NUM_PARTS: tl.constexpr):
+    """This rank's parts [NUM_PARTS, n] (fp32, or 16-bit partials) added in `pairwise_tree_sum`'s tree:
+    elementwise fp32 additions, so the bits are those of the torch tree whatever the layout."""
+    p0 = tl.load(parts_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    s = p0
+    if NUM_PARTS >= 2:
+        p1 = tl.load(parts_ptr + part_stride + offs, mask=ok, other=0.0).to(tl.float32)
+        s = p0 + p1
+    if NUM_PARTS >= 4:
+        p2 = tl.load(parts_ptr + 2 * part_stride + offs, mask=ok, other=0.0).to(tl.float32)
+        p3 = tl.load(parts_ptr + 3 * part_stride + offs, mask=ok, other=0.0).to(tl.float32)
+        s = s + (p2 + p3)
+    if NUM_PARTS == 8:
+        p4 = tl.load(parts_ptr + 4 * part_stride + offs, mask=ok, other=0.0).to(tl.float32)
+        p5 = tl.load(parts_ptr + 5 * part_stride + offs, mask=ok, other=0.0).to(tl.float32)
+        p6 = tl.load(parts_ptr + 6 * part_stride + offs, mask=ok, other=0.0).to(tl.float32)
+        p7 = tl.load(parts_ptr + 7 * part_stride + offs, mask=ok, other=0.0).to(tl.float32)
+        s = s + ((p4 + p5) + (p6 + p7))
+    return s
+
+
+@triton.jit
+def _peer_sum_kernel(parts_ptr, bias_ptr, out_ptr, epochs_ptr, abort_ptr,
+                     mail0_addr, mail1_addr, flags0_addr, flags1_addr, n, row_len, part_stride, timeout_ns,
+                     RANK: tl.constexpr, NUM_PARTS: tl.constexpr, EXCHANGE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     PHASES: tl.constexpr, PER: tl.constexpr, GMAX: tl.constexpr, HW_WAIT: tl.constexpr,
+                     HAS_TIMER: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)  # the parts are the previous kernel's output
     g = tl.program_id(0)
     offs = g.to(tl.int64) * PER + tl.arange(0, PER)
     ok = offs < n
-    ep = tl.load(epochs_ptr + g) + 1
-    box = ((ep % 2) * GMAX + g) * PER + tl.arange(0, PER)
-    # The mailboxes and flags arrive as addresses: the peer's are a mapping of its GPU's memory, which no
-    # torch tensor of this process describes.
-    mail0 = mail0_addr.to(tl.pointer_type(tl.float32), bitcast=True)
-    mail1 = mail1_addr.to(tl.pointer_type(tl.float32), bitcast=True)
-    flags0 = flags0_addr.to(tl.pointer_type(tl.int64), bitcast=True)
-    flags1 = flags1_addr.to(tl.pointer_type(tl.int64), bitcast=True)
-    if RANK == 0:
-        own_mail, peer_mail, own_flags, peer_flags = mail0, mail1, flags0, flags1
-    else:
-        own_mail, peer_mail, own_flags, peer_flags = mail1, mail0, flags1, flags0
-    x = tl.load(partial_ptr + offs, mask=ok, other=0.0)
-    if PHASES % 2 == 1:  # send
-        tl.store(own_mail + box, x, mask=ok)
-        tl.debug_barrier()  # every thread's mailbox writes happen before the flag's release
-        tl.atomic_xchg(peer_flags + RANK * GMAX + g, ep, sem="release", scope="sys")
+    x = _local_tree(parts_ptr, offs, ok, part_stride, NUM_PARTS)
+    if EXCHANGE:
+        ep = tl.load(epochs_ptr + g) + 1
+        box = ((ep % 2) * GMAX + g) * PER + tl.arange(0, PER)
+        # The mailboxes and flags arrive as addresses: the peer's are a mapping of its GPU's memory, which
+        # no torch tensor of this process describes.
+        mail0 = mail0_addr.to(tl.pointer_type(tl.float32), bitcast=True)
+        mail1 = mail1_addr.to(tl.pointer_type(tl.float32), bitcast=True)
+        flags0 = flags0_addr.to(tl.pointer_type(tl.int64), bitcast=True)
+        flags1 = flags1_addr.to(tl.pointer_type(tl.int64), bitcast=True)
+        if RANK == 0:
+            own_mail, peer_mail, own_flags, peer_flags = mail0, mail1, flags0, flags1
+        else:
+            own_mail, peer_mail, own_flags, peer_flags = mail1, mail0, flags1, flags0
+        if PHASES % 2 == 1:  # send
+            tl.store(own_mail + box, x, mask=ok)
+            tl.debug_barrier()  # every thread's mailbox writes happen before the flag's release
+            tl.atomic_xchg(peer_flags + RANK * GMAX + g, ep, sem="release", scope="sys")
     if PHASES >= 2:  # receive
-        _wait_for_peer(own_flags + (1 - RANK) * GMAX + g, ep, abort_ptr, timeout_ns, HW_WAIT, HAS_TIMER)
-        tl.debug_barrier()  # the acquire (one thread) happens before every thread's mailbox reads
-        y = tl.load(peer_mail + box, mask=ok, other=0.0, cache_modifier=".cv")  # never a stale cached line
-        s = x + y  # one IEEE addition: the same bits on both ranks (commutative)
+        s = x
+        if EXCHANGE:
+            _wait_for_peer(own_flags + (1 - RANK) * GMAX + g, ep, abort_ptr, timeout_ns, HW_WAIT, HAS_TIMER)
+            tl.debug_barrier()  # the acquire (one thread) happens before every thread's mailbox reads
+            y = tl.load(peer_mail + box, mask=ok, other=0.0, cache_modifier=".cv")  # never a stale line
+            s = x + y  # one IEEE addition: the same bits on both ranks (commutative)
+            tl.store(epochs_ptr + g, ep)
         if HAS_BIAS:
             s = s + tl.load(bias_ptr + offs % row_len, mask=ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + offs, s.to(out_ptr.dtype.element_ty), mask=ok)
-        tl.store(epochs_ptr + g, ep)
 
 
 _LAUNCHES = LaunchCache(_peer_sum_kernel)
+_NO_PEER = (0, 0, 0, 0)
 
 
-def launch_peer_sum(partial: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, rank: int,
-                    addresses: tuple[int, int, int, int], epochs: torch.Tensor, abort: torch.Tensor,
-                    timeout_ns: int, phases: int = BOTH) -> None:
-    """out = round(partial + the peer's partial [+ bias]) for contiguous fp32 `partial` [..., N] with at most
-    CAPACITY elements. `addresses`: rank 0's mailboxes, rank 1's mailboxes, rank 0's flags, rank 1's flags
-    (this rank's own among them, the peer's mapped into this process); `epochs` [G_MAX] int64 and `abort`
-    [1] int32 are this rank's. Both ranks must call with the same element count, in the same order.
-    Validation is the caller's (`distributed.peer_sum.PeerSum`)."""
-    n = partial.numel()
+def launch_peer_sum(parts: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, rank: int,
+                    addresses: tuple[int, int, int, int] | None, epochs: torch.Tensor | None,
+                    abort: torch.Tensor | None, timeout_ns: int = 0, phases: int = BOTH) -> None:
+    """out = round(tree(parts) [+ the peer's tree(parts)] [+ bias]).
+
+    `parts` [C, ..., N] (C in 1, 2, 4, 8; contiguous per part; fp32, or fp16/bf16 partials as fast mode
+    has them) are this rank's partials, added in `pairwise_tree_sum`'s tree; at most CAPACITY elements per
+    part. With `addresses` (rank 0's mailboxes, rank 1's mailboxes, rank 0's flags, rank 1's flags: this
+    rank's own among them, the peer's mapped into this process) and this rank's `epochs` [G_MAX] int64 and
+    `abort` [1] int32, the peer's tree is added (both ranks call with the same shapes, in the same order);
+    with `addresses=None` nothing is exchanged (one GPU: tree + bias + round in one launch). Validation is
+    the callers' (`distributed.peer_sum.PeerSum`, `Ops.tree_sum_rounded`)."""
+    num_parts = parts.shape[0]
+    n = parts[0].numel()
     if n == 0:
         return
+    exchange = addresses is not None
     grid = (-(-n // PER_PROGRAM),)
-    row_len = partial.shape[-1]
-    hw_wait = phases == BOTH and not interpreting()
-    pdl = use_pdl(partial.device)
-    tensors = (partial, bias if bias is not None else partial, out, epochs, abort)
+    row_len = parts.shape[-1]
+    hw_wait = exchange and phases == BOTH and not interpreting()
+    pdl = use_pdl(parts.device)
+    if not exchange:
+        addresses, epochs, abort, phases = _NO_PEER, parts, parts, BOTH  # unused pointers
+    part_stride = parts.stride(0) if num_parts > 1 else n
+    tensors = (parts, bias if bias is not None else parts, out, epochs, abort)
     # Every scalar is part of the key: a direct launch replays the scalars it was first compiled with.
-    key = (n, row_len, rank, bias is not None, phases, out.dtype, pdl, timeout_ns, addresses)
+    key = (n, row_len, part_stride, num_parts, rank, exchange, bias is not None, phases, parts.dtype, out.dtype,
+           pdl, timeout_ns, addresses)
     if _LAUNCHES.try_launch(key, tensors):
         return
-    _LAUNCHES.launch(key, tensors, grid, (*addresses, n, row_len, int(timeout_ns)),
-                     dict(RANK=rank, HAS_BIAS=bias is not None, PHASES=phases, PER=PER_PROGRAM, GMAX=G_MAX,
-                          HW_WAIT=hw_wait, HAS_TIMER=_HAS_TIMER and hw_wait, USE_PDL=pdl),
+    _LAUNCHES.launch(key, tensors, grid, (*addresses, n, row_len, part_stride, int(timeout_ns)),
+                     dict(RANK=rank, NUM_PARTS=num_parts, EXCHANGE=exchange, HAS_BIAS=bias is not None,
+                          PHASES=phases, PER=PER_PROGRAM, GMAX=G_MAX, HW_WAIT=hw_wait,
+                          HAS_TIMER=_HAS_TIMER and hw_wait, USE_PDL=pdl),
                      num_warps=4, **launch_options(pdl))
 
 
-def peer_sum_ref(own: torch.Tensor, peer: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """What the kernel computes, in torch: the row-parallel layer's unfused epilogue after the sum."""
-    s = own + peer
+def peer_sum_ref(own: torch.Tensor, peer: torch.Tensor | None, bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """What the kernel computes, in torch: each rank's parts [C, ...] through `pairwise_tree_sum` (fp32),
+    the two trees added (`peer` None: one GPU), then the row-parallel layer's unfused epilogue."""
+    s = pairwise_tree_sum(own.float())
+    if peer is not None:
+        s = s + pairwise_tree_sum(peer.float())
     if bias is not None:
         s = s + bias.float()
     return s.to(dtype)

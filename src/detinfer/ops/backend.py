@@ -209,11 +209,28 @@ class Ops(MoeOps, Fp8Ops):
         Fast mode: stock matmuls per chunk, same tree."""
         cl = _kernels("chunked_linear")
         if not self.deterministic:
-            cl.check_chunks("linear_tree", x, weight, num_chunks)
-            parts = torch.stack([F.linear(xc.float(), wc.float()) for xc, wc in
-                                 zip(x.chunk(num_chunks, -1), weight.chunk(num_chunks, -1))])
-            return cl.pairwise_tree_sum(parts)
+            return cl.pairwise_tree_sum(self.linear_parts(x, weight, num_chunks))
         return (cl.linear_tree if self._kernel(x, weight) else cl.linear_tree_ref)(x, weight, num_chunks)
+
+    def linear_parts(self, x: torch.Tensor, weight: torch.Tensor, num_chunks: int) -> torch.Tensor:
+        """`linear_tree` before its tree: fp32 [num_chunks, ..., N], for a consumer that adds the tree itself
+        (`tree_sum_rounded`, the two-GPU peer sum). Fast mode: stock matmuls per chunk."""
+        cl = _kernels("chunked_linear")
+        if not self.deterministic:
+            cl.check_chunks("linear_parts", x, weight, num_chunks)
+            return torch.stack([F.linear(xc.float(), wc.float()) for xc, wc in
+                                zip(x.chunk(num_chunks, -1), weight.chunk(num_chunks, -1))])
+        return (cl.linear_parts if self._kernel(x, weight) else cl.linear_parts_ref)(x, weight, num_chunks)
+
+    def tree_sum_rounded(self, parts: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """`(tree_sum(parts) [+ bias.float()]).to(dtype)`: a row-parallel layer's epilogue on one GPU (TP=1
+        with the chunk tree), one launch where the kernels run (elementwise adds: the same bits)."""
+        ps = _kernels("peer_sum")
+        if self.deterministic and self._kernel(parts) and parts.shape[0] in ps.LOCAL_PARTS and parts.is_contiguous():
+            out = torch.empty(parts.shape[1:], dtype=dtype, device=parts.device)
+            ps.launch_peer_sum(parts, bias, out, 0, None, None, None)
+            return out
+        return ps.peer_sum_ref(parts, None, bias, dtype)
 
     @staticmethod
     def tree_sum(parts: torch.Tensor) -> torch.Tensor:

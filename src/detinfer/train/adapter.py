@@ -80,6 +80,19 @@ class DifferentiableOps:
             return self.base.linear_tree(x, weight, num_chunks)
         return LinearFn.apply(x, weight, None, lambda x_, w_, _b: self.base.linear_tree(x_, w_, num_chunks))
 
+    def linear_parts(self, x, weight, num_chunks):
+        """The chunk partials before the tree; under autograd one part, the differentiable summed tree above
+        (`tree_sum_rounded` of one part is then the plain epilogue: the same bits)."""
+        if not _needs_grad(x, weight):
+            return self.base.linear_parts(x, weight, num_chunks)
+        return self.linear_tree(x, weight, num_chunks)[None]
+
+    def tree_sum_rounded(self, parts, bias, dtype):
+        if not _needs_grad(parts, bias):
+            return self.base.tree_sum_rounded(parts, bias, dtype)
+        y = parts[0] if parts.shape[0] == 1 else self.base.tree_sum(parts)  # elementwise torch adds
+        return (y if bias is None else y + bias.float()).to(dtype)
+
     def rms_norm(self, x, weight, eps, residual=None):
         if not _needs_grad(x, weight, residual):
             return self.base.rms_norm(x, weight, eps, residual=residual)
