@@ -96,6 +96,16 @@ def _sum_checks(rank: int, port: int, queue) -> None:
         fused = group.exact_sum_rounded(parts[rank].to(dev), None, torch.bfloat16).cpu()
         full = pairwise_tree_sum(torch.cat(parts)).to(torch.bfloat16)  # rank 0's chunks, then rank 1's
         out[f"chunk tree {rows}"] = torch.equal(_bits(fused), _bits(full))
+    # The sum fused with the RMSNorm after it == the rounded sum, then the standalone norm kernel.
+    from detinfer.kernels.rmsnorm import rms_norm
+    for rows, c in ((1, 1), (7, 4), (64, 1), (512, 1), (512, 4)):
+        parts = [torch.randn(c, rows, 4096, generator=gen) * 3 for _ in range(2)]
+        weight = (torch.rand(4096, generator=gen) + 0.5).to(torch.bfloat16).to(dev)
+        residual = torch.randn(rows, 4096, generator=gen).to(torch.bfloat16).to(dev)
+        mine = parts[rank].to(dev)
+        y, h = group.peer.sum_rms_norm(mine, None, torch.bfloat16, weight, 1e-6, residual)
+        y2, h2 = rms_norm(group.exact_sum_rounded(mine, None, torch.bfloat16), weight, 1e-6, residual=residual)
+        out[f"sum + norm {rows}x{c}"] = torch.equal(_bits(y), _bits(y2)) and torch.equal(_bits(h), _bits(h2))
     # Fast mode's bf16 partials through the same kernel: one fp32 addition, one rounding.
     halves = [torch.randn(64, 4096, generator=gen).to(torch.bfloat16) for _ in range(2)]
     fast = group.fast_sum(halves[rank].to(dev)).cpu()

@@ -161,9 +161,28 @@ class RowParallelLinear(nn.Module):
             parts = ops.linear_parts(x, self.weight, chunks)  # fp32 [C / P, T, N]: the subtree's leaves
         else:  # a long prefill: the tree in row blocks, summed here
             parts = ops.linear_tree(x, self.weight, chunks)[None]
-        if g is not None:  # the subtree, the tree's top levels in rank order on every rank, + bias, rounded
-            return g.exact_sum_rounded(parts, self.bias, x.dtype)
-        return ops.tree_sum_rounded(parts, self.bias, x.dtype)
+        if g is None:
+            return ops.tree_sum_rounded(parts, self.bias, x.dtype)
+        if g.peer is not None and g.peer.fits_norm(parts) and x.dim() == 2:
+            return PendingSum(g, ops, parts, self.bias, x.dtype)  # the next RMSNorm sums it in its kernel
+        # The subtree, the tree's top levels in rank order on every rank, + bias, rounded.
+        return g.exact_sum_rounded(parts, self.bias, x.dtype)
+
+
+class PendingSum:
+    """A row-parallel layer's output whose cross-rank sum is not done yet: the RMSNorm that follows it in
+    every decoder block (`models.transformer.RMSNorm`) calls `rms_norm_fused`, which sums and normalizes in
+    one kernel (`kernels.peer_sum_norm`: the bits of the sum, then `rms_norm`). Nothing else reads it."""
+
+    def __init__(self, group: TPGroup, ops: Ops, parts: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype):
+        self.group, self.ops, self.parts, self.bias, self.dtype = group, ops, parts, bias, dtype
+
+    def rms_norm_fused(self, weight: torch.Tensor, eps: float, residual: torch.Tensor | None):
+        if residual is not None and (residual.dtype != self.dtype or not residual.is_contiguous()):
+            y = self.group.exact_sum_rounded(self.parts, self.bias, self.dtype)  # unusual input: unfused
+            return self.ops.rms_norm(y, weight, eps, residual=residual)
+        return self.group.peer.sum_rms_norm(self.parts, self.bias, self.dtype, weight, eps, residual)
 
 
 class ExpertParallelMoE(nn.Module):

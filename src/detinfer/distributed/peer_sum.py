@@ -21,6 +21,7 @@ import weakref
 import torch
 
 from detinfer.kernels import peer_sum as kernel
+from detinfer.kernels import peer_sum_norm as norm_kernel
 
 _KEY = "detinfer/peer_sum/{}"
 _IPC_LAZY_ENABLE_PEER_ACCESS = 1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
@@ -89,7 +90,7 @@ def connect_pair(rank: int, device: torch.device, store, timeout_s: float, agree
     """Set up the peer sum on both ranks (call on both at the same point): a `PeerSum`, or None on both
     ranks when either rank could not share or map its block (then every sum goes through NCCL; a warning
     says why). `agree(int) -> int` is the group's min over ranks."""
-    words = PeerSum.MAIL_WORDS + PeerSum.FLAG_WORDS + kernel.G_MAX + 1
+    words = PeerSum.WORDS
     block, shared, problem = None, None, None
     with torch.cuda.device(device):
         try:
@@ -118,12 +119,23 @@ def connect_pair(rank: int, device: torch.device, store, timeout_s: float, agree
     return PeerSum(rank, device, block, mapped, mapped + peer_shared[1], timeout_s)
 
 
-class PeerSum:
-    """This rank's block (mailboxes, flags, epochs, abort flag) and the peer's, mapped (`connect_pair`)."""
+def _channel_layout() -> tuple[dict, int]:
+    """Word offsets (int64 words) of each channel's mailboxes [2, G, BOX] fp32, flags [2, G] and epochs [G] in
+    the block, and the abort flag's: "elements" for `kernels.peer_sum`, "rows" for `kernels.peer_sum_norm`."""
+    offsets, at = {}, 0
+    for name, box, g in (("elements", kernel.PER_PROGRAM, kernel.G_MAX), ("rows", norm_kernel.BOX, norm_kernel.G_ROWS)):
+        mail_words = g * box  # two slots of g * box fp32
+        offsets[name] = (at, at + mail_words, at + mail_words + 2 * g, g)
+        at += mail_words + 3 * g
+    return offsets, at
 
-    # Block layout in int64 words: mailboxes [2, G_MAX, PER] fp32, flags [2, G_MAX], epochs [G_MAX], abort.
-    MAIL_WORDS = kernel.CAPACITY  # 2 slots of CAPACITY fp32 = CAPACITY int64 words
-    FLAG_WORDS = 2 * kernel.G_MAX
+
+class PeerSum:
+    """This rank's block (two channels of mailboxes, flags and epochs; an abort flag) and the peer's, mapped
+    (`connect_pair`)."""
+
+    LAYOUT, ABORT_WORD = _channel_layout()
+    WORDS = ABORT_WORD + 1
 
     def __init__(self, rank: int, device: torch.device, block: torch.Tensor, mapped: int, peer_base: int,
                  timeout_s: float):
@@ -132,10 +144,11 @@ class PeerSum:
         weakref.finalize(self, _close_peer_allocation, mapped)  # the peer's mapping lives as long as this
         own_base = block.data_ptr()
         bases = (own_base, peer_base) if rank == 0 else (peer_base, own_base)
-        flag_offset = self.MAIL_WORDS * 8
-        self.addresses = (bases[0], bases[1], bases[0] + flag_offset, bases[1] + flag_offset)
-        tail = block[self.MAIL_WORDS + self.FLAG_WORDS:]
-        self.epochs, self.abort_flag = tail[:kernel.G_MAX], tail[kernel.G_MAX:].view(torch.int32)[:1]
+        self.channels = {}  # name -> (addresses for the kernel, this rank's epochs)
+        for name, (mail, flags, epochs, g) in self.LAYOUT.items():
+            addresses = (bases[0] + 8 * mail, bases[1] + 8 * mail, bases[0] + 8 * flags, bases[1] + 8 * flags)
+            self.channels[name] = (addresses, block[epochs:epochs + g])
+        self.abort_flag = block[self.ABORT_WORD:].view(torch.int32)[:1]
         self._one = torch.ones(1, dtype=torch.int32).pin_memory()
         self._abort_stream = torch.cuda.Stream(device)
 
@@ -157,9 +170,28 @@ class PeerSum:
         out = torch.empty(parts.shape[1:], dtype=dtype, device=parts.device)
         if bias is not None:
             bias = bias.contiguous()
-        kernel.launch_peer_sum(parts, bias, out, self.rank, self.addresses, self.epochs, self.abort_flag,
-                               self.timeout_ns)
+        addresses, epochs = self.channels["elements"]
+        kernel.launch_peer_sum(parts, bias, out, self.rank, addresses, epochs, self.abort_flag, self.timeout_ns)
         return out
+
+    @staticmethod
+    def fits_norm(parts: torch.Tensor) -> bool:
+        return norm_kernel.fits(parts)
+
+    def sum_rms_norm(self, parts: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                     weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None):
+        """`rms_norm(sum_rounded(parts, bias, dtype), weight, eps, residual)` in one kernel (the same bits):
+        y, or (y, h) with the residual. parts [C, T, D] fp32, `fits_norm(parts)`."""
+        parts = parts.contiguous()
+        t, d = parts.shape[1:]
+        x = torch.empty((t, d), dtype=dtype, device=parts.device)
+        y_dtype = dtype if weight is None else torch.promote_types(weight.dtype, dtype)
+        y = torch.empty((t, d), dtype=y_dtype, device=parts.device)
+        h = torch.empty_like(x) if residual is not None else None
+        addresses, epochs = self.channels["rows"]
+        norm_kernel.launch_peer_sum_rms_norm(parts, bias, residual, weight, eps, x, y, h, self.rank, addresses,
+                                             epochs, self.abort_flag, self.timeout_ns)
+        return y if residual is None else (y, h)
 
     def abort(self) -> None:
         """Make a kernel waiting for a dead peer trap now (a copy engine writes the flag: it needs no free SM)."""

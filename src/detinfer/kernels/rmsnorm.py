@@ -53,7 +53,18 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, n_rows, D, eps,
                      HAS_RES: tl.constexpr, HAS_W: tl.constexpr,
                      ROWS: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rms_norm_tile(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, tl.program_id(0), n_rows, D, eps,
+                  x_stride, res_stride, y_stride, h_stride, HAS_RES, HAS_W, ROWS, BLOCK_D)
+
+
+@triton.jit
+def rms_norm_tile(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, tile, n_rows, D, eps,
+                  x_stride, res_stride, y_stride, h_stride,
+                  HAS_RES: tl.constexpr, HAS_W: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows [tile ROWS, (tile + 1) ROWS): the whole norm, from x in memory. Shared with the kernel that first
+    sums x across two GPUs (`kernels.peer_sum_norm`): the same code and constexprs give the same layouts,
+    hence the same reduction tree and bits."""
+    rows = tile.to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < n_rows
     col_ok = cols < D

@@ -72,6 +72,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor, ops: Ops, residual: torch.Tensor | None = None):
+        # x may be a row-parallel output whose cross-rank sum is still pending (tensor parallelism on two GPUs,
+        # distributed.layers.PendingSum): it sums and normalizes in one kernel, with the bits of the two steps.
+        fused = getattr(x, "rms_norm_fused", None)
+        if fused is not None:
+            return fused(self.weight, self.eps, residual)
         return ops.rms_norm(x, self.weight, self.eps, residual=residual)
 
 

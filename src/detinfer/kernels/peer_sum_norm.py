@@ -1,0 +1,112 @@
+"""The two-GPU row-parallel sum and the RMSNorm after it, in one kernel (tensor parallelism, P = 2).
+
+In a decoder layer the row-parallel output (o_proj, down_proj) goes straight into an RMSNorm with the residual
+add (`post_attention_layernorm`, the next layer's `input_layernorm`, the final norm). This kernel does both:
+the peer sum of `kernels/peer_sum.py` (each rank's chunk tree, the exchange through the mailboxes, + bias,
+rounded to the model dtype) for whole rows, then the norm. Bits: the sum is `peer_sum`'s (elementwise adds);
+the norm is `kernels/rmsnorm.py`'s own code (`rms_norm_tile`), run on the rounded sum after it is stored and
+read back, with the constexprs and warps of the standalone kernel (`rmsnorm._layout_for(D)`), so its loads,
+layouts and reduction tree are the standalone kernel's: the same bits as the sum followed by `rms_norm`.
+
+The exchange is `peer_sum`'s protocol per program over a second set of mailboxes ("rows" channel of
+`distributed.peer_sum.PeerSum`): program g handles ROWS rows, BOX >= ROWS * BLOCK_D elements a mailbox.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from detinfer.kernels._direct import LaunchCache
+from detinfer.kernels._launch import interpreting
+from detinfer.kernels._pdl import launch_options, pdl_start, use_pdl
+from detinfer.kernels.peer_sum import _HAS_TIMER, BOTH, _local_tree, _wait_for_peer
+from detinfer.kernels.rmsnorm import _layout_for, rms_norm_tile
+
+# The rows channel: mailboxes of BOX fp32 (a tile of ROWS x BLOCK_D, BLOCK_D = D rounded up to a power of two:
+# hidden sizes up to 8192) for up to G_ROWS programs (512 rows at ROWS = 1: decode and graphed mixed steps).
+BOX = 8192
+G_ROWS = 512
+
+
+def fits(parts: torch.Tensor) -> bool:
+    """Whether this rank's partials parts [C, T, D] go through the fused kernel (else sum, then norm)."""
+    if parts.dim() != 3 or parts.shape[0] not in (1, 2, 4, 8):
+        return False
+    block_d, rows, _ = _layout_for(parts.shape[-1])
+    return rows * block_d <= BOX and -(-parts.shape[1] // rows) <= G_ROWS
+
+
+@triton.jit
+def _peer_sum_rms_norm_kernel(parts_ptr, bias_ptr, x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, epochs_ptr, abort_ptr,
+                              mail0_addr, mail1_addr, flags0_addr, flags1_addr, n_rows, D, eps, part_stride,
+                              res_stride, timeout_ns,
+                              RANK: tl.constexpr, NUM_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                              HAS_RES: tl.constexpr, HAS_W: tl.constexpr, ROWS: tl.constexpr,
+                              BLOCK_D: tl.constexpr, PHASES: tl.constexpr, BOXN: tl.constexpr,
+                              GMAX: tl.constexpr, HW_WAIT: tl.constexpr, HAS_TIMER: tl.constexpr,
+                              USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)  # the parts are the previous kernel's output
+    g = tl.program_id(0)
+    rows = g.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
+    offs = rows[:, None] * D + cols[None, :]  # parts, x, y, h: contiguous [T, D]
+    s = _local_tree(parts_ptr, offs, mask, part_stride, NUM_PARTS)
+    ep = tl.load(epochs_ptr + g) + 1
+    box = ((ep % 2) * GMAX + g) * BOXN + tl.arange(0, ROWS)[:, None] * BLOCK_D + cols[None, :]
+    mail0 = mail0_addr.to(tl.pointer_type(tl.float32), bitcast=True)
+    mail1 = mail1_addr.to(tl.pointer_type(tl.float32), bitcast=True)
+    flags0 = flags0_addr.to(tl.pointer_type(tl.int64), bitcast=True)
+    flags1 = flags1_addr.to(tl.pointer_type(tl.int64), bitcast=True)
+    if RANK == 0:
+        own_mail, peer_mail, own_flags, peer_flags = mail0, mail1, flags0, flags1
+    else:
+        own_mail, peer_mail, own_flags, peer_flags = mail1, mail0, flags1, flags0
+    if PHASES % 2 == 1:  # send
+        tl.store(own_mail + box, s, mask=mask)
+        tl.debug_barrier()  # every thread's mailbox writes happen before the flag's release
+        tl.atomic_xchg(peer_flags + RANK * GMAX + g, ep, sem="release", scope="sys")
+    if PHASES >= 2:  # receive, then the norm
+        _wait_for_peer(own_flags + (1 - RANK) * GMAX + g, ep, abort_ptr, timeout_ns, HW_WAIT, HAS_TIMER)
+        tl.debug_barrier()  # the acquire (one thread) happens before every thread's mailbox reads
+        s = s + tl.load(peer_mail + box, mask=mask, other=0.0, cache_modifier=".cv")
+        if HAS_BIAS:
+            s = s + tl.load(bias_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
+        tl.store(x_ptr + offs, s.to(x_ptr.dtype.element_ty), mask=mask)
+        tl.debug_barrier()  # the rounded rows are visible to every thread of this program
+        rms_norm_tile(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, g, n_rows, D, eps, D, res_stride, D, D,
+                      HAS_RES, HAS_W, ROWS, BLOCK_D)
+        tl.store(epochs_ptr + g, ep)
+
+
+_LAUNCHES = LaunchCache(_peer_sum_rms_norm_kernel)
+
+
+def launch_peer_sum_rms_norm(parts, bias, residual, weight, eps: float, x, y, h, rank: int,
+                             addresses: tuple[int, int, int, int], epochs, abort, timeout_ns: int,
+                             phases: int = BOTH) -> None:
+    """x = round(tree(parts) + the peer's tree [+ bias]) [T, D], then y (and h) as `rms_norm(x, weight, eps,
+    residual)` writes them; parts [C, T, D] contiguous fp32, `fits(parts)`; x, y, h contiguous [T, D]
+    (h: residual given). Rows channel addresses / epochs / abort of `distributed.peer_sum.PeerSum`."""
+    num_parts, n_rows, d = parts.shape
+    if n_rows == 0:
+        return
+    block_d, rows, warps = _layout_for(d)
+    hw_wait = phases == BOTH and not interpreting()
+    pdl = use_pdl(parts.device)
+    res = residual if residual is not None else x
+    tensors = (parts, bias if bias is not None else parts, x, res, weight if weight is not None else x, y,
+               h if h is not None else y, epochs, abort)
+    part_stride = parts.stride(0) if num_parts > 1 else n_rows * d
+    key = (n_rows, d, eps, num_parts, rank, bias is not None, residual is not None, weight is not None, phases,
+           parts.dtype, x.dtype, y.dtype, pdl, timeout_ns, addresses, res.stride(0), tensors[4].dtype)
+    if _LAUNCHES.try_launch(key, tensors):
+        return
+    _LAUNCHES.launch(key, tensors, (-(-n_rows // rows),),
+                     (*addresses, n_rows, d, float(eps), part_stride, res.stride(0), int(timeout_ns)),
+                     dict(RANK=rank, NUM_PARTS=num_parts, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+                          HAS_W=weight is not None, ROWS=rows, BLOCK_D=block_d, PHASES=phases, BOXN=BOX,
+                          GMAX=G_ROWS, HW_WAIT=hw_wait, HAS_TIMER=_HAS_TIMER and hw_wait, USE_PDL=pdl),
+                     num_warps=warps, enable_fp_fusion=False, **launch_options(pdl))

@@ -1,0 +1,80 @@
+"""The two-GPU row-parallel sum fused with the RMSNorm after it (kernels/peer_sum_norm.py), in the CPU
+interpreter: both ranks' rows-channel blocks live in this process; each call runs the send half of both ranks,
+then the receive half. Asserted: each rank's (y, h) == rms_norm(the rounded sum, weight, eps, residual) from
+the standalone kernel, bit for bit. On GPUs: tests/distributed/test_peer_sum_gpu.py and the engine tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from detinfer.kernels import peer_sum as ps
+from detinfer.kernels import peer_sum_norm as psn
+from detinfer.kernels.rmsnorm import rms_norm
+
+pytestmark = pytest.mark.skipif(not ps.interpreting(), reason="CPU interpreter test (TRITON_INTERPRET=1)")
+
+
+class _TwoRanks:
+    def __init__(self):
+        self.mails = [torch.zeros(2 * psn.G_ROWS * psn.BOX, dtype=torch.float32) for _ in range(2)]
+        self.flags = [torch.zeros(2 * psn.G_ROWS, dtype=torch.int64) for _ in range(2)]
+        self.epochs = [torch.zeros(psn.G_ROWS, dtype=torch.int64) for _ in range(2)]
+        self.abort = [torch.zeros(1, dtype=torch.int32) for _ in range(2)]
+        self.addresses = (self.mails[0].data_ptr(), self.mails[1].data_ptr(),
+                          self.flags[0].data_ptr(), self.flags[1].data_ptr())
+
+    def run(self, parts, bias, residual, weight, eps, dtype):
+        t, d = parts[0].shape[1:]
+        outs = []
+        for _ in range(2):
+            x, y = (torch.full((t, d), float("nan"), dtype=dtype) for _ in range(2))
+            h = torch.full((t, d), float("nan"), dtype=dtype) if residual is not None else None
+            outs.append((x, y, h))
+        for phase in (ps.SEND, ps.RECEIVE):
+            for rank in (0, 1):
+                x, y, h = outs[rank]
+                psn.launch_peer_sum_rms_norm(parts[rank], bias, residual, weight, eps, x, y, h, rank,
+                                             self.addresses, self.epochs[rank], self.abort[rank], 10**9,
+                                             phases=phase)
+        return outs
+
+
+_RANKS = _TwoRanks()
+
+
+def _bits(t):
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+@settings(max_examples=12, deadline=None)
+@given(num_parts=st.sampled_from([1, 4]), rows=st.sampled_from([1, 3, 9]), d=st.sampled_from([128, 333, 512]),
+       has_bias=st.booleans(), has_res=st.booleans(), dtype=st.sampled_from([torch.float32, torch.float16]),
+       seed=st.integers(0, 2**31 - 1))
+def test_fused_sum_and_norm_equal_the_sum_then_the_standalone_norm(num_parts, rows, d, has_bias, has_res, dtype,
+                                                                    seed):
+    g = torch.Generator().manual_seed(seed)
+    parts = [torch.randn(num_parts, rows, d, generator=g) * 2 for _ in range(2)]
+    bias = torch.randn(d, generator=g).to(dtype) if has_bias else None
+    residual = torch.randn(rows, d, generator=g).to(dtype) if has_res else None
+    weight = (torch.rand(d, generator=g) + 0.5).to(dtype)
+    assert psn.fits(parts[0])
+    outs = _RANKS.run(parts, bias, residual, weight, 1e-6, dtype)
+    x = ps.peer_sum_ref(parts[0], parts[1], bias, dtype)
+    want = rms_norm(x, weight, 1e-6, residual=residual)
+    want_y, want_h = want if has_res else (want, None)
+    for rank, (got_x, got_y, got_h) in enumerate(outs):
+        assert torch.equal(_bits(got_x), _bits(x)), f"rank {rank}: the rounded sum"
+        assert torch.equal(_bits(got_y), _bits(want_y)), f"rank {rank}: the norm"
+        if has_res:
+            assert torch.equal(_bits(got_h), _bits(want_h)), f"rank {rank}: the new residual"
+
+
+def test_rows_past_the_channel_are_not_fused():
+    block_d, rows, _ = psn._layout_for(4096)
+    assert psn.fits(torch.zeros(1, psn.G_ROWS * rows, 4096))
+    assert not psn.fits(torch.zeros(1, psn.G_ROWS * rows + 1, 4096))
+    assert not psn.fits(torch.zeros(3, 4, 4096))  # three local parts: not a tree the kernel adds
+    assert not psn.fits(torch.zeros(1, 4, 16384))  # a row wider than a mailbox
