@@ -20,14 +20,16 @@ rounded sum: one launch, a few microseconds.
 Protocol (per program g, identical grids on both ranks since they see the same message size):
 - Each rank owns mailboxes [2 slots, G_MAX programs, PER_PROGRAM] fp32 and flags [2 source ranks, G_MAX]
   int64 in memory the peer can map (`distributed.peer_sum`), plus its own epoch counters [G_MAX].
-- Program g of a call takes epoch e = epochs[g] + 1 and slot e % 2, writes its slice to mailbox (slot, g),
-  then writes e into the PEER's flags[my rank, g] (release, system scope); it waits until its own
-  flags[peer, g] >= e (acquire), reads the peer's mailbox (slot, g), and stores epochs[g] = e.
-- Why the mailbox can be reused two calls later: a rank writes (slot, g) again at epoch e + 2 only after
-  its program g passed the wait of epoch e + 1, i.e. after the peer's program g signalled e + 1, which it
-  does in a later launch than the one that read (slot, g) at epoch e. Program g only ever touches mailbox g,
-  so grids of different sizes (message sizes) never overlap; ">=" because the peer may already be one call
-  ahead (it signals e + 1 as soon as it has read our e).
+- Program g of a call takes epoch e = epochs[g] + 1 and slot e % 2, writes its slice into the PEER's
+  mailbox (slot, g) (stores over NVLink: posted, no round trip), then writes e into the peer's flags[my
+  rank, g] (release, system scope: ordered after the data); it waits until its own flags[peer, g] >= e
+  (acquire), reads its own mailbox (slot, g), which the peer filled, and stores epochs[g] = e. Pushing
+  rather than reading the peer's memory saves one NVLink round trip per call.
+- Why a mailbox can be refilled two calls later: a rank writes the peer's (slot, g) again at epoch e + 2
+  only after its program g passed the wait of epoch e + 1, i.e. after the peer's program g signalled e + 1,
+  which it does in a later launch than the one that read (slot, g) at epoch e. Program g only ever touches
+  mailbox g, so grids of different sizes (message sizes) never overlap; ">=" because the peer may already
+  be one call ahead (it signals e + 1 as soon as it has read our e).
 - A peer that never signals (dead process, a rank that skipped a collective): the wait gives up after
   `timeout_ns` or when the host sets `abort` (the runner's watcher does when a worker exits), and the
   program executes a trap, so the step fails with a CUDA error instead of hanging or returning wrong bits.
@@ -134,15 +136,15 @@ def _peer_sum_kernel(parts_ptr, bias_ptr, out_ptr, epochs_ptr, abort_ptr,
         else:
             own_mail, peer_mail, own_flags, peer_flags = mail1, mail0, flags1, flags0
         if PHASES % 2 == 1:  # send
-            tl.store(own_mail + box, x, mask=ok)
-            tl.debug_barrier()  # every thread's mailbox writes happen before the flag's release
+            tl.store(peer_mail + box, x, mask=ok)  # pushed: the reader's copy is local
+            tl.debug_barrier()  # every thread's writes into the peer's mailbox happen before the flag's release
             tl.atomic_xchg(peer_flags + RANK * GMAX + g, ep, sem="release", scope="sys")
     if PHASES >= 2:  # receive
         s = x
         if EXCHANGE:
             _wait_for_peer(own_flags + (1 - RANK) * GMAX + g, ep, abort_ptr, timeout_ns, HW_WAIT, HAS_TIMER)
             tl.debug_barrier()  # the acquire (one thread) happens before every thread's mailbox reads
-            y = tl.load(peer_mail + box, mask=ok, other=0.0, cache_modifier=".cv")  # never a stale line
+            y = tl.load(own_mail + box, mask=ok, other=0.0, cache_modifier=".cv")  # never a stale line
             s = x + y  # one IEEE addition: the same bits on both ranks (commutative)
             tl.store(epochs_ptr + g, ep)
         if HAS_BIAS:

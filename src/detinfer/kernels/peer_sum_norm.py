@@ -65,13 +65,13 @@ def _peer_sum_rms_norm_kernel(parts_ptr, bias_ptr, x_ptr, res_ptr, w_ptr, y_ptr,
     else:
         own_mail, peer_mail, own_flags, peer_flags = mail1, mail0, flags1, flags0
     if PHASES % 2 == 1:  # send
-        tl.store(own_mail + box, s, mask=mask)
-        tl.debug_barrier()  # every thread's mailbox writes happen before the flag's release
+        tl.store(peer_mail + box, s, mask=mask)  # pushed: the reader's copy is local
+        tl.debug_barrier()  # every thread's writes into the peer's mailbox happen before the flag's release
         tl.atomic_xchg(peer_flags + RANK * GMAX + g, ep, sem="release", scope="sys")
     if PHASES >= 2:  # receive, then the norm
         _wait_for_peer(own_flags + (1 - RANK) * GMAX + g, ep, abort_ptr, timeout_ns, HW_WAIT, HAS_TIMER)
         tl.debug_barrier()  # the acquire (one thread) happens before every thread's mailbox reads
-        s = s + tl.load(peer_mail + box, mask=mask, other=0.0, cache_modifier=".cv")
+        s = s + tl.load(own_mail + box, mask=mask, other=0.0, cache_modifier=".cv")
         if HAS_BIAS:
             s = s + tl.load(bias_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
         tl.store(x_ptr + offs, s.to(x_ptr.dtype.element_ty), mask=mask)
