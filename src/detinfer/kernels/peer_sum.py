@@ -112,6 +112,39 @@ def _local_tree(parts_ptr, offs, ok, part_stride, NUM_PARTS: tl.constexpr):
 
 
 @triton.jit
+def _rank_ptr(addr0, addr1, WHICH: tl.constexpr, DTYPE: tl.constexpr):
+    """Rank WHICH's mailboxes or flags as a pointer: they arrive as addresses, since the peer's are a mapping
+    of its GPU's memory that no torch tensor of this process describes."""
+    if WHICH == 0:
+        addr = addr0
+    else:
+        addr = addr1
+    return addr.to(tl.pointer_type(DTYPE), bitcast=True)
+
+
+@triton.jit
+def _send(x, mask, box, mail0_addr, mail1_addr, flags0_addr, flags1_addr, g, ep,
+          RANK: tl.constexpr, GMAX: tl.constexpr):
+    """Push this program's values into the peer's mailbox (posted stores: the reader's copy is local), then
+    raise the peer's flag for program g."""
+    tl.store(_rank_ptr(mail0_addr, mail1_addr, 1 - RANK, tl.float32) + box, x, mask=mask)
+    tl.debug_barrier()  # every thread's writes into the peer's mailbox happen before the flag's release
+    peer_flags = _rank_ptr(flags0_addr, flags1_addr, 1 - RANK, tl.int64)
+    tl.atomic_xchg(peer_flags + RANK * GMAX + g, ep, sem="release", scope="sys")
+
+
+@triton.jit
+def _receive(mask, box, mail0_addr, mail1_addr, flags0_addr, flags1_addr, g, ep, abort_ptr, timeout_ns,
+             RANK: tl.constexpr, GMAX: tl.constexpr, HW_WAIT: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """Wait for the peer's flag for program g, then read what it pushed into this rank's mailbox."""
+    own_flags = _rank_ptr(flags0_addr, flags1_addr, RANK, tl.int64)
+    _wait_for_peer(own_flags + (1 - RANK) * GMAX + g, ep, abort_ptr, timeout_ns, HW_WAIT, HAS_TIMER)
+    tl.debug_barrier()  # the acquire (one thread) happens before every thread's mailbox reads
+    own_mail = _rank_ptr(mail0_addr, mail1_addr, RANK, tl.float32)
+    return tl.load(own_mail + box, mask=mask, other=0.0, cache_modifier=".cv")  # never a stale cached line
+
+
+@triton.jit
 def _peer_sum_kernel(parts_ptr, bias_ptr, out_ptr, epochs_ptr, abort_ptr,
                      mail0_addr, mail1_addr, flags0_addr, flags1_addr, n, row_len, part_stride, timeout_ns,
                      RANK: tl.constexpr, NUM_PARTS: tl.constexpr, EXCHANGE: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -125,26 +158,13 @@ def _peer_sum_kernel(parts_ptr, bias_ptr, out_ptr, epochs_ptr, abort_ptr,
     if EXCHANGE:
         ep = tl.load(epochs_ptr + g) + 1
         box = ((ep % 2) * GMAX + g) * PER + tl.arange(0, PER)
-        # The mailboxes and flags arrive as addresses: the peer's are a mapping of its GPU's memory, which
-        # no torch tensor of this process describes.
-        mail0 = mail0_addr.to(tl.pointer_type(tl.float32), bitcast=True)
-        mail1 = mail1_addr.to(tl.pointer_type(tl.float32), bitcast=True)
-        flags0 = flags0_addr.to(tl.pointer_type(tl.int64), bitcast=True)
-        flags1 = flags1_addr.to(tl.pointer_type(tl.int64), bitcast=True)
-        if RANK == 0:
-            own_mail, peer_mail, own_flags, peer_flags = mail0, mail1, flags0, flags1
-        else:
-            own_mail, peer_mail, own_flags, peer_flags = mail1, mail0, flags1, flags0
-        if PHASES % 2 == 1:  # send
-            tl.store(peer_mail + box, x, mask=ok)  # pushed: the reader's copy is local
-            tl.debug_barrier()  # every thread's writes into the peer's mailbox happen before the flag's release
-            tl.atomic_xchg(peer_flags + RANK * GMAX + g, ep, sem="release", scope="sys")
-    if PHASES >= 2:  # receive
+        if PHASES % 2 == 1:
+            _send(x, ok, box, mail0_addr, mail1_addr, flags0_addr, flags1_addr, g, ep, RANK, GMAX)
+    if PHASES >= 2:
         s = x
         if EXCHANGE:
-            _wait_for_peer(own_flags + (1 - RANK) * GMAX + g, ep, abort_ptr, timeout_ns, HW_WAIT, HAS_TIMER)
-            tl.debug_barrier()  # the acquire (one thread) happens before every thread's mailbox reads
-            y = tl.load(own_mail + box, mask=ok, other=0.0, cache_modifier=".cv")  # never a stale line
+            y = _receive(ok, box, mail0_addr, mail1_addr, flags0_addr, flags1_addr, g, ep, abort_ptr, timeout_ns,
+                         RANK, GMAX, HW_WAIT, HAS_TIMER)
             s = x + y  # one IEEE addition: the same bits on both ranks (commutative)
             tl.store(epochs_ptr + g, ep)
         if HAS_BIAS:

@@ -21,7 +21,7 @@ import triton.language as tl
 from detinfer.kernels._direct import LaunchCache
 from detinfer.kernels._launch import interpreting
 from detinfer.kernels._pdl import launch_options, pdl_start, use_pdl
-from detinfer.kernels.peer_sum import _HAS_TIMER, BOTH, _local_tree, _wait_for_peer
+from detinfer.kernels.peer_sum import _HAS_TIMER, BOTH, _local_tree, _receive, _send
 from detinfer.kernels.rmsnorm import _layout_for, rms_norm_tile
 
 # The rows channel: mailboxes of BOX fp32 (a tile of ROWS x BLOCK_D, BLOCK_D = D rounded up to a power of two:
@@ -56,22 +56,11 @@ def _peer_sum_rms_norm_kernel(parts_ptr, bias_ptr, x_ptr, res_ptr, w_ptr, y_ptr,
     s = _local_tree(parts_ptr, offs, mask, part_stride, NUM_PARTS)
     ep = tl.load(epochs_ptr + g) + 1
     box = ((ep % 2) * GMAX + g) * BOXN + tl.arange(0, ROWS)[:, None] * BLOCK_D + cols[None, :]
-    mail0 = mail0_addr.to(tl.pointer_type(tl.float32), bitcast=True)
-    mail1 = mail1_addr.to(tl.pointer_type(tl.float32), bitcast=True)
-    flags0 = flags0_addr.to(tl.pointer_type(tl.int64), bitcast=True)
-    flags1 = flags1_addr.to(tl.pointer_type(tl.int64), bitcast=True)
-    if RANK == 0:
-        own_mail, peer_mail, own_flags, peer_flags = mail0, mail1, flags0, flags1
-    else:
-        own_mail, peer_mail, own_flags, peer_flags = mail1, mail0, flags1, flags0
-    if PHASES % 2 == 1:  # send
-        tl.store(peer_mail + box, s, mask=mask)  # pushed: the reader's copy is local
-        tl.debug_barrier()  # every thread's writes into the peer's mailbox happen before the flag's release
-        tl.atomic_xchg(peer_flags + RANK * GMAX + g, ep, sem="release", scope="sys")
+    if PHASES % 2 == 1:
+        _send(s, mask, box, mail0_addr, mail1_addr, flags0_addr, flags1_addr, g, ep, RANK, GMAX)
     if PHASES >= 2:  # receive, then the norm
-        _wait_for_peer(own_flags + (1 - RANK) * GMAX + g, ep, abort_ptr, timeout_ns, HW_WAIT, HAS_TIMER)
-        tl.debug_barrier()  # the acquire (one thread) happens before every thread's mailbox reads
-        s = s + tl.load(own_mail + box, mask=mask, other=0.0, cache_modifier=".cv")
+        s = s + _receive(mask, box, mail0_addr, mail1_addr, flags0_addr, flags1_addr, g, ep, abort_ptr, timeout_ns,
+                         RANK, GMAX, HW_WAIT, HAS_TIMER)
         if HAS_BIAS:
             s = s + tl.load(bias_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
         tl.store(x_ptr + offs, s.to(x_ptr.dtype.element_ty), mask=mask)
