@@ -214,6 +214,9 @@ class ExpertParallelMoE(nn.Module):
                                        self.num_experts)  # [T, k, H]: this rank's slots, zeros elsewhere
         if not ops.deterministic:
             return self.group.fast_sum(ops.moe_combine(weights, y, x.dtype))
+        peer = self.group.peer
+        if peer is not None and peer.fits_combine(y):  # two GPUs: each slot read from its owner, one kernel
+            return peer.combine(weights, ids, y, self.experts_per_rank, x.dtype)
         y = pick_slot_owners(self.group.all_gather(y), ids, self.experts_per_rank)
         return ops.moe_combine(weights, y, x.dtype)
 

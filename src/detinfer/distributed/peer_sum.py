@@ -20,6 +20,7 @@ import weakref
 
 import torch
 
+from detinfer.kernels import peer_combine as combine_kernel
 from detinfer.kernels import peer_sum as kernel
 from detinfer.kernels import peer_sum_norm as norm_kernel
 
@@ -192,6 +193,21 @@ class PeerSum:
         norm_kernel.launch_peer_sum_rms_norm(parts, bias, residual, weight, eps, x, y, h, self.rank, addresses,
                                              epochs, self.abort_flag, self.timeout_ns)
         return y if residual is None else (y, h)
+
+    @staticmethod
+    def fits_combine(y: torch.Tensor) -> bool:
+        return combine_kernel.fits(y)
+
+    def combine(self, weights: torch.Tensor, ids: torch.Tensor, y: torch.Tensor, experts_per_rank: int,
+                dtype: torch.dtype) -> torch.Tensor:
+        """Expert parallelism: the MoE combine of each slot's owner's output (`kernels.peer_combine`): the
+        bits of all-gathering y [T, k, H] and combining the owners' slots. `fits_combine(y)`."""
+        out = torch.empty((y.shape[0], y.shape[2]), dtype=dtype, device=y.device)
+        addresses, epochs = self.channels["rows"]
+        combine_kernel.launch_peer_combine(weights.contiguous(), ids.contiguous(), y.contiguous(), out,
+                                           experts_per_rank, self.rank, addresses, epochs, self.abort_flag,
+                                           self.timeout_ns)
+        return out
 
     def abort(self) -> None:
         """Make a kernel waiting for a dead peer trap now (a copy engine writes the flag: it needs no free SM)."""

@@ -134,13 +134,21 @@ def _send(x, mask, box, mail0_addr, mail1_addr, flags0_addr, flags1_addr, g, ep,
 
 
 @triton.jit
-def _receive(mask, box, mail0_addr, mail1_addr, flags0_addr, flags1_addr, g, ep, abort_ptr, timeout_ns,
-             RANK: tl.constexpr, GMAX: tl.constexpr, HW_WAIT: tl.constexpr, HAS_TIMER: tl.constexpr):
-    """Wait for the peer's flag for program g, then read what it pushed into this rank's mailbox."""
+def _await_mailbox(mail0_addr, mail1_addr, flags0_addr, flags1_addr, g, ep, abort_ptr, timeout_ns,
+                   RANK: tl.constexpr, GMAX: tl.constexpr, HW_WAIT: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """Wait for the peer's flag for program g; then this rank's mailboxes (which the peer filled), a pointer."""
     own_flags = _rank_ptr(flags0_addr, flags1_addr, RANK, tl.int64)
     _wait_for_peer(own_flags + (1 - RANK) * GMAX + g, ep, abort_ptr, timeout_ns, HW_WAIT, HAS_TIMER)
     tl.debug_barrier()  # the acquire (one thread) happens before every thread's mailbox reads
-    own_mail = _rank_ptr(mail0_addr, mail1_addr, RANK, tl.float32)
+    return _rank_ptr(mail0_addr, mail1_addr, RANK, tl.float32)
+
+
+@triton.jit
+def _receive(mask, box, mail0_addr, mail1_addr, flags0_addr, flags1_addr, g, ep, abort_ptr, timeout_ns,
+             RANK: tl.constexpr, GMAX: tl.constexpr, HW_WAIT: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """Wait for the peer's flag for program g, then read what it pushed into this rank's mailbox."""
+    own_mail = _await_mailbox(mail0_addr, mail1_addr, flags0_addr, flags1_addr, g, ep, abort_ptr, timeout_ns,
+                              RANK, GMAX, HW_WAIT, HAS_TIMER)
     return tl.load(own_mail + box, mask=mask, other=0.0, cache_modifier=".cv")  # never a stale cached line
 
 
