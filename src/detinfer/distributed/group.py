@@ -15,11 +15,11 @@ Collectives and their determinism:
   gets them from the all-reduce (see `exact_sum` for why that is exact there).
 - `broadcast(t)`: rank 0's `t` on every rank (a data move: exact).
 - `scatter(out, parts)`: rank r gets rank 0's `parts[r]` (a data move: exact; weight loads).
-
 - `exact_sum_rounded(parts, bias, dtype)`: this rank's chunk tree, `exact_sum`, then the row-parallel
   epilogue (+ bias, round to the model dtype). With two GPUs that can read each other's memory it is one
-  kernel of our own (`distributed.peer_sum`), else the tree, `exact_sum` and elementwise ops; the same bits
-  either way (the sum is one IEEE addition). `fast_sum(t)`: fast mode's, through the same kernel.
+  kernel of our own (`distributed.peer_sum`: 5.5 us against 9.7 us for the library all-reduce plus a cast at
+  16 KB in a CUDA graph on 2 x H100), else the tree, `exact_sum` and elementwise ops; the same bits either
+  way (the sum is one IEEE addition). `fast_sum(t)`: fast mode's, through the same kernel.
 
 On GPUs the per-step collectives (all_gather, all_reduce_sum, exact_sum, broadcast) go through a direct NCCL
 communicator (`nccl_comm.NcclComm`) that enqueues on the current CUDA stream: one kernel launch, captured in
