@@ -186,3 +186,23 @@ def test_gpu_moe_captures_in_a_cuda_graph(fn):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_router_logits_are_row_invariant_and_fp32_accurate(dtype):
+    """The 16-bit router GEMM with an fp32 output (kernels.moe.router_logits): a row's logits do not depend on
+    the other rows (any slice == the same rows alone, bitwise), and they are the fp32-accumulated sum of exact
+    products (against float64: within K fp32 roundings of the sum of |products|)."""
+    from detinfer.kernels.moe import router_logits
+
+    E, H = 128, 2048
+    router = (torch.randn(E, H, device="cuda") / H ** 0.5).to(dtype)
+    x = torch.randn(333, H, device="cuda").to(dtype)
+    full = router_logits(x, router)
+    assert full.dtype == torch.float32 and full.shape == (333, E)
+    for m, n in [(0, 1), (7, 8), (5, 69), (300, 333)]:
+        assert torch.equal(full[m:n], router_logits(x[m:n], router)), (m, n)
+    ref = x.double() @ router.double().T
+    bound = H * 2.0 ** -24 * (x.double().abs() @ router.double().abs().T)
+    assert bool(((full.double() - ref).abs() <= bound).all())

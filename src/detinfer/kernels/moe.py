@@ -6,8 +6,9 @@ Contract (asserted bitwise in tests/kernels/test_moe.py): for fixed weights, out
 not on how many tokens there are, where t sits, or which experts the other tokens chose. That takes four
 things a stock MoE does not do:
 
-- Routing in fp32 with a stable tie-break. Router logits are an fp32 matmul (the invariant `linear`), the
-  softmax is the invariant one, and top-k is a stable descending sort: equal scores go to the lower expert
+- Routing in fp32 with a stable tie-break. Router logits are fp32 outputs of the invariant matmul
+  (`router_logits`: exact 16-bit products, fp32 sums in the kernel's fixed K order), the softmax is the
+  invariant one, and top-k is a stable descending sort: equal scores go to the lower expert
   id. (`torch.topk` leaves the order of ties unspecified, and its algorithm changes with the tensor size;
   bf16 logits one ULP apart would flip routing, fp32 logits of a fixed reduction order cannot.)
   Renormalisation (`renormalize`, HF's `norm_topk_prob`) adds the k chosen probabilities in rank order.
@@ -47,7 +48,7 @@ from detinfer.kernels.moe_combine import combine_slots, combine_slots_ref
 
 __all__ = ["ExpertConfig", "combine_slots", "combine_slots_fast", "combine_slots_ref", "expert_config",
            "expert_outputs", "expert_outputs_ref", "fast_config_for", "fused_moe", "fused_moe_ref", "moe_experts",
-           "moe_experts_ref", "moe_fast", "moe_stock", "route", "route_ref", "route_stock"]
+           "moe_experts_ref", "moe_fast", "moe_stock", "route", "route_ref", "route_stock", "router_logits"]
 
 
 # --------------------------------------------------------------------------------------------- routing
@@ -93,13 +94,35 @@ def route_ref(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormal
     return _topk_stable(softmax_ref(logits, dim=-1), top_k, renormalize)
 
 
+def router_logits(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
+    """fp32 router logits [T, E] = x @ router_weight^T on the invariant Triton matmul (one place: `route` and the
+    backward's recompute both call it). fp32 output always: one bf16 ULP would flip routing.
+
+    16-bit x and weight on a GPU go straight into the 16-bit tensor-core kernel with an fp32 output tile: the
+    product of two 16-bit numbers is exact in fp32 and the kernel adds them in its fixed K order, so nothing
+    is lost against fp32 copies, and neither the two cast launches nor the fp32 FMA kernel (a 30B-A3B decode
+    step spent ~48 us per layer there on an H100: ~2 ms of ~10) are needed. Its bits are those of that
+    kernel's order, not of the fp32 FMA chain: a different (equally batch-invariant) routing than before.
+    Elsewhere (fp32 models, Triton's CPU interpreter, whose 16-bit dot is not IEEE) fp32 copies through the
+    fp32 kernel, as `route_ref` does on the host."""
+    from detinfer.kernels import matmul
+
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and router_weight.dtype == x.dtype:
+        x2, w = x.reshape(-1, x.shape[-1]), router_weight
+        t, (e, h) = x2.shape[0], w.shape
+        out = torch.empty((t, e), dtype=torch.float32, device=x.device)
+        # A [1, T, H] row-major, B [1, H, E] = W^T through W's strides, C [1, T, E] fp32.
+        matmul._run(x2, (0, x2.stride(0), x2.stride(1)), w, (0, w.stride(1), w.stride(0)), out,
+                    (0, e, 1), None, 1, t, e, h, None)
+        return out
+    return matmul.linear(x.float(), router_weight.float())
+
+
 def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool):
-    """`route_ref` with the invariant Triton matmul and softmax (fp32 in, fp32 out)."""
-    from detinfer.kernels.matmul import linear
+    """`route_ref` with the invariant Triton matmul (`router_logits`) and softmax (fp32 out)."""
     from detinfer.kernels.softmax import softmax
 
-    logits = linear(x.float(), router_weight.float())  # fp32 logits: one bf16 ULP would flip routing
-    return _topk_stable(softmax(logits, dim=-1), top_k, renormalize)
+    return _topk_stable(softmax(router_logits(x, router_weight), dim=-1), top_k, renormalize)
 
 
 def route_stock(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool):

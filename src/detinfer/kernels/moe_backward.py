@@ -35,10 +35,11 @@ def _router_probs(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
     from detinfer.kernels import matmul, softmax
 
     acc = _acc_dtype(x.dtype)
-    xa, ra = x.to(acc), router_weight.to(acc)
-    if use_triton(xa, ra):
-        return softmax.softmax(matmul.linear(xa, ra), dim=-1)
-    return softmax.softmax_ref(matmul.linear_ref(xa, ra), dim=-1)
+    if use_triton(x, router_weight):
+        from detinfer.kernels.moe import router_logits
+
+        return softmax.softmax(router_logits(x, router_weight), dim=-1)
+    return softmax.softmax_ref(matmul.linear_ref(x.to(acc), router_weight.to(acc)), dim=-1)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
