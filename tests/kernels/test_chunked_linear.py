@@ -197,3 +197,18 @@ def test_ops_tree_sum_rounded_is_the_unfused_epilogue(cpu_triton):
         assert torch.equal(det.tree_sum_rounded(parts, b, torch.float16).view(torch.int16), want.view(torch.int16))
     fast = Ops("fast", "cpu", torch.float32).linear_parts(x, w, 4)
     torch.testing.assert_close(cl.pairwise_tree_sum(fast), x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_decode_rows_walk_their_chunks_in_one_program_with_the_same_bits(dtype):
+    """Up to 16 rows, one program walks all C chunks of its tile (matmul._run's z_per_program); more rows take
+    one program per (tile, chunk). A row's partials are the same bits either way, at Qwen3-8B's TP=2 o_proj
+    and down_proj shapes (K per rank 2048 / 6144, 4 chunks per rank)."""
+    torch.manual_seed(3)
+    for n, k in ((4096, 2048), (4096, 6144)):
+        x = torch.randn(100, k, device="cuda").to(dtype)
+        w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(dtype)
+        many = cl.linear_parts(x, w, 4)
+        for m, r in ((1, 0), (1, 99), (5, 40), (16, 84)):
+            assert torch.equal(cl.linear_parts(x[r:r + m], w, 4), many[:, r:r + m]), (n, k, m, r)

@@ -148,8 +148,11 @@ def _run_chunks(x2: torch.Tensor, weight: torch.Tensor, num_chunks: int, r0: int
     kc = k // num_chunks
     sxm, sxk = x2.stride()
     swn, swk = weight.stride()
+    # Decode-sized rows: one program walks all C chunks of its tile (one weight stream, as the unchunked
+    # layer's; C short launches' worth of programs would each restart the pipeline). Same bits either way.
+    per_program = num_chunks if m <= _mm.PREFETCH_MAX_M else 1
     _mm._run(x2[r0:r0 + m], (kc * sxk, sxm, sxk), weight, (kc * swk, swk, swn), parts, parts.stride(),
-             None, num_chunks, m, n, kc, None)
+             None, num_chunks, m, n, kc, None, per_program)
 
 
 def linear_parts(x: torch.Tensor, weight: torch.Tensor, num_chunks: int) -> torch.Tensor:

@@ -115,32 +115,56 @@ def _matmul_kernel(
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE_K: tl.constexpr,
+    Z_PER_PROGRAM: tl.constexpr,
 ):
-    """C[z] = A[z] @ B[z] (+ bias) for one BLOCK_M x BLOCK_N tile of batch entry z = program_id(1)."""
-    z = tl.program_id(1).to(tl.int64)
+    """C[z] = A[z] @ B[z] (+ bias) for one BLOCK_M x BLOCK_N tile of the batch entries z = program_id(1) *
+    Z_PER_PROGRAM + 0 .. Z_PER_PROGRAM - 1, one after the other (each from a zero accumulator, so an entry's
+    bits do not depend on Z_PER_PROGRAM)."""
     pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    z0 = tl.program_id(1).to(tl.int64) * Z_PER_PROGRAM
     if PREFETCH_K > 0:
-        prefetch_rows_l2(b_ptr, offs_n, offs_n < N, stride_bn, PREFETCH_K, LINE_K)
+        prefetch_rows_l2(b_ptr + z0 * stride_bz, offs_n, offs_n < N, stride_bn, PREFETCH_K, LINE_K)
     pdl_start(USE_PDL)  # PDL (kernels/_pdl.py): wait for the previous kernel before reading anything
     offs_k = tl.arange(0, BLOCK_K)
     # Rows/columns past the edge load zeros (masks constant along K keep the K loads vectorized); a row's
     # products never mix with another row's, so padding rows cannot touch real ones.
     m_ok = offs_m < M
     n_ok = offs_n < N
-    a_ptrs = a_ptr + z * stride_az + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + z * stride_bz + offs_k[:, None] * stride_bk + offs_n.to(tl.int64)[None, :] * stride_bn
-
+    a_rows = offs_m.to(tl.int64)[:, None] * stride_am
+    b_cols = offs_n.to(tl.int64)[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        a = _load_a_block(a_ptrs, m_ok, offs_k, K - kb * BLOCK_K, EVEN_K)
-        b = _load_b_block(b_ptrs, n_ok, offs_k, K - kb * BLOCK_K, EVEN_K)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
-    _store_tile(acc, c_ptr + z * stride_cz, bias_ptr, pid_m, pid_n, M, N, stride_cm, stride_cn,
-                HAS_BIAS, BLOCK_M, BLOCK_N)
+    if Z_PER_PROGRAM == 1:
+        a_ptrs = a_ptr + z0 * stride_az + a_rows + offs_k[None, :] * stride_ak
+        b_ptrs = b_ptr + z0 * stride_bz + offs_k[:, None] * stride_bk + b_cols
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+            a = _load_a_block(a_ptrs, m_ok, offs_k, K - kb * BLOCK_K, EVEN_K)
+            b = _load_b_block(b_ptrs, n_ok, offs_k, K - kb * BLOCK_K, EVEN_K)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        _store_tile(acc, c_ptr + z0 * stride_cz, bias_ptr, pid_m, pid_n, M, N, stride_cm, stride_cn,
+                    HAS_BIAS, BLOCK_M, BLOCK_N)
+    else:
+        # The entries' K blocks as one flat loop, so the software pipeline runs on across entries (short
+        # chunks would otherwise restart it every few blocks); each entry still starts from a zero
+        # accumulator and walks its K upward: the same dots as the loop above.
+        k_blocks = tl.cdiv(K, BLOCK_K)
+        for it in range(0, Z_PER_PROGRAM * k_blocks):
+            dz = it // k_blocks
+            kb = it - dz * k_blocks
+            z = z0 + dz
+            k0 = kb * BLOCK_K
+            a = _load_a_block(a_ptr + z * stride_az + a_rows + (k0 + offs_k)[None, :] * stride_ak, m_ok, offs_k,
+                              K - k0, EVEN_K)
+            b = _load_b_block(b_ptr + z * stride_bz + (k0 + offs_k)[:, None] * stride_bk + b_cols, n_ok, offs_k,
+                              K - k0, EVEN_K)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if kb == k_blocks - 1:
+                _store_tile(acc, c_ptr + z * stride_cz, bias_ptr, pid_m, pid_n, M, N, stride_cm, stride_cn,
+                            HAS_BIAS, BLOCK_M, BLOCK_N)
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
 
 @triton.jit(do_not_specialize=["M", "num_programs"])
@@ -280,11 +304,14 @@ def _prefetch(pdl: bool, m: int, k: int, sbk: int, elem: int) -> dict:
     return dict(PREFETCH_K=PREFETCH_COLS, LINE_K=line)
 
 
-def _run(a, sa, b, sb, c, sc, bias, nb: int, m: int, n: int, k: int, cfg: MatmulConfig | None) -> None:
+def _run(a, sa, b, sb, c, sc, bias, nb: int, m: int, n: int, k: int, cfg: MatmulConfig | None,
+         z_per_program: int = 1) -> None:
     """c[z] = a[z] @ b[z] (+ bias) for z < nb. a, b, c are base tensors (data_ptr = element [0, 0, 0]) of
     A [nb, M, K], B [nb, K, N], C [nb, M, N], described by element strides sa / sb / sc = (z, row, col):
     the caller passes strides instead of building views. `cfg` overrides the dispatcher (tests use it to
-    prove every config gives the same bits)."""
+    prove every config gives the same bits). `z_per_program` (a divisor of nb): batch entries one program
+    walks in turn (pointer kernel; same bits, see the kernel): nb short-K entries as one long weight stream
+    per tile instead of nb times as many programs each paying a pipeline start."""
     if nb == 0 or m == 0 or n == 0:
         return
     if nb > 65535:
@@ -296,7 +323,7 @@ def _run(a, sa, b, sb, c, sc, bias, nb: int, m: int, n: int, k: int, cfg: Matmul
     if not explicit:
         # Everything below is a function of this key (plus the device and the operands' alignment, which
         # the launch cache adds): a repeated shape skips the config lookup and Triton's argument binding.
-        key = (nb, m, n, k, a.dtype, c.dtype, has_bias, sa, sb, sc, pdl)  # c.dtype: fp32 partials of bf16
+        key = (nb, m, n, k, a.dtype, c.dtype, has_bias, sa, sb, sc, pdl, z_per_program)  # c.dtype: fp32 of bf16
         if _POINTER_LAUNCHES.try_launch(key, tensors):
             return
         cfg = fit_to_output(_config(m, n, k, a.dtype, a.device), c.element_size(), a.element_size())
@@ -304,6 +331,8 @@ def _run(a, sa, b, sb, c, sc, bias, nb: int, m: int, n: int, k: int, cfg: Matmul
     tiles = _cdiv(m, bm) * _cdiv(n, bn)
     # W [N, K] is B [K, N] read through its strides: its row stride is B's column stride. A B with unit
     # stride along N instead (a row-major [K, N] matrix) gets a descriptor of that layout (B_KN).
+    if nb % z_per_program:
+        raise ValueError(f"z_per_program {z_per_program} must divide the batch size {nb}")
     tma = cfg.tma and nb == 1 and TensorDescriptor is not None
     b_nk = tma and _tma_ok(a, sa[1], sa[2], b, sb[2], sb[1], k)
     b_kn = tma and not b_nk and _tma_ok(a, sa[1], sa[2], b, sb[1], sb[2], k)
@@ -328,14 +357,15 @@ def _run(a, sa, b, sb, c, sc, bias, nb: int, m: int, n: int, k: int, cfg: Matmul
     constexprs = dict(
         HAS_BIAS=has_bias, EVEN_K=k % bk == 0,
         PRECISION=dot_precision(a.dtype),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, USE_PDL=pdl,
-        **_prefetch(pdl and nb == 1, m, k, sb[1], b.element_size()))
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, USE_PDL=pdl, Z_PER_PROGRAM=z_per_program,
+        **_prefetch(pdl and nb == z_per_program, m, k, sb[1], b.element_size()))
     scalars = (m, n, k, *sa, *sb, *sc)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl))
+    grid = (tiles, nb // z_per_program)
     if explicit:
-        _matmul_kernel[(tiles, nb)](*tensors, *scalars, **constexprs, **options)
+        _matmul_kernel[grid](*tensors, *scalars, **constexprs, **options)
     else:
-        _POINTER_LAUNCHES.launch(key, tensors, (tiles, nb), scalars, constexprs, **options)
+        _POINTER_LAUNCHES.launch(key, tensors, grid, scalars, constexprs, **options)
 
 
 def _launch(a3: torch.Tensor, b3: torch.Tensor, bias: torch.Tensor | None, out3: torch.Tensor,
