@@ -43,8 +43,8 @@ def probs_cases(draw):
     E = draw(st.sampled_from([8, 60, 128, 256]))
     k = draw(st.integers(1, 8))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
-    if draw(st.booleans()):  # a few levels (exact ties everywhere), zeros among them
-        levels = torch.tensor([0.0, 1e-30, 0.0625, 0.1, 0.125, 0.3])[:draw(st.integers(2, 6))]
+    if draw(st.booleans()):  # a few levels (exact ties everywhere), zeros and subnormals among them
+        levels = torch.tensor([0.0, 1e-40, 3e-39, 0.0625, 0.1, 0.125, 0.3])[:draw(st.integers(2, 7))]
         probs = levels[torch.randint(0, len(levels), (T, E), generator=g)]
     else:  # a real softmax, some rows with tied or saturated logits
         logits = torch.randn(T, E, generator=g) * draw(st.sampled_from([0.1, 3.0, 60.0]))
@@ -73,7 +73,8 @@ def test_topk_ties_nan_negative_zero_and_widest_rows(renorm):
     probs = torch.tensor([[0.25, 0.5, 0.25, 0.5, 0.0, 0.0, 0.0, 0.0],
                           [0.1, float("nan"), 0.2, float("nan"), 0.3, 0.0, 0.1, 0.2],
                           [-0.0, 0.0, -0.0, 0.0, 0.5, 0.5, float("inf"), 0.0],
-                          [0.0] * 8])
+                          [0.0] * 8,
+                          [1e-45, 2e-45, 1e-40, 1e-45, 0.0, 3e-39, 0.0, 2e-45]])  # subnormals: no flush to 0
     for k in (1, 3, 8):
         assert_topk_equal(topk_stable(probs.to(DEVICE), k, renorm), topk_stable_ref(probs, k, renorm))
     assert topk_stable(probs[:1].to(DEVICE), 4, False)[1].tolist() == [[1, 3, 0, 2]]
