@@ -11,11 +11,11 @@ from detinfer.kernels.moe import (
     expert_config,
     fused_moe,
     fused_moe_ref,
-    local_expert_ids,
     moe_fast,
     moe_stock,
     route_ref,
 )
+from detinfer.kernels.moe_routing import local_expert_ids
 
 # The kernel tests' device: CUDA when present, else the CPU under Triton's interpreter (tests/conftest.py).
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -109,11 +109,11 @@ def expert_outputs_fp8_grouped(x: torch.Tensor, ids: torch.Tensor, w_gate_up: to
     sync (CUDA-graph capturable). Batch-invariant: the configs come from (N, K) only."""
     from detinfer.kernels.fp8_linear import quantize_activations_gpu as quantize_activations  # one launch
     from detinfer.kernels.fp8_quant import num_blocks
-    from detinfer.kernels.moe import _group_by_expert, local_expert_ids
+    from detinfer.kernels.moe_routing import group_by_expert
 
     T, k = ids.shape
     E, two_i, H = w_gate_up.shape
-    ids, foreign = local_expert_ids(ids, first_expert, E)
+    foreign = first_expert is not None  # slots of other ranks' experts are never computed: zero them
     inter = two_i // 2
     triton, kernel = _grouped_kernel()
     w_gate_up, s_gate_up = w_gate_up.contiguous(), s_gate_up.contiguous()
@@ -126,7 +126,7 @@ def expert_outputs_fp8_grouped(x: torch.Tensor, ids: torch.Tensor, w_gate_up: to
         if not gather:
             a_q, a_s = quantize_activations(act)
         cfg = expert_config_fp8(n, kdim)
-        pair_ids, tile_expert, tiles = _group_by_expert(ids, E, cfg["BLOCK_M"], foreign)
+        pair_ids, tile_expert, tiles = group_by_expert(ids, E, cfg["BLOCK_M"], first_expert)
         kernel[(tiles, triton.cdiv(n, cfg["BLOCK_N"]))](
             a_q, a_s, w, s, out, pair_ids, tile_expert, n, kdim, num_blocks(kdim), k, a_q.stride(0), a_s.stride(0),
             w.stride(0), w.stride(1), s.stride(0), s.stride(1), out.stride(0), GATHER_TOKENS=gather, SWIGLU=gather,

@@ -23,8 +23,9 @@ things a stock MoE does not do:
   output, rounded to x's dtype as the fused layer rounds it, computed by whichever rank holds the expert),
   then `combine_slots` on the gathered slots: the same numbers in the same order as the fused layer
   (kernels/moe_combine.py: one Triton launch with `combine_slots_ref`'s bits).
-- No host syncs on the kernel path (grouping is sort / scatter / cumsum / searchsorted on the device), so
-  a decode step that runs it can be captured in a CUDA graph.
+- No host syncs on the kernel path (the top-k and the grouping by expert are one Triton launch each,
+  kernels/moe_routing.py, with the torch references' bits), so a decode step that runs it can be captured in
+  a CUDA graph.
 
 `fused_moe` is the Triton path (CUDA, or fp32/fp16 CPU tensors under TRITON_INTERPRET=1). `fused_moe_ref`
 is the CPU path: the same routing and combine, each expert's rows through the invariant `linear_ref` (a
@@ -45,6 +46,7 @@ from detinfer.kernels._launch import KERNEL_DTYPES, check_kernel_inputs, dot_pre
 from detinfer.kernels.activations import silu_cpu
 from detinfer.kernels.matmul_ref import _acc_dtype
 from detinfer.kernels.moe_combine import combine_slots, combine_slots_ref
+from detinfer.kernels.moe_routing import TOPK_MAX_EXPERTS, group_by_expert, topk_stable, topk_stable_ref
 
 __all__ = ["ExpertConfig", "combine_slots", "combine_slots_fast", "combine_slots_ref", "expert_config",
            "expert_outputs", "expert_outputs_ref", "fast_config_for", "fused_moe", "fused_moe_ref", "moe_experts",
@@ -71,19 +73,6 @@ def _check_moe_inputs(op: str, x, router_weight, w_gate_up, w_down, top_k: int) 
                         f"{x.dtype}, {w_gate_up.dtype}, {w_down.dtype}")
 
 
-def _topk_stable(probs: torch.Tensor, top_k: int, renormalize: bool):
-    """Top-k of each row of probs [T, E]: higher score first, ties to the lower expert id (a stable sort of
-    the scores keeps equal ones in id order). Renormalised weights sum the k values in rank order."""
-    values, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
-    values, ids = values[:, :top_k], ids[:, :top_k]
-    if renormalize:
-        total = values[:, 0]
-        for r in range(1, top_k):
-            total = total + values[:, r]
-        values = values / total[:, None]
-    return values, ids
-
-
 def route_ref(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool):
     """(weights [T, k] fp32, expert ids [T, k] int64) by the fixed-order references (CPU path)."""
     from detinfer.kernels.matmul import linear_ref
@@ -91,7 +80,7 @@ def route_ref(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormal
 
     acc = _acc_dtype(x.dtype)
     logits = linear_ref(x.to(acc), router_weight.to(acc))
-    return _topk_stable(softmax_ref(logits, dim=-1), top_k, renormalize)
+    return topk_stable_ref(softmax_ref(logits, dim=-1), top_k, renormalize)
 
 
 def router_logits(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
@@ -119,10 +108,12 @@ def router_logits(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool):
-    """`route_ref` with the invariant Triton matmul (`router_logits`) and softmax (fp32 out)."""
+    """`route_ref` with the invariant Triton matmul (`router_logits`), softmax (fp32 out) and the top-k in one
+    launch (`topk_stable`: the reference's bits; rows wider than it takes go through the reference)."""
     from detinfer.kernels.softmax import softmax
 
-    return _topk_stable(softmax(router_logits(x, router_weight), dim=-1), top_k, renormalize)
+    top = topk_stable if router_weight.shape[0] <= TOPK_MAX_EXPERTS else topk_stable_ref
+    return top(softmax(router_logits(x, router_weight), dim=-1), top_k, renormalize)
 
 
 def route_stock(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool):
@@ -297,44 +288,6 @@ def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, pair_ptr, tile_expert_ptr, N, K, 
              mask=valid[:, None] & (offs_n[None, :] < N))
 
 
-def local_expert_ids(ids: torch.Tensor, first_expert: int | None, num_local: int) -> tuple[torch.Tensor, bool]:
-    """Expert parallelism: (ids as indices into this rank's experts [first_expert, first_expert + num_local),
-    every slot routed to another rank's expert mapped to `num_local`; whether such foreign slots may occur,
-    i.e. `first_expert` was given). `_group_by_expert(..., foreign)` puts the `num_local` slots in a last group
-    that is never computed, so their outputs must start at zero. Without `first_expert` the ids are returned
-    as they are. Pure index arithmetic on the device (no host sync)."""
-    if first_expert is None:
-        return ids, False
-    local = ids - first_expert
-    return torch.where((local >= 0) & (local < num_local), local, num_local), True
-
-
-def _group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, foreign: bool = False):
-    """(pair ids [tiles * block_m] int32, -1 = padding; expert of each tile [tiles] int32, -1 = spare) for
-    ids [T, k]: pairs (t * k + r) grouped by expert in ascending pair order, each expert's group padded to
-    whole tiles. All on the device (no host sync); the grid size depends on T * k only. `foreign`: ids may
-    also be `num_experts`, a slot whose expert lives on another rank; those pairs form a last group whose
-    tiles are spare (never computed)."""
-    dev = ids.device
-    flat = ids.reshape(-1)
-    P = flat.numel()
-    buckets = num_experts + int(foreign)
-    order = torch.sort(flat, stable=True).indices
-    counts = torch.zeros(buckets, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    group_start = torch.cumsum(counts, 0) - counts
-    sorted_e = flat[order]
-    dest = (padded_end - padded)[sorted_e] + torch.arange(P, device=dev) - group_start[sorted_e]
-    max_tiles = -(-P // block_m) + min(buckets, P)  # each group adds at most one partial tile
-    pair_ids = torch.full((max_tiles * block_m,), -1, dtype=torch.int32, device=dev)
-    pair_ids[dest] = order.to(torch.int32)
-    tile_start = torch.arange(max_tiles, device=dev, dtype=torch.int64) * block_m
-    tile_expert = torch.searchsorted(padded_end, tile_start, right=True)
-    tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1).to(torch.int32)
-    return pair_ids, tile_expert, max_tiles
-
-
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
                 w_down: torch.Tensor) -> torch.Tensor:
     """The experts and combine for given routing on the Triton grouped GEMMs (see the module doc)."""
@@ -350,7 +303,7 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor, 
     layer's: its tile walks the same K with the same config, only the weights' base pointer moves."""
     T, k = ids.shape
     E, two_i, H = w_gate_up.shape
-    ids, foreign = local_expert_ids(ids, first_expert, E)
+    foreign = first_expert is not None  # slots of other ranks' experts are never computed: zero them
     inter = two_i // 2
     x = x.contiguous()
     w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
@@ -363,7 +316,7 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor, 
     for cfg, a, w, out, n, kdim, gather in ((cfg_up, x, w_gate_up, act, inter, H, True),
                                             (cfg_down, act, w_down, y, H, inter, False)):
         if cfg.block_m not in groups:
-            groups[cfg.block_m] = _group_by_expert(ids, E, cfg.block_m, foreign)
+            groups[cfg.block_m] = group_by_expert(ids, E, cfg.block_m, first_expert)
         pair_ids, tile_expert, tiles = groups[cfg.block_m]
         grid = (tiles, triton.cdiv(n, cfg.block_n))
         _expert_gemm_kernel[grid](a, w, out, pair_ids, tile_expert, n, kdim, k, a.stride(0), w.stride(0),
