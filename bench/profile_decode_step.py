@@ -1,18 +1,25 @@
-"""Per-kernel device time of one eager decode step (torch profiler) on a random Qwen3-8B-shaped model.
+"""Per-kernel device time of a decode step (torch profiler) on a random Qwen3-8B-shaped model or a preset.
 
 Where the time of a decode step goes besides the matmuls (norms, rotary, activations, copies, attention),
-per batch size: the batch decodes a few steps eagerly, then one step is profiled and the CUDA kernels are
-listed by total device time (all layers summed), with the launch count.
+per batch size: the batch decodes a few steps, then `--steps` steps are profiled and the CUDA kernels are
+listed by device time per step (all layers summed), with launches per step. Eager by default; `--graphs`
+profiles the CUDA-graphed step the engine really runs, and `--sequence N` prints N consecutive kernels from
+a tenth into the trace (one layer's order and each launch's grid). Under PDL (kernels/_pdl.py) a kernel
+launches early and waits for its predecessor, so with graphs its duration includes that wait: read the
+counts and the order there, or set DETINFER_PDL=0 for durations that do not overlap.
 
     python bench/profile_decode_step.py --layers 36 --batches 1,64 --mode deterministic
     python bench/profile_decode_step.py --preset qwen3-30b-a3b --batches 1,64 --mode fast   # a full-size preset
+    python bench/profile_decode_step.py --preset qwen3-30b-a3b --batches 1 --graphs --steps 5 --sequence 60
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -26,23 +33,33 @@ from detinfer.models.weight_sources import RandomWeights  # noqa: E402
 from detinfer.repro.random_model import preset_config  # noqa: E402
 
 
-def profile_batch(engine: LLMEngine, batch: int, vocab: int, top: int) -> None:
+def profile_batch(engine: LLMEngine, batch: int, vocab: int, top: int, steps: int, sequence: int) -> None:
     rng = random.Random(batch)
     for i in range(batch):
         engine.add_request(f"p{batch}-{i}", [rng.randrange(vocab) for _ in range(100)],
-                           SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+                           SamplingParams(temperature=0.0, max_tokens=16 + steps, ignore_eos=True))
     for _ in range(6):  # prefill(s), then warm decode steps (compiles every variant)
         engine.step()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        engine.step()
+        for _ in range(steps):
+            engine.step()
         torch.cuda.synchronize()
     rows = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     rows.sort(key=lambda e: -e.self_device_time_total)
-    total = sum(e.self_device_time_total for e in rows)
-    print(f"batch {batch}: {total / 1e3:.2f} ms device time in one decode step")
+    total = sum(e.self_device_time_total for e in rows) / steps
+    launches = sum(e.count for e in rows) / steps
+    print(f"batch {batch}: {total / 1e3:.2f} ms device time, {launches:.0f} kernels per decode step")
     for e in rows[:top]:
-        print(f"  {e.self_device_time_total:9.1f} us  x{e.count:<5d} {e.key[:100]}")
+        print(f"  {e.self_device_time_total / steps:9.1f} us  x{e.count / steps:<7.1f} {e.key[:100]}")
+    if sequence:
+        with tempfile.TemporaryDirectory() as tmp:
+            prof.export_chrome_trace(f"{tmp}/trace.json")
+            with open(f"{tmp}/trace.json") as f:
+                events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "kernel"]
+        events.sort(key=lambda e: e["ts"])
+        for e in events[len(events) // 10:len(events) // 10 + sequence]:
+            print(f"    {e['dur']:7.1f} us  {e['name'][:60]:60s} grid {e.get('args', {}).get('grid')}")
     while engine.has_unfinished_requests():
         engine.step()
 
@@ -53,13 +70,16 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--mode", default="deterministic")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--steps", type=int, default=1, help="decode steps profiled (figures are per step)")
+    ap.add_argument("--graphs", action="store_true", help="CUDA graphs on (the engine's default) instead of eager")
+    ap.add_argument("--sequence", type=int, default=0, help="also print this many consecutive kernels in order")
     ap.add_argument("--preset", default=None, help="a random-model preset at full size (e.g. qwen3-30b-a3b) "
                     "instead of qwen3-8b shapes with --layers")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_decode_step needs a CUDA GPU", file=sys.stderr)
         return 2
-    config = EngineConfig(mode=args.mode, max_num_seqs=256, max_model_len=1024, enforce_eager=True)
+    config = EngineConfig(mode=args.mode, max_num_seqs=256, max_model_len=1024, enforce_eager=not args.graphs)
     if args.preset:
         cfg = preset_config(args.preset)
         print(f"{torch.cuda.get_device_name()}  {args.preset}  mode {args.mode}")
@@ -71,7 +91,7 @@ def main(argv=None) -> int:
         print(f"{torch.cuda.get_device_name()}  layers {args.layers}  mode {args.mode}  roofline {roof * 1e3:.2f} ms")
         engine = LLMEngine.from_model(model, cfg, config)
     for b in args.batches.split(","):
-        profile_batch(engine, int(b), cfg.vocab_size, args.top)
+        profile_batch(engine, int(b), cfg.vocab_size, args.top, args.steps, args.sequence)
     return 0
 
 
