@@ -212,3 +212,11 @@ def test_gpu_decode_rows_walk_their_chunks_in_one_program_with_the_same_bits(dty
         many = cl.linear_parts(x, w, 4)
         for m, r in ((1, 0), (1, 99), (5, 40), (16, 84)):
             assert torch.equal(cl.linear_parts(x[r:r + m], w, 4), many[:, r:r + m]), (n, k, m, r)
+
+
+def test_z_per_program_must_divide_the_batch():
+    from detinfer.kernels import matmul as mm
+
+    a, b, c = torch.zeros(4, 2, 8), torch.zeros(4, 8, 3), torch.zeros(4, 2, 3)
+    with pytest.raises(ValueError, match="must divide the batch size 4"):
+        mm._run(a, a.stride(), b, b.stride(), c, c.stride(), None, 4, 2, 3, 8, None, 3)

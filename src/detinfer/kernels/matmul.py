@@ -316,6 +316,8 @@ def _run(a, sa, b, sb, c, sc, bias, nb: int, m: int, n: int, k: int, cfg: Matmul
         return
     if nb > 65535:
         raise ValueError(f"batch size {nb} exceeds the kernel's limit of 65535 batch entries per launch")
+    if nb % z_per_program:
+        raise ValueError(f"z_per_program {z_per_program} must divide the batch size {nb}")
     has_bias = bias is not None
     tensors = (a, b, c, bias if has_bias else c)
     explicit = cfg is not None
@@ -331,8 +333,6 @@ def _run(a, sa, b, sb, c, sc, bias, nb: int, m: int, n: int, k: int, cfg: Matmul
     tiles = _cdiv(m, bm) * _cdiv(n, bn)
     # W [N, K] is B [K, N] read through its strides: its row stride is B's column stride. A B with unit
     # stride along N instead (a row-major [K, N] matrix) gets a descriptor of that layout (B_KN).
-    if nb % z_per_program:
-        raise ValueError(f"z_per_program {z_per_program} must divide the batch size {nb}")
     tma = cfg.tma and nb == 1 and TensorDescriptor is not None
     b_nk = tma and _tma_ok(a, sa[1], sa[2], b, sb[2], sb[1], k)
     b_kn = tma and not b_nk and _tma_ok(a, sa[1], sa[2], b, sb[1], sb[2], k)
