@@ -12,7 +12,6 @@ pytestmark = pytest.mark.gpu
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-
 def _hashes(history):
     for h in history:
         assert h["mismatch_tokens"] > 0
