@@ -202,7 +202,7 @@ def test_ops_tree_sum_rounded_is_the_unfused_epilogue(cpu_triton):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_decode_rows_walk_their_chunks_in_one_program_with_the_same_bits(dtype):
-    """Up to 16 rows, one program walks all C chunks of its tile (matmul._run's z_per_program); more rows take
+    """Up to CHUNK_LOOP_MAX_M rows, one program walks all C chunks of its tile (matmul._run's z_per_program); more take
     one program per (tile, chunk). A row's partials are the same bits either way, at Qwen3-8B's TP=2 o_proj
     and down_proj shapes (K per rank 2048 / 6144, 4 chunks per rank)."""
     torch.manual_seed(3)
@@ -210,7 +210,7 @@ def test_gpu_decode_rows_walk_their_chunks_in_one_program_with_the_same_bits(dty
         x = torch.randn(100, k, device="cuda").to(dtype)
         w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(dtype)
         many = cl.linear_parts(x, w, 4)
-        for m, r in ((1, 0), (1, 99), (5, 40), (16, 84)):
+        for m, r in ((1, 0), (1, 99), (5, 40), (16, 84), (64, 36), (65, 35)):
             assert torch.equal(cl.linear_parts(x[r:r + m], w, 4), many[:, r:r + m]), (n, k, m, r)
 
 

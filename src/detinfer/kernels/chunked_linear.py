@@ -139,6 +139,12 @@ def linear_parts_ref(x: torch.Tensor, weight: torch.Tensor, num_chunks: int) -> 
     return parts.reshape((num_chunks,) + tuple(x.shape[:-1]) + (n,))
 
 
+# Rows up to which one program walks all of its tile's chunks (`_run_chunks`): the decode and small-batch
+# matmul classes, whose weight-streaming tiles already give the SMs enough programs without the chunks as a
+# second grid axis. Speed only: a chunk's bits do not depend on it.
+CHUNK_LOOP_MAX_M = 64
+
+
 def _run_chunks(x2: torch.Tensor, weight: torch.Tensor, num_chunks: int, r0: int, m: int,
                 parts: torch.Tensor) -> None:
     """The C chunk partials of rows [r0, r0 + m) into `parts` [C, m, N] fp32, in one batched launch. Batch
@@ -150,7 +156,7 @@ def _run_chunks(x2: torch.Tensor, weight: torch.Tensor, num_chunks: int, r0: int
     swn, swk = weight.stride()
     # Decode-sized rows: one program walks all C chunks of its tile (one weight stream, as the unchunked
     # layer's; C short launches' worth of programs would each restart the pipeline). Same bits either way.
-    per_program = num_chunks if m <= _mm.PREFETCH_MAX_M else 1
+    per_program = num_chunks if m <= CHUNK_LOOP_MAX_M else 1
     _mm._run(x2[r0:r0 + m], (kc * sxk, sxm, sxk), weight, (kc * swk, swk, swn), parts, parts.stride(),
              None, num_chunks, m, n, kc, None, per_program)
 
