@@ -1,8 +1,9 @@
 """`detinfer rl --offload-optimizer` on CPU (stories260k): AdamW's state in host memory (OffloadedAdamW over the
-same two param groups). On a CPU both optimizers are the single-tensor AdamW, so an offloaded run is the
-non-offloaded run bit for bit (metrics, per-step weights hash, checkpointed weights and moments); a resumed
-offloaded run continues it bit for bit; with two trainer ranks (FSDP2 shards, gloo) the host copies are of each
-rank's local shard, and the run, its checkpoint and its resume are the one-trainer run's bits."""
+same two param groups), stepped by torch's fused CPU AdamW. An offloaded run is its own trajectory: its first
+step's rollout, loss and gradient are the non-offloaded run's and its weights stay within rounding of them;
+a resumed offloaded run continues it bit for bit; with two trainer ranks (FSDP2 shards, gloo) the host copies
+are of each rank's local shard, and the run, its checkpoint and its resume are the one offloaded trainer's
+bits."""
 
 from __future__ import annotations
 
@@ -49,12 +50,21 @@ def on_device_run(stories_dir, tmp_path_factory):
     return out, _run(stories_dir, out, CFG)
 
 
-def test_offloaded_run_equals_the_on_device_run_bitwise(stories_dir, on_device_run, tmp_path):
-    out_a, history_a = on_device_run
-    history_b = _run(stories_dir, tmp_path, CFG.replace(offload_optimizer=True))
-    assert _untimed(history_b) == _untimed(history_a)
+@pytest.fixture(scope="module")
+def offloaded_run(stories_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rl-offloaded")
+    return out, _run(stories_dir, out, CFG.replace(offload_optimizer=True))
+
+
+def test_offloaded_run_moves_the_weights_within_rounding_of_the_on_device_run(on_device_run, offloaded_run):
+    (out_a, history_a), (out_b, history_b) = on_device_run, offloaded_run
+    first = {k: v for k, v in _untimed(history_b)[0].items() if k != "weights_hash"}
+    assert first == {k: v for k, v in _untimed(history_a)[0].items() if k != "weights_hash"}  # before the update
     assert len({h["weights_hash"] for h in history_b}) == 3  # the weights do move
-    _assert_same_checkpoints(tmp_path, out_a)
+    (got, _), (want, _) = _checkpoint(out_b), _checkpoint(out_a)
+    assert sorted(got) == sorted(want)
+    for name in want:  # another AdamW kernel, the same arithmetic: the weights differ by rounding only
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
 
 
 def test_kept_logits_run_equals_the_chunked_run_bitwise(stories_dir, on_device_run, tmp_path):
@@ -68,8 +78,8 @@ def test_kept_logits_run_equals_the_chunked_run_bitwise(stories_dir, on_device_r
         CFG.replace(keep_logits="yes")
 
 
-def test_offloaded_resume_equals_the_uninterrupted_run(stories_dir, on_device_run, tmp_path):
-    out_a, history_a = on_device_run
+def test_offloaded_resume_equals_the_uninterrupted_run(stories_dir, offloaded_run, tmp_path):
+    out_a, history_a = offloaded_run
     offload = CFG.replace(offload_optimizer=True)
     assert _untimed(_run(stories_dir, tmp_path, offload.replace(steps=2))) == _untimed(history_a[:2])
     resumed = _run(stories_dir, tmp_path, offload, resume=True)  # a fresh optimizer, its state from the checkpoint
@@ -108,9 +118,9 @@ def _history(out):
 @pytest.mark.slow
 def test_two_trainer_ranks_offload_their_shards_and_resume_as_one_trainer_does(stories_dir, tmp_path):
     """Each FSDP rank steps its local shard on the host; the checkpoint gathers the moments from the shards and a
-    resume puts each rank's slice back: the one-trainer (on-device AdamW) run's bits throughout."""
+    resume puts each rank's slice back: the one offloaded trainer's bits throughout."""
     one, two = tmp_path / "one", tmp_path / "two"
-    assert rl_main([str(stories_dir), *SMALL, "--out", str(one)]) == 0
+    assert rl_main([str(stories_dir), *SMALL, "--offload-optimizer", "--out", str(one)]) == 0
     first = list(SMALL)
     first[SMALL.index("--steps") + 1] = "1"
     assert rl_main([str(stories_dir), *first, "--trainer-ranks", "2", "--offload-optimizer", "--out", str(two)]) == 0

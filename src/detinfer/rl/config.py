@@ -72,10 +72,10 @@ class RLConfig:
     offload_optimizer: bool = field(default=False, metadata=_help(
         "Keep AdamW's two moments in host memory and step on the CPU (train/optim.py's OffloadedAdamW): the "
         "trainer's GPU bytes per parameter go from 18 to 10 (16-bit engine with fp32 masters), for a CPU AdamW "
-        "step and PCIe copies (gradients and masters down, masters up) per update. The CPU step is the "
-        "single-tensor AdamW: on a CPU the same bits as without; on a GPU it may differ in the last bits from "
-        "the fused CUDA AdamW, so offloaded runs reproduce each other but are another trajectory than "
-        "non-offloaded ones (a resume keeps the setting)."))
+        "step and PCIe copies (gradients and masters down, masters up) per update. The CPU step is torch's "
+        "fused CPU AdamW (one pass per tensor): deterministic, the same bits at any --trainer-ranks, but it "
+        "rounds differently from the on-device AdamW, so offloaded runs reproduce each other and are another "
+        "trajectory than non-offloaded ones (a resume keeps the setting)."))
     keep_logits: bool = field(default=False, metadata=_help(
         "Keep the scored tokens' [tokens, vocab] logits from the trainer's forward to its backward instead of "
         "recomputing them in 512-row chunks (TrainableModel(logprob_chunk_rows=None)): a faster training step "

@@ -72,8 +72,8 @@ def build_optimizer(named_params, config, single_tensor: bool = False):
     store the groups' hyperparameters; their membership is a function of the parameter names. The
     implementation (fused on CUDA, single-tensor elsewhere) is train/optim.py's `adamw` choice, or the
     single-tensor loop everywhere with `single_tensor` (FSDP shards: see train/fsdp.py). With
-    `config.offload_optimizer`: `OffloadedAdamW` over the same groups (moments on the host, the
-    single-tensor step on the CPU; a DTensor shard through its local tensor)."""
+    `config.offload_optimizer`: `OffloadedAdamW` over the same groups (moments on the host, torch's fused
+    CPU step over host copies; a DTensor shard through its local tensor)."""
     from detinfer.train.optim import OffloadedAdamW, adamw
 
     named = list(named_params)

@@ -16,8 +16,12 @@ the engine's weight (2 B) + fp32 master (4) + fp32 gradient (4) + AdamW's exp_av
 `OffloadedAdamW`: the moments in host memory, the step on the CPU: 10 B per parameter on the GPU (engine
 weight, master, gradient) instead of 18, for host memory (16 B per parameter: a staging copy of each
 master and gradient, the moments) and PCIe traffic each step (gradients and masters down, masters up:
-12 B per parameter). The CPU step is the single-tensor AdamW, so the trajectory equals `adamw` on a CPU
-bit for bit, and is deterministic, but may differ in the last bits from the fused CUDA step.
+12 B per parameter). The CPU step is torch's fused CPU AdamW over the host copies (plain tensors): one
+vectorized pass per tensor that reads and writes each element once, where the single-tensor loop makes
+~8 passes and allocates a temporary per parameter; at 8B parameters the host step was ~75-95% of a GRPO
+step (docs/performance.md). Each element's update is its own arithmetic, so the step is deterministic and
+a shard's update is the whole tensor's (tested), but it rounds differently from the single-tensor loop
+and from the fused CUDA step: an offloaded run is its own trajectory (a resume keeps the setting).
 """
 
 from __future__ import annotations
@@ -89,7 +93,7 @@ class OffloadedAdamW:
         host_groups = [{**g, "params": [torch.nn.Parameter(host_like(p)) for p in g["params"]]} for g in groups]
         self.host = [h for g in host_groups for h in g["params"]]  # in the order of self.params
         self.host_grads = [host_like(p) for p in self.params]
-        self.inner = torch.optim.AdamW(host_groups, lr=lr, weight_decay=weight_decay, foreach=False, **kwargs)
+        self.inner = torch.optim.AdamW(host_groups, lr=lr, weight_decay=weight_decay, fused=True, **kwargs)
 
     @property
     def param_groups(self):
