@@ -42,6 +42,7 @@ import triton.language as tl
 
 from detinfer.kernels._fold import fold_sum
 from detinfer.kernels._launch import check_kernel_inputs, dot_precision, interpreting
+from detinfer.kernels.attention_delta import attention_delta
 from detinfer.kernels.linear_backward import matmul_det
 
 __all__ = ["TileConfig", "attention_backward", "attention_backward_ref", "attention_forward_ref", "kernel_supports",
@@ -293,8 +294,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     if any(x.stride(-1) != 1 for x in (q, k, v, dout)):
         q, k, v, dout = (x.contiguous() for x in (q, k, v, dout))
     group = hq // hkv
-    # delta_i = rowsum(dO_i * O_i): a fixed pairwise fold over head_dim, per row.
-    delta = fold_sum(dout.float() * out.float(), -1).contiguous()  # [T, Hq]
+    delta = attention_delta(dout, out)  # [T, Hq] fp32: rowsum(dO * O), fold_sum's order, one launch
     dq = torch.empty((t, hq, d), dtype=torch.float32, device=q.device)
     dk = torch.empty((t, hkv, d), dtype=torch.float32, device=q.device)
     dv = torch.empty((t, hkv, d), dtype=torch.float32, device=q.device)
