@@ -204,7 +204,7 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, delta_ptr, dq_ptr, lse_ptr, tile_sta
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
-    dq = dq * scale
+    dq = (dq * scale).to(dq_ptr.dtype.element_ty)  # the one rounding to the gradient dtype
     tl.store(dq_ptr + offs_m[:, None].to(tl.int64) * stride_dqt + h * stride_dqh + offs_d[None, :], dq,
              mask=row_ok[:, None])
     if not HAS_LSE:
@@ -248,11 +248,11 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, delta_ptr, lse_ptr, dk_ptr, dv_ptr,
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
             ds = p * (dp - delta[:, None])
             dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision=PRECISION)
-    dk = dk * scale
+    dk = (dk * scale).to(dk_ptr.dtype.element_ty)  # the one rounding to the gradient dtype
     tl.store(dk_ptr + offs_n[:, None].to(tl.int64) * stride_dkt + kvh * stride_dkh + offs_d[None, :], dk,
              mask=n_ok[:, None])
-    tl.store(dv_ptr + offs_n[:, None].to(tl.int64) * stride_dvt + kvh * stride_dvh + offs_d[None, :], dv,
-             mask=n_ok[:, None])
+    tl.store(dv_ptr + offs_n[:, None].to(tl.int64) * stride_dvt + kvh * stride_dvh + offs_d[None, :],
+             dv.to(dv_ptr.dtype.element_ty), mask=n_ok[:, None])
 
 
 def _tiles(cu_seqlens: list[int], block: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -281,6 +281,12 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     `configs` overrides `tile_configs` (tests: other tile shapes keep every property). `lse`: the forward's
     row log-sum-exps, fp32 [T, Hq] in log2 units of the scaled scores (`paged_attention(lse_out=)`), read
     instead of recomputed; None recomputes them (pass 1)."""
+    return _backward(dout, q, k, v, out, cu_seqlens, scale, configs, lse, grad_dtype=None)
+
+
+def _backward(dout, q, k, v, out, cu_seqlens, scale, configs, lse, grad_dtype: torch.dtype | None):
+    """`attention_backward` with the gradients stored in `grad_dtype` (None: q's dtype). The kernels round
+    each fp32 accumulator once, at the store, so fp32 gradients cast afterwards have the same bits (tests)."""
     op = "attention_backward"
     check_kernel_inputs(op, dout, q, k, v, out)
     t, hq, d = q.shape
@@ -294,16 +300,17 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     if any(x.stride(-1) != 1 for x in (q, k, v, dout)):
         q, k, v, dout = (x.contiguous() for x in (q, k, v, dout))
     group = hq // hkv
-    delta = attention_delta(dout, out)  # [T, Hq] fp32: rowsum(dO * O), fold_sum's order, one launch
-    dq = torch.empty((t, hq, d), dtype=torch.float32, device=q.device)
-    dk = torch.empty((t, hkv, d), dtype=torch.float32, device=q.device)
-    dv = torch.empty((t, hkv, d), dtype=torch.float32, device=q.device)
     has_lse = lse is not None
     if has_lse and (not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32
                     or tuple(lse.shape) != (t, hq) or lse.device != q.device):
         raise ValueError(f"{op}: lse must be a torch.float32 tensor of shape {(t, hq)} on {q.device} (the "
                          f"forward's lse_out), got {getattr(lse, 'dtype', type(lse).__name__)} "
                          f"{tuple(getattr(lse, 'shape', ()))}")
+    delta = attention_delta(dout, out)  # [T, Hq] fp32: rowsum(dO * O), fold_sum's order, one launch
+    grad_dtype = grad_dtype or q.dtype  # stored by the kernels: no fp32 buffers, no cast passes
+    dq = torch.empty((t, hq, d), dtype=grad_dtype, device=q.device)
+    dk = torch.empty((t, hkv, d), dtype=grad_dtype, device=q.device)
+    dv = torch.empty((t, hkv, d), dtype=grad_dtype, device=q.device)
     lse = lse.contiguous() if has_lse else torch.empty((t, hq), dtype=torch.float32, device=q.device)
     dq_cfg, dkv_cfg = configs or tile_configs(d, q.dtype)
     if interpreting():  # Triton's CPU interpreter runs one warp layout: a cheaper launch, same numerics
@@ -312,7 +319,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     scale_log2 = scale * math.log2(math.e)
     q_tiles = _tiles(cu_seqlens, dq_cfg.block_m, q.device)
     if q_tiles[0].shape[0] == 0:
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return dq, dk, dv
     tile_start, tile_seq0, tile_seq1 = q_tiles
     _dq_kernel[(tile_start.shape[0], hq)](
         q, k, v, dout, delta, dq, lse, tile_start, tile_seq1, tile_seq0,
@@ -327,4 +334,4 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale_log2, scale,
         GROUP=group, BLOCK_M=dkv_cfg.block_m, BLOCK_N=dkv_cfg.block_n, HEAD_DIM=d, PRECISION=precision,
         num_warps=dkv_cfg.num_warps, num_stages=dkv_cfg.num_stages)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq, dk, dv
