@@ -8,7 +8,8 @@
 * the dQ kernel, whose program stacks the query heads of one kv head, gives each row the bits of the
   previous per-head kernel (copied below as `_per_head_dq_kernel`): same key tiles, ascending from the
   sequence start, same key step; key tiles past a row's diagonal added exact zeros there; the masks
-  are skipped only on tiles that every row sees whole (fp32 in the interpreter, GROUP 1, 2, 4, ragged).
+  are skipped only on tiles that every row sees whole (fp32 in the interpreter, GROUP 1, 2, 4, ragged);
+* both kernels launch their tiles longest walk first (a permutation of the packing order).
 GPU (marker gpu): bf16 at Qwen3-8B's shape with the shipped configs: the same bits as fp32 gradients
 cast afterwards, repeatable, each sequence independent of its packing.
 """
@@ -260,3 +261,16 @@ def test_bf16_shipped_configs_repeat_and_are_packing_independent(with_lse):
         one = (x[s0:s1] for x in (do, q, k, v, out))
         alone = attention_backward(*one, [0, s1 - s0], scale, lse=None if lse is None else lse[s0:s1].contiguous())
         assert all(torch.equal(a[s0:s1], b) for a, b in zip(got, alone))
+
+
+@given(st.lists(st.integers(0, 200), min_size=1, max_size=6), st.sampled_from([16, 32, 64]))
+def test_tile_tables_longest_walk_first_same_tiles(lens, block):
+    """The launch order lists every tile of the packing order once, the longest walk first (dQ: the keys
+    before the tile; dK/dV: the queries from it to the sequence end)."""
+    cu = _cu(lens)
+    plain = set(zip(*(x.tolist() for x in _tiles(cu, block, "cpu"))))
+    for heavy_first, walk in (("queries", lambda t, a, b: t - a), ("keys", lambda t, a, b: b - t)):
+        tiles = list(zip(*(x.tolist() for x in _tiles(cu, block, "cpu", heavy_first))))
+        assert len(tiles) == len(plain) and set(tiles) == plain
+        walks = [walk(*x) for x in tiles]
+        assert walks == sorted(walks, reverse=True)

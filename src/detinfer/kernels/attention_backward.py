@@ -313,21 +313,23 @@ def _heads_per_dq_program(group: int, block_m: int) -> int:
     return max(h for h in range(1, min(group, block_m) + 1) if group % h == 0)
 
 
-def _tiles(cu_seqlens: list[int], block: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _tiles(cu_seqlens: list[int], block: int, device, heavy_first: str | None = None):
     """Per tile: its first token, its sequence's first token and end (tiles anchored at sequence starts).
     Every layer of a training step packs the same sequences: the tables are built and uploaded once per
-    (packing, tile height, device), not once per layer and kernel (read-only on the device)."""
-    return _tile_tables(tuple(cu_seqlens), block, torch.device(device))
+    (packing, tile height, device), not once per layer and kernel (read-only on the device).
+    `heavy_first`: "queries" (dQ: a tile walks the keys before it) or "keys" (dK/dV: the queries after it)
+    lists the tiles by that walk's length, longest first, so the longest programs start in the first waves
+    and the last wave holds short ones (a shorter tail on the GPU). Each program computes the same tile
+    whatever its index, so the order changes no bit; None keeps the packing order."""
+    return _tile_tables(tuple(cu_seqlens), block, torch.device(device), heavy_first)
 
 
 @functools.lru_cache(maxsize=16)
-def _tile_tables(cu_seqlens: tuple[int, ...], block: int, device: torch.device):
-    start, seq0, seq1 = [], [], []
-    for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-        for t in range(a, b, block):
-            start.append(t)
-            seq0.append(a)
-            seq1.append(b)
+def _tile_tables(cu_seqlens: tuple[int, ...], block: int, device: torch.device, heavy_first: str | None):
+    tiles = [(t, a, b) for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]) for t in range(a, b, block)]
+    if heavy_first is not None:  # a stable sort: ties keep the packing order
+        tiles.sort(key={"queries": lambda x: x[1] - x[0], "keys": lambda x: x[0] - x[2]}[heavy_first])
+    start, seq0, seq1 = ([x[i] for x in tiles] for i in range(3))
     as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
     return as_t(start), as_t(seq0), as_t(seq1)
 
@@ -377,7 +379,7 @@ def _backward(dout, q, k, v, out, cu_seqlens, scale, configs, lse, grad_dtype: t
     scale_log2 = scale * math.log2(math.e)
     heads = _heads_per_dq_program(group, dq_cfg.block_m)
     rows = dq_cfg.block_m // heads
-    q_tiles = _tiles(cu_seqlens, rows, q.device)
+    q_tiles = _tiles(cu_seqlens, rows, q.device, heavy_first="queries")
     if q_tiles[0].shape[0] == 0:
         return dq, dk, dv
     tile_start, tile_seq0, tile_seq1 = q_tiles
@@ -387,7 +389,7 @@ def _backward(dout, q, k, v, out, cu_seqlens, scale, configs, lse, grad_dtype: t
         dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), scale_log2, scale,
         GROUP=group, HEADS=heads, ROWS=rows, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, HEAD_DIM=d,
         PRECISION=precision, HAS_LSE=has_lse, num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages)
-    tile_start, _, tile_seq1 = _tiles(cu_seqlens, dkv_cfg.block_n, q.device)
+    tile_start, _, tile_seq1 = _tiles(cu_seqlens, dkv_cfg.block_n, q.device, heavy_first="keys")
     _dkv_kernel[(tile_start.shape[0], hkv)](
         q, k, v, dout, delta, lse, dk, dv, tile_start, tile_seq1, hq,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
