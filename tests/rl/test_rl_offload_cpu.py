@@ -116,9 +116,13 @@ def _history(out):
 
 
 @pytest.mark.slow
-def test_two_trainer_ranks_offload_their_shards_and_resume_as_one_trainer_does(stories_dir, tmp_path):
+def test_two_trainer_ranks_offload_their_shards_and_resume_as_one_trainer_does(stories_dir, tmp_path, monkeypatch):
     """Each FSDP rank steps its local shard on the host; the checkpoint gathers the moments from the shards and a
-    resume puts each rank's slice back: the one offloaded trainer's bits throughout."""
+    resume puts each rank's slice back: the one offloaded trainer's bits throughout. Rank 0 steps with half of
+    torch's threads (the ranks share the host) and gives them back when the run ends."""
+    threads, calls = torch.get_num_threads(), []
+    set_threads = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (calls.append(n), set_threads(n)))
     one, two = tmp_path / "one", tmp_path / "two"
     assert rl_main([str(stories_dir), *SMALL, "--offload-optimizer", "--out", str(one)]) == 0
     first = list(SMALL)
@@ -131,3 +135,4 @@ def test_two_trainer_ranks_offload_their_shards_and_resume_as_one_trainer_does(s
     assert [r["weights_hash"] for r in a] == [r["weights_hash"] for r in b] and len(a) == 2
     assert all(r["mismatch_tokens"] > 0 and r["mismatch_bits_differ"] == 0 for r in a)
     _assert_same_checkpoints(two, one)
+    assert calls == [max(1, threads // 2), threads] * 2 and torch.get_num_threads() == threads  # two 2-rank runs
