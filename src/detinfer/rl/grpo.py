@@ -122,7 +122,6 @@ class GRPOTrainer:
             from detinfer.train.fsdp import FSDPTrainer
 
             self.trainer = FSDPTrainer(self.trainer)
-        # sharded AdamW: the single-tensor loop, whose elementwise update of a shard is the full tensor's
         if c.offload_optimizer and self.dp_size > 1:
             # The T trainer ranks share one host (one node) and step their shards' AdamW on its CPU at the
             # same time: each takes 1/T of torch's threads instead of all of them (measured on an H100 host,
@@ -130,6 +129,7 @@ class GRPOTrainer:
             # counts change no bit of the elementwise step. `close` gives the process its count back.
             self._threads_before = torch.get_num_threads()
             torch.set_num_threads(max(1, self._threads_before // self.dp_size))
+        # sharded AdamW: the single-tensor loop, whose elementwise update of a shard is the full tensor's
         self.optimizer = build_optimizer(self.trainer.named_parameters(), c, single_tensor=self.dp_size > 1)
         self.step_index = 0  # steps done
         self.history: list[dict] = []
