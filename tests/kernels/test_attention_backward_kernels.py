@@ -58,12 +58,12 @@ def _inputs(lens, hq, hkv, d, dtype, seed):
 
 def _lse(q, k, cu, scale):
     """Row log-sum-exps [T, Hq] in log2 units of the scaled scores (what `lse=` takes), in float64."""
-    lse = torch.empty(q.shape[:2], dtype=torch.float64)
+    lse = torch.empty(q.shape[:2], dtype=torch.float64, device=q.device)
     group = q.shape[1] // k.shape[1]
     for s0, s1 in zip(cu[:-1], cu[1:]):
         kk = k[s0:s1].double().repeat_interleave(group, 1)  # [L, Hq, D]
         s = torch.einsum("qhd,khd->hqk", q[s0:s1].double(), kk) * scale
-        s = s.masked_fill(torch.ones(s1 - s0, s1 - s0).triu(1).bool(), float("-inf"))
+        s = s.masked_fill(torch.ones(s1 - s0, s1 - s0, device=q.device).triu(1).bool(), float("-inf"))
         lse[s0:s1] = (torch.logsumexp(s, -1) / torch.log(torch.tensor(2.0))).T
     return lse.float().to(q.device)
 
