@@ -18,11 +18,14 @@ master weights and push_weights for bf16). Asserted bitwise (torch.equal):
 and bad input gets clear errors. A 2-GPU NCCL version (marked gpu) mirrors the bitwise checks.
 """
 
+import gc
+import weakref
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from detinfer.engine import LLM, SamplingParams
 from detinfer.models.config import ModelConfig
@@ -33,6 +36,7 @@ from detinfer.models.transformer import Transformer
 from detinfer.ops import Ops
 from detinfer.rl.metrics import weights_fingerprint
 from detinfer.train import TrainableModel
+from detinfer.train import fsdp as fsdp_module
 from detinfer.train.fsdp import FixedOrderReduceScatter, FSDPTrainer, local_sequences
 from detinfer.train.optim import adamw
 from detinfer.train.testing import pack, run_ranks
@@ -99,8 +103,43 @@ def _fsdp_job(rank: int, ckpt: str, seqs: list) -> dict:
         _steps(sharded, sharded.parameters(), [mine])
         out[run] = sharded.full_state_dict()
         out[run + "_fingerprint"] = weights_fingerprint(out[run].items())
+    out.update(_masters_made_before_wrapping(ckpt, mine))
     out["errors"] = _bad_group_errors(rank, ckpt, seqs)
     return out
+
+
+def _masters_made_before_wrapping(ckpt: str, mine: list) -> dict:
+    """A trainer used before it is wrapped already holds its fp32 masters (another path into the module):
+    the same run's weights. A fresh one's 16-bit tensors leave memory as FSDP shards each unit's masters."""
+    used = _load(ckpt)
+    list(used.parameters())  # makes the masters of a 16-bit model
+    sharded = FSDPTrainer(used)
+    _steps(sharded, sharded.parameters(), [mine])
+    fresh = _load(ckpt)
+    refs = [weakref.ref(p) for p in fresh.model.parameters() if p.dtype != torch.float32]
+    full_fp32_at_each_shard = []  # unsharded fp32 elements in the model each time a unit is sharded
+
+    def recording_fully_shard(unit, **kwargs):
+        full_fp32_at_each_shard.append(sum(p.numel() for p in fresh.model.parameters()
+                                           if p.dtype == torch.float32 and not isinstance(p, DTensor)))
+        return real_fully_shard(unit, **kwargs)
+
+    real_fully_shard, fsdp_module.fully_shard = fsdp_module.fully_shard, recording_fully_shard
+    try:
+        FSDPTrainer(fresh)
+    finally:
+        fsdp_module.fully_shard = real_fully_shard
+    gc.collect()
+    return {"run_masters_made_first": sharded.full_state_dict(), "sixteen_bit_tensors": len(refs),
+            "sixteen_bit_alive": sum(r() is not None for r in refs),
+            "most_full_fp32": max(full_fp32_at_each_shard),
+            "largest_unit": _largest_unit_elements(fresh.model)}
+
+
+def _largest_unit_elements(model) -> int:
+    """Elements of FSDP's largest unit: a decoder layer, or the root (all the rest)."""
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
+    return max(*layers, sum(p.numel() for p in model.parameters()) - sum(layers))
 
 
 def _bad_group_errors(rank: int, ckpt: str, seqs: list) -> dict:
@@ -220,6 +259,20 @@ def test_two_fsdp_runs_give_identical_weights_equal_to_one_process(fsdp_run):
             assert torch.equal(result["run_a"][name], result["run_b"][name]), name
             assert torch.equal(result["run_a"][name], p.detach()), name
     assert weights_fingerprint((n, p.detach()) for n, p in trainer.named_parameters()) in fingerprints
+
+
+def test_masters_made_per_unit_free_the_16_bit_weights_and_change_no_bit(fsdp_run):
+    """FSDPTrainer makes a fresh trainer's fp32 masters one unit at a time as it shards (the whole model's
+    fp32 copy never exists at once); a trainer whose masters were made before wrapping gives the same run."""
+    for result in fsdp_run["ranks"]:
+        assert result["sixteen_bit_alive"] == 0
+        if fsdp_run["dtype"] == "bfloat16":
+            assert result["sixteen_bit_tensors"] > 0
+            # at most one unit unsharded in fp32 at a time (a decoder layer or the root's embedding and
+            # output layer), never the whole model
+            assert 0 < result["most_full_fp32"] <= result["largest_unit"]
+        for name, weight in result["run_a"].items():
+            assert torch.equal(result["run_masters_made_first"][name], weight), name
 
 
 def test_bad_groups_and_batches_are_rejected_with_clear_errors(fsdp_run):

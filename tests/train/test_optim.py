@@ -183,3 +183,33 @@ def test_offloaded_adamw_steps_a_shard_like_the_whole_tensor(n, cut, seed):
     whole = run([(0, n)])
     assert torch.equal(whole, run([(0, cut), (cut, n)]))
     assert not torch.equal(whole, init)
+
+
+@settings(max_examples=15, deadline=None)
+@given(sizes=st.lists(st.integers(1, 300), min_size=1, max_size=6), stage=st.sampled_from([64, 128, 1000]),
+       seed=st.integers(0, 2**16))
+def test_offloaded_adamw_staged_in_chunks_equals_torch_adamw_and_keeps_only_the_moments(sizes, stage, seed):
+    """Masters and gradients pass through a staging area a few tensors at a time (a tensor larger than the
+    area gets an area of its size): the same bits as torch's fused CPU AdamW on the parameters, and between
+    steps the host holds no per-parameter copy of them, only the moments."""
+    from detinfer.train.optim import OffloadedAdamW
+
+    gen = torch.Generator().manual_seed(seed)
+    init = [torch.randn(n, generator=gen) for n in sizes]
+    grads = [[torch.randn(n, generator=gen) for n in sizes] for _ in range(3)]
+    runs = []
+    for make in (lambda p: _fused_cpu_adamw(p, lr=1e-2, weight_decay=0.1),
+                 lambda p: OffloadedAdamW(p, lr=1e-2, weight_decay=0.1)):
+        params = [torch.nn.Parameter(t.clone()) for t in init]
+        opt = make(params)
+        if isinstance(opt, OffloadedAdamW):
+            opt.stage_elements = stage
+        for step, step_grads in enumerate(grads):
+            for i, (p, g) in enumerate(zip(params, step_grads)):
+                p.grad = None if (step == 1 and i == 0) else g.clone()  # a parameter without a gradient: skipped
+            opt.step()
+        runs.append([p.detach().clone() for p in params])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    staging = {t.untyped_storage().data_ptr() for pair in opt._staging.values() for t in pair}
+    assert all(h.numel() == 0 or h.untyped_storage().data_ptr() in staging for h in opt.host)
+    assert all(h.grad is None for h in opt.host)

@@ -42,11 +42,12 @@ reduces all tokens in one accumulator (blocks of 64 tokens in order), while data
 partial gradients; the two differ by float rounding (tests/train/test_fsdp.py bounds it).
 
 16-bit models (a trainer with fp32 master weights, the default for them): the masters replace the 16-bit
-weights in the module and are what FSDP shards; FSDP's mixed precision rounds each shard to the compute
-dtype before the all-gather (round to nearest even, elementwise: exactly the weights `push_weights` gives
-a one-process engine), and the gathered 16-bit parameters get fp32 gradients (`grad_dtype`, as the
-one-process trainer's 16-bit weights do), reduced in fp32. So the bits are those of the one-process
-trainer with master weights and `push_weights()` after every step.
+weights in the module and are what FSDP shards (a fresh trainer has not made them yet: FSDPTrainer makes each
+unit's just before sharding it, so the whole model's fp32 copy never exists on one device); FSDP's mixed
+precision rounds each shard to the compute dtype before the all-gather (round to nearest even, elementwise:
+exactly the weights `push_weights` gives a one-process engine), and the gathered 16-bit parameters get fp32
+gradients (`grad_dtype`, as the one-process trainer's 16-bit weights do), reduced in fp32. So the bits are
+those of the one-process trainer with master weights and `push_weights()` after every step.
 
 Limits: no tensor parallelism (MoE layers shard their stacked experts like any parameter); a 16-bit model trained
 without masters (master_weights=False) is refused;
@@ -122,23 +123,37 @@ def _check_trainer(trainer) -> None:
                          "trained directly")
 
 
-def _masters_into_module(trainer: TrainableModel) -> torch.dtype | None:
-    """A trainer with fp32 masters of 16-bit weights: put the masters into the module in place of the
-    16-bit tensors (they become the sharded parameters; the 16-bit weights leave the module) and stop the
-    trainer's gradient routing. -> the 16-bit compute dtype, or None for an fp32 model."""
-    if not trainer.master_weights:
+def _made_masters_into_module(trainer: TrainableModel) -> torch.dtype | None:
+    """A trainer whose fp32 masters of 16-bit weights already exist (it was used before being wrapped): put
+    the masters into the module in place of the 16-bit tensors (they become the sharded parameters; the
+    16-bit weights leave the module) and stop the trainer's gradient routing. -> the 16-bit compute dtype,
+    or None when there are no masters."""
+    if not trainer._pairs:
         return None
     compute = trainer._pairs[0][0].dtype
     trainer.close()
     by_id = {id(p): name for name, p in trainer.model.named_parameters()}
     for p, master in trainer._pairs:
-        *path, leaf = by_id[id(p)].split(".")
-        owner = trainer.model
-        for part in path:
-            owner = getattr(owner, part)
-        setattr(owner, leaf, master)
+        _replace_parameter(trainer.model, by_id[id(p)], master)
     trainer._pairs, trainer.master_weights = [], False  # the module's own parameters are the masters now
     return compute
+
+
+def _replace_parameter(root: torch.nn.Module, name: str, new: torch.nn.Parameter) -> None:
+    *path, leaf = name.split(".")
+    owner = root
+    for part in path:
+        owner = getattr(owner, part)
+    setattr(owner, leaf, new)
+
+
+def _unit_masters_into_module(unit: torch.nn.Module, pending: dict[int, torch.nn.Parameter]) -> None:
+    """Replace this unit's 16-bit parameters still in `pending` by fp32 copies (the masters, about to be
+    sharded with the unit): one unit's full fp32 copy exists at a time, and each 16-bit tensor leaves the
+    module (and memory) as its master takes its place."""
+    for name, p in list(unit.named_parameters()):
+        if pending.pop(id(p), None) is not None:
+            _replace_parameter(unit, name, torch.nn.Parameter(p.detach().to(torch.float32).clone()))
 
 
 def _fp32_grads_of_gathered(module: torch.nn.Module, _args) -> None:
@@ -173,7 +188,12 @@ class FSDPTrainer:
         device = trainer.model.embed_tokens.device
         self.group = _check_group(group, device)
         self.trainer = trainer
-        self.compute_dtype = _masters_into_module(trainer)
+        self.compute_dtype = _made_masters_into_module(trainer)
+        pending = {id(p): p for p in trainer.take_pending_masters()}  # masters not made yet: made per unit
+        if pending:
+            self.compute_dtype = next(iter(pending.values())).dtype
+            trainer.close()
+            trainer.master_weights = False  # the module's own parameters will be the masters
         mesh = DeviceMesh.from_group(self.group, device.type)
         comm = FixedOrderReduceScatter()
         # 16-bit compute: FSDP rounds each fp32 shard to the compute dtype before the all-gather (round to
@@ -182,7 +202,9 @@ class FSDPTrainer:
                                       cast_forward_inputs=False)
         units = [*trainer.model.layers, trainer.scorer]  # the root (embedding, norm, output layer) last
         for unit in units:
+            _unit_masters_into_module(unit, pending)
             fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        assert not pending, "every 16-bit parameter belongs to a decoder layer or the root unit"
         for unit in units:
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)

@@ -150,12 +150,28 @@ class TrainableModel:
         self._hooks = []
         for p in engine_params:
             p.requires_grad_(True)
-            if self.master_weights:
-                if hasattr(p, "grad_dtype"):  # torch versions with per-tensor gradient dtypes
-                    p.grad_dtype = torch.float32
-                master = torch.nn.Parameter(p.detach().to(torch.float32).clone())
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._move_grad_hook(master)))
-                self._pairs.append((p, master))
+        # The fp32 masters are made at first use (parameters(), score(), push_weights()), not here: a
+        # data-parallel wrapper (FSDPTrainer) takes them over before that and makes them one layer at a time
+        # as it shards, so the whole model's fp32 copy never exists on one device (6 B per parameter at
+        # once would not fit a large model's GPU: docs/training.md, "Memory per rank").
+        self._masters_pending = list(engine_params) if self.master_weights else []
+
+    def _masters(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+        """The (16-bit engine tensor, fp32 master) pairs, made on first call."""
+        pending, self._masters_pending = self._masters_pending, []
+        for p in pending:
+            if hasattr(p, "grad_dtype"):  # torch versions with per-tensor gradient dtypes
+                p.grad_dtype = torch.float32
+            master = torch.nn.Parameter(p.detach().to(torch.float32).clone())
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._move_grad_hook(master)))
+            self._pairs.append((p, master))
+        return self._pairs
+
+    def take_pending_masters(self) -> list[torch.nn.Parameter]:
+        """For a sharding wrapper: the 16-bit parameters whose fp32 masters are not made yet (all of them
+        before first use, else none); the wrapper makes them itself and this object no longer will."""
+        pending, self._masters_pending = self._masters_pending, []
+        return pending
 
     def close(self) -> None:
         """Stop routing gradients to this object's master weights (a new TrainableModel does this)."""
@@ -181,7 +197,7 @@ class TrainableModel:
     # -- parameters ----------------------------------------------------------------------------------
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         if self.master_weights:
-            return iter([m for _, m in self._pairs])
+            return iter([m for _, m in self._masters()])
         return self.model.parameters()
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
@@ -206,7 +222,7 @@ class TrainableModel:
                 raise RuntimeError(f"push_weights: the engine has {engine_unfinished} unfinished requests "
                                    "whose KV cache holds the old weights' keys and values; finish or abort "
                                    "them before updating the weights")
-        for p, master in self._pairs:
+        for p, master in self._masters():
             p.copy_(master)
         if self.runner is not None:
             self._engine.reset_prefix_cache()
@@ -238,6 +254,7 @@ class TrainableModel:
         if token_ids.dim() == 2:
             if cu_seqlens is not None or positions is not None:
                 raise ValueError("a padded [B, T] batch takes lengths= and mask=, not cu_seqlens or positions")
+            self._masters()
             return self._score_padded(token_ids, lengths, targets, mask, float(temperature))
         if token_ids.dim() != 1:
             raise ValueError(f"token_ids must be [N] (packed) or [B, T] (padded), got {tuple(token_ids.shape)}")
@@ -246,6 +263,7 @@ class TrainableModel:
                              "and positions")
         n = token_ids.shape[0]
         cu = _cu_list([0, n] if cu_seqlens is None else cu_seqlens, n)
+        self._masters()  # their gradient hooks must be in place before this forward's backward
         return self._score_packed(token_ids, cu, targets, _positions(positions, n), float(temperature))
 
     def _score_padded(self, token_ids, lengths, targets, mask, temperature: float):

@@ -14,14 +14,16 @@ the engine's weight (2 B) + fp32 master (4) + fp32 gradient (4) + AdamW's exp_av
 = 18 B. An fp32 engine trains its own tensors: 4 + 4 + 8 = 16 B.
 
 `OffloadedAdamW`: the moments in host memory, the step on the CPU: 10 B per parameter on the GPU (engine
-weight, master, gradient) instead of 18, for host memory (16 B per parameter: a staging copy of each
-master and gradient, the moments) and PCIe traffic each step (gradients and masters down, masters up:
-12 B per parameter). The CPU step is torch's fused CPU AdamW over the host copies (plain tensors): one
-vectorized pass per tensor that reads and writes each element once, where the single-tensor loop makes
-~8 passes and allocates a temporary per parameter; at 8B parameters the host step was ~75-95% of a GRPO
-step (docs/performance.md). Each element's update is its own arithmetic, so the step is deterministic and
-a shard's update is the whole tensor's (tested), but it rounds differently from the single-tensor loop
-and from the fused CUDA step: an offloaded run is its own trajectory (a resume keeps the setting).
+weight, master, gradient) instead of 18, for host memory (the moments, 8 B per parameter, plus a fixed staging
+area: the masters and gradients pass through it a few hundred MB at a time, so the host holds no copy of the
+model besides the moments; a 30B model's two trainer ranks on one host need 244 GB, not 488) and PCIe traffic
+each step (gradients and masters down, masters up: 12 B per parameter). The CPU step is torch's fused CPU
+AdamW over the host copies (plain tensors): one vectorized pass per tensor that reads and writes each element
+once, where the single-tensor loop makes ~8 passes and allocates a temporary per parameter; at 8B parameters
+the host step was ~75-95% of a GRPO step (docs/performance.md). Each element's update is its own arithmetic,
+so the step is deterministic and a shard's update is the whole tensor's (tested), but it rounds differently
+from the single-tensor loop and from the fused CUDA step: an offloaded run is its own trajectory (a resume
+keeps the setting).
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ def state_bytes_per_param(engine_dtype: torch.dtype, master_weights: bool | None
     return engine + (trained if masters else 0) + trained + moments
 
 
+# OffloadedAdamW's staging area per dtype, in elements (x 2: masters and gradients; 512 MiB each in fp32):
+# large enough that copies run at PCIe speed and the per-chunk host overhead is small, small enough to pin.
+STAGE_ELEMENTS = 1 << 27
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (what this rank steps; FSDP2 parameters and their gradients), or `t`."""
     from torch.distributed.tensor import DTensor
@@ -86,14 +93,14 @@ class OffloadedAdamW:
         if not self.params:
             raise ValueError("OffloadedAdamW: no parameters to optimize")
         self.on_cuda = any(p.is_cuda for p in self.params)  # pinned host buffers: asynchronous copies
-
-        def host_like(p):
-            local = _local(p)
-            return torch.empty(tuple(local.shape), dtype=local.dtype, device="cpu", pin_memory=self.on_cuda)
-        host_groups = [{**g, "params": [torch.nn.Parameter(host_like(p)) for p in g["params"]]} for g in groups]
+        # One host tensor per parameter, the key of its AdamW state; between steps it holds no memory of its
+        # own (an empty tensor, or a view into the staging area): only the moments persist on the host.
+        host_groups = [{**g, "params": [torch.nn.Parameter(torch.empty(0, dtype=p.dtype)) for p in g["params"]]}
+                       for g in groups]
         self.host = [h for g in host_groups for h in g["params"]]  # in the order of self.params
-        self.host_grads = [host_like(p) for p in self.params]
         self.inner = torch.optim.AdamW(host_groups, lr=lr, weight_decay=weight_decay, fused=True, **kwargs)
+        self._staging: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # made at the first step
+        self.stage_elements = STAGE_ELEMENTS
 
     @property
     def param_groups(self):
@@ -111,9 +118,10 @@ class OffloadedAdamW:
                 continue
             entries = self.inner.state[h]
             if isinstance(p, DTensor):
+                shard = _local(p).shape
                 entries = {k: (DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape,
                                                   stride=p.stride())
-                               if isinstance(v, torch.Tensor) and v.shape == h.shape and v.dim() else v)
+                               if isinstance(v, torch.Tensor) and v.shape == shard and v.dim() else v)
                            for k, v in entries.items()}
             out[p] = entries
         return out
@@ -137,15 +145,54 @@ class OffloadedAdamW:
 
     @torch.no_grad()
     def step(self) -> None:
-        for p, h, g in zip(self.params, self.host, self.host_grads):
-            if p.grad is None:
-                h.grad = None  # AdamW skips it, as it would skip p
-                continue
-            h.copy_(_local(p), non_blocking=True)
-            h.grad = g.copy_(_local(p.grad), non_blocking=True)
+        """Copies a chunk of masters and gradients into the staging area, steps them, copies the masters back;
+        chunk after chunk. Each element's update is its own arithmetic, so the chunking (and where a tensor
+        lands in the staging area) changes no bit; the host tensors of parameters outside the chunk have
+        no gradient, which AdamW skips."""
+        todo = [i for i, p in enumerate(self.params) if p.grad is not None]
+        for h in self.host:
+            h.grad = None
+        for chunk in self._chunks(todo):
+            for i, (param_view, grad_view) in chunk:
+                self.host[i].data = param_view.copy_(_local(self.params[i]), non_blocking=True)
+                self.host[i].grad = grad_view.copy_(_local(self.params[i].grad), non_blocking=True)
+            if self.on_cuda:
+                torch.cuda.synchronize()  # the host copies must have landed before the CPU reads them
+            self.inner.step()
+            for i, _ in chunk:
+                # stream-ordered before any later use of the parameter, and before the next chunk's copies
+                # overwrite the staging area (one stream: the copy down waits for this copy up)
+                _local(self.params[i]).copy_(self.host[i], non_blocking=True)
+                self.host[i].grad = None
         if self.on_cuda:
-            torch.cuda.synchronize()  # the host copies must have landed before the CPU reads them
-        self.inner.step()
-        for p, h in zip(self.params, self.host):
-            if h.grad is not None:
-                _local(p).copy_(h, non_blocking=True)  # stream-ordered before any later use of p
+            torch.cuda.synchronize()  # the last chunk's copies up read the staging area
+
+    def _chunks(self, indices: list[int]):
+        """Yields lists of (parameter index, (param view, grad view)) whose views fit the staging area of
+        their dtype; each view starts at a multiple of 64 elements."""
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i in indices:
+            by_dtype.setdefault(_local(self.params[i]).dtype, []).append(i)
+        for dtype, members in by_dtype.items():
+            stage_p, stage_g = self._stage(dtype, max(_local(self.params[i]).numel() for i in members))
+            chunk, used = [], 0
+            for i in members:
+                shape = _local(self.params[i]).shape
+                n = _local(self.params[i]).numel()
+                if chunk and used + n > stage_p.numel():
+                    yield chunk
+                    chunk, used = [], 0
+                chunk.append((i, (stage_p[used:used + n].view(shape), stage_g[used:used + n].view(shape))))
+                used += -(-n // 64) * 64
+            if chunk:
+                yield chunk
+
+    def _stage(self, dtype: torch.dtype, largest: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (masters, gradients) staging buffers of a dtype: `stage_elements` each (STAGE_ELEMENTS unless
+        changed), or the largest tensor's size rounded up to 64."""
+        size = max(self.stage_elements, -(-largest // 64) * 64)
+        have = self._staging.get(dtype)
+        if have is None or have[0].numel() < size:
+            have = tuple(torch.empty(size, dtype=dtype, pin_memory=self.on_cuda) for _ in range(2))
+            self._staging[dtype] = have
+        return have
