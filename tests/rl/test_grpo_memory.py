@@ -1,7 +1,8 @@
 """The GRPO loop's memory choices: every score() of the update loop (the PPO micro-batches, the no-grad
 pi_old pass, the reference) computes logits only for the completion tokens, under the run's temperature;
-the optimizer is detinfer.train.optim's low-temporary AdamW in each weight-decay group, and a resumed
-run keeps the implementation of the device it resumes on."""
+the optimizer is detinfer.train.optim's low-temporary AdamW in each weight-decay group, a resumed run
+keeps the implementation of the device it resumes on, and a colocated sampler's KV pool is released for
+the update."""
 
 import json
 
@@ -74,3 +75,25 @@ def test_resume_keeps_this_devices_adamw_implementation(stories_dir, tmp_path):
         assert [g["weight_decay"] for g in resumed.optimizer.param_groups] == [0.05, 0.0]
     finally:
         resumed.close()
+
+
+@pytest.mark.parametrize("layout", ["colocated", "split"])
+def test_the_colocated_sampler_gives_its_kv_pool_to_the_update(stories_dir, monkeypatch, layout):
+    """Colocated: the sampler's KV pool is released for the whole update (scoring, backward, AdamW, the push)
+    and restored before the next rollout; split (the sampler on its own device): never released."""
+    seen = []
+    update = GRPOTrainer.update
+
+    def spy(self, rollout):
+        seen.append(self.llm.engine.runner.kv_released)
+        return update(self, rollout)
+    monkeypatch.setattr(GRPOTrainer, "update", spy)
+    trainer = GRPOTrainer(str(stories_dir), RLConfig(**BASE, layout=layout), device="cpu", max_model_len=64)
+    try:
+        for _ in range(2):
+            record = trainer.step()
+            assert not trainer.llm.engine.runner.kv_released  # restored: the next rollout can run
+            assert record["mismatch_bits_differ"] == 0.0
+    finally:
+        trainer.close()
+    assert seen == [layout == "colocated"] * 2

@@ -147,6 +147,10 @@ class EngineConfig:
     tensor_parallel_size: int = field(default=1, metadata=_help(
         "Split the model over this many processes (one per GPU; gloo processes on CPU): column-parallel "
         "qkv/gate_up, row-parallel o/down, vocab-parallel embedding and lm_head. See docs/tensor-parallel.md."))
+    releasable_kv_cache: bool = field(default=False, metadata=_help(
+        "Allocate the KV pool so that LLM.release_kv_cache() can hand its memory back while the engine is idle "
+        "and restore_kv_cache() take it again at the same addresses (CUDA graphs stay valid): a colocated RL "
+        "loop frees it for the trainer. See cache/releasable.py."))
     tp_invariant_reduction: bool = field(default=False, metadata=_help(
         "Deterministic mode: row-parallel layers sum fixed K chunks in a fixed tree, so TP=1, 2, 4, ... give "
         "the same bits (also changes TP=1's bits; off by default until its cost is measured). Ignored in fast mode."))
@@ -161,7 +165,7 @@ class EngineConfig:
         check_float("gpu_memory_utilization", self.gpu_memory_utilization, minimum=0.0, maximum=1.0,
                     min_exclusive=True)
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "cuda_graph_short_kv",
-                     "async_scheduling"):
+                     "async_scheduling", "releasable_kv_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         check_int("max_model_len", self.max_model_len, minimum=1, optional=True)

@@ -88,6 +88,20 @@ class LLM:
         if close is not None:
             close()
 
+    def release_kv_cache(self) -> None:
+        """Hand the KV pool's memory back while idle (LLM(..., releasable_kv_cache=True)), e.g. while a
+        colocated trainer needs the GPU; `restore_kv_cache()` before the next generate. The prefix cache is
+        dropped. Errors: unfinished requests, a pool built without the option, an engine in its own process."""
+        self._in_process("release_kv_cache").release_kv_cache()
+
+    def restore_kv_cache(self) -> None:
+        self._in_process("restore_kv_cache").restore_kv_cache()
+
+    def _in_process(self, what: str):
+        if not isinstance(self.engine, LLMEngine):
+            raise RuntimeError(f"{what}: not available for an engine in its own process (engine_process=True)")
+        return self.engine
+
     def __enter__(self):
         return self
 

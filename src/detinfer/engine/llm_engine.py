@@ -278,6 +278,20 @@ class LLMEngine:
                                "finish or abort them first")
         return self.scheduler.block_manager.reset_prefix_cache()
 
+    def release_kv_cache(self) -> None:
+        """Hand the KV pool's memory back while idle (engine built with releasable_kv_cache=True): the prefix
+        cache is dropped (its blocks' contents go with the memory) and no step runs until
+        `restore_kv_cache()`."""
+        self.reset_prefix_cache()  # refuses while requests are unfinished
+        with on_device(self.runner.device):
+            self.runner.release_kv_cache()
+
+    def restore_kv_cache(self) -> None:
+        """Memory for the KV pool again (same addresses; empty cache). Nothing to do if it was not released."""
+        if self.runner.kv_released:
+            with on_device(self.runner.device):
+                self.runner.restore_kv_cache()
+
     # -- one step ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that progressed (cumulative outputs).
@@ -285,6 +299,9 @@ class LLMEngine:
         Schedule, launch, resolve (read back and process). With async_scheduling the step resolved is the
         previous one, after this one was launched, so the host's work runs while the device computes (see
         the module docstring)."""
+        if self.runner.kv_released:
+            raise RuntimeError("the engine's KV cache is released (release_kv_cache()); call restore_kv_cache() "
+                               "before running requests")
         with on_device(self.runner.device):
             return self._step()
 

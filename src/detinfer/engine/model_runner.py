@@ -30,6 +30,7 @@ from detinfer.cache.paged_kv import (
     step_tensors,
     upload,
 )
+from detinfer.cache.releasable import ReleasableKV
 from detinfer.engine.config import EngineConfig
 from detinfer.engine.cuda_graphs import (
     GraphShape,
@@ -113,11 +114,33 @@ class ModelRunner:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         spec = KVCacheSpec(self.num_kv_blocks, self.block_size, model_config.num_key_value_heads,
                            model_config.head_dim, self.dtype)
-        self.kv_cache = allocate_kv_cache(spec, model_config.num_hidden_layers, self.device)
+        self._kv = ReleasableKV(spec, model_config.num_hidden_layers, self.device) \
+            if config.releasable_kv_cache else None
+        self.kv_cache = allocate_kv_cache(spec, model_config.num_hidden_layers, self.device) \
+            if self._kv is None else self._kv.pools
         self.graphs: StepGraphs | None = None
         if self.use_graphs:
             self.graphs = StepGraphs(self, shapes)
             self.graphs.capture()
+
+    # -- the KV pool's memory, handed back and taken again (config.releasable_kv_cache) -----------------------
+    @property
+    def kv_released(self) -> bool:
+        return self._kv is not None and self._kv.released
+
+    def release_kv_cache(self) -> None:
+        """Give the KV pool's memory back; the engine drops its prefix cache first and steps nothing until
+        `restore_kv_cache` (graphs captured on the pool stay valid: same addresses after the restore)."""
+        if self._kv is None:
+            raise RuntimeError("release_kv_cache: this engine's KV pool is not releasable; build it with "
+                               "releasable_kv_cache=True")
+        self._kv.release()
+        self.kv_cache = self._kv.pools
+
+    def restore_kv_cache(self) -> None:
+        if self._kv is not None:
+            self._kv.restore()
+            self.kv_cache = self._kv.pools
 
     @property
     def backend(self) -> str:
@@ -134,6 +157,8 @@ class ModelRunner:
         here waits for the device: host data goes up through pinned memory with non-blocking copies."""
         if batch.is_empty:
             raise ValueError("execute: the batch is empty")
+        if self.kv_released:  # the pool has no memory behind it: a kernel would fault
+            raise RuntimeError("execute: the KV cache is released (release_kv_cache); restore it first")
         if self.model.ops is not self.ops:  # graphs and the KV pools were set up for self.ops
             raise RuntimeError("the model's Ops were switched after this engine was built; build a new engine "
                                "for the other backend")

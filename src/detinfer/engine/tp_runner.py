@@ -211,6 +211,25 @@ class TensorParallelRunner:
             self._fail("a tensor-parallel step was interrupted")
             raise
 
+    # -- the KV pools' memory (config.releasable_kv_cache) -----------------------------------------------
+    def release_kv_cache(self) -> None:
+        self._kv_cache_on_every_rank("release")
+
+    def restore_kv_cache(self) -> None:
+        self._kv_cache_on_every_rank("restore")
+
+    def _kv_cache_on_every_rank(self, what: str) -> None:
+        if self._failure is not None:
+            raise RuntimeError(self._failure)
+        getattr(self.local, f"{what}_kv_cache")()  # rank 0 first: a pool that is not releasable raises here
+        try:
+            for conn in self._conns:
+                conn.send(("kv_cache", what))
+            self._expect("kv_cache_done")
+        except Exception as e:
+            self._fail(self._worker_failure(wait_s=2.0) or f"{what} of the KV cache failed ({e})")
+            raise RuntimeError(self._failure) from e
+
     # -- weight updates --------------------------------------------------------------------------------
     def load_full_weights(self, state, bucket_bytes: int | None = None) -> int:
         """Copy full (TP=1-shaped) weights `{name: tensor}` into every rank's shard, in place, in buckets

@@ -141,6 +141,9 @@ def _serve(conn, runner, group) -> None:
             from detinfer.distributed.weight_push import receive_weights
 
             receive_weights(group, runner.model, msg[1])
+        elif msg[0] == "kv_cache":  # "release" or "restore" this rank's KV pool; rank 0 waits for the reply
+            getattr(runner, f"{msg[1]}_kv_cache")()
+            conn.send(("kv_cache_done",))
         elif msg[0] == "stop":
             return
         else:

@@ -103,7 +103,10 @@ def build_engines(model, config: RLConfig, mode: str, device, max_model_len: int
     sampling = dict(mode=mode, dtype=c.dtype, block_size=KV_BLOCK_SIZE, num_kv_blocks=blocks,
                     max_model_len=max_model_len, max_num_seqs=min(c.max_num_seqs, seqs),
                     max_num_batched_tokens=max(c.max_num_batched_tokens, min(c.max_num_seqs, seqs)),
-                    enforce_eager=c.enforce_eager, tp_invariant_reduction=invariant)
+                    enforce_eager=c.enforce_eager, tp_invariant_reduction=invariant,
+                    # colocated: the sampler's KV pool is handed back during each update (grpo.py) and taken again
+                    # at the same addresses after it, so the trainer has that memory and the graphs stay valid
+                    releasable_kv_cache=c.layout == "colocated")
     if c.tensor_parallel_size == 1 and c.layout == "colocated" and c.trainer_ranks == 1:
         llm = LLM(str(model), device=device, **sampling)
         return llm, llm

@@ -145,7 +145,8 @@ class GRPOTrainer:
         _sync(self.device)
         t1 = time.perf_counter()
         with ctrl_c_deferred():  # the weights, optimizer state, step count and history change together
-            with contextlib.nullcontext() if self._followers is None else self._followers.guard():
+            with self._sampler_kv_released(), \
+                    contextlib.nullcontext() if self._followers is None else self._followers.guard():
                 if self._followers is not None:  # the other trainer ranks join this update
                     self._followers.send("update", (self.step_index, shareable(rollout)))
                 stats = self.update(rollout)
@@ -172,6 +173,20 @@ class GRPOTrainer:
                 record.update(self.evaluate())
             self.history.append(record)
         return record
+
+    @contextlib.contextmanager
+    def _sampler_kv_released(self):
+        """Colocated layout: the sampler's KV pool gives its memory to the update and gets it back after
+        (rl/engines.py builds that sampler with a releasable pool; its prefix cache is dropped anyway by the
+        weight push). Other layouts: nothing."""
+        release = self.llm is not None and self.config.layout == "colocated" and self._owns_engines
+        if release:
+            self.llm.release_kv_cache()
+        try:
+            yield
+        finally:
+            if release:
+                self.llm.restore_kv_cache()
 
     def encode(self, example: Example) -> list[int]:
         return encode_prompt(self.tokenizer, example.prompt, chat=self.task.chat,
