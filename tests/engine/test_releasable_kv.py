@@ -11,23 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from detinfer.engine import EngineConfig, LLMEngine, SamplingParams
+from detinfer.engine.testing import drive
 from detinfer.models.testing import write_tiny_checkpoint
 
 ENGINE = dict(max_num_batched_tokens=16, max_num_seqs=4, block_size=4, num_kv_blocks=64, max_model_len=64)
 
 
 def generate(engine, prompts, seed=4):
-    """(token ids, logprobs) per prompt."""
+    """Each request's signature (token ids, logprobs as exact hex, finish reasons, ...) by request id."""
     params = SamplingParams(max_tokens=5, temperature=1.0, seed=seed, logprobs=0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [(list(done[str(i)].outputs[0].token_ids), [e.logprob for e in done[str(i)].outputs[0].logprobs])
-            for i in range(len(prompts))]
+    return drive(engine, [(0, str(i), p, params) for i, p in enumerate(prompts)])
 
 
 @pytest.fixture(scope="module")
