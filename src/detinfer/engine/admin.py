@@ -52,12 +52,6 @@ class HeldCommands:
         while self._queue and (not self._is_admin(self._queue[0]) or idle()):
             apply(self._queue.popleft())
 
-    def drain(self) -> list:
-        """Everything still held (shutdown answers each), emptying the queue."""
-        out = list(self._queue)
-        self._queue.clear()
-        return out
-
 
 def run_admin(engine: Any, op: str, arg: Any = None) -> dict[str, Any]:
     """Run one operation on an idle engine; ValueError (nothing changed) for a bad request."""
