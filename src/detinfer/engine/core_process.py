@@ -32,13 +32,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from detinfer.engine import core_wire as wire
-from detinfer.engine.core import EngineCore, EngineCoreError, Ready, Shutdown, StartupError, StepDone
+from detinfer.engine.core import EngineCore, EngineCoreError, Ready, Shutdown, StartupError, StepDone, exception_of
 
 SOCKET_BUFFER_BYTES = 4 << 20  # a few steps' outputs fit even while the front end is busy
 STOP_TIMEOUT_S = 10.0
 STEP_GATE_ENV = "DETINFER_TEST_STEP_GATE"  # test-only, see StepGate
-_STARTUP_ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "OSError": OSError,
-                   "FileNotFoundError": FileNotFoundError, "KeyError": KeyError, "RuntimeError": RuntimeError}
 
 
 @dataclass(frozen=True)
@@ -59,17 +57,6 @@ def _front_end_threads() -> int | None:
     return None if torch is None else torch.get_num_threads()
 
 
-def _build_engine(spec: CoreSpec):
-    import torch
-
-    from detinfer.engine.llm_engine import LLMEngine
-
-    if spec.torch_threads is not None:
-        torch.set_num_threads(spec.torch_threads)
-
-    return LLMEngine(spec.model_dir, spec.config, device=spec.device, attention_backend=spec.attention_backend)
-
-
 def engine_info(engine) -> dict[str, Any]:
     """The facts a front end needs without the engine: resolved config, vocabulary size, device (and, on CUDA,
     its name and compute capability, so the front end never has to touch the GPU), dtype."""
@@ -88,7 +75,13 @@ def run_core(sock: socket.socket, spec: CoreSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        engine = _build_engine(spec)
+        import torch
+
+        from detinfer.engine.llm_engine import LLMEngine
+
+        if spec.torch_threads is not None:
+            torch.set_num_threads(spec.torch_threads)
+        engine = LLMEngine(spec.model_dir, spec.config, device=spec.device, attention_backend=spec.attention_backend)
     except BaseException as e:  # noqa: BLE001 -- every start-up failure goes back with its message
         wire.send(sock, StartupError(type(e).__name__, str(e) or repr(e)))
         sys.exit(1)
@@ -227,7 +220,7 @@ def start_core(spec: CoreSpec, *, timeout: float | None = None, cancel: threadin
     if isinstance(msg, StartupError):
         ours.close()
         process.join(STOP_TIMEOUT_S)
-        raise _STARTUP_ERRORS.get(msg.kind, RuntimeError)(msg.message)
+        raise exception_of((msg.kind, msg.message))
     return CoreProcess(process, ours, msg.info, spec)
 
 

@@ -98,18 +98,20 @@ def decode_prompt(prompt: Any) -> Any:
     return array("i", prompt).tolist() if isinstance(prompt, bytes) else prompt
 
 
-def encode_prompts(command: Any) -> Any:
-    """An `AddRequests` with its prompts encoded for the wire (any other command as is)."""
+def _map_prompts(command: Any, fn: Callable[[Any], Any]) -> Any:
     if not isinstance(command, AddRequests):
         return command
-    return dataclasses.replace(command, requests=tuple((r, encode_prompt(p), sp) for r, p, sp in command.requests))
+    return dataclasses.replace(command, requests=tuple((r, fn(p), sp) for r, p, sp in command.requests))
+
+
+def encode_prompts(command: Any) -> Any:
+    """An `AddRequests` with its prompts encoded for the wire (any other command as is)."""
+    return _map_prompts(command, encode_prompt)
 
 
 def decode_prompts(command: Any) -> Any:
     """The inverse of encode_prompts, in the core."""
-    if not isinstance(command, AddRequests):
-        return command
-    return dataclasses.replace(command, requests=tuple((r, decode_prompt(p), sp) for r, p, sp in command.requests))
+    return _map_prompts(command, decode_prompt)
 
 
 # -- output deltas ----------------------------------------------------------------------------------------

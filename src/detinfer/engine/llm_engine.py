@@ -321,8 +321,7 @@ class LLMEngine:
             # so its requests cannot simply be retried: abort them (their blocks are freed and they end
             # with finish_reason "abort" at the next step) and let the caller see the error. Requests
             # not in the batch are untouched (the previous step stays to be read), so the engine stays usable.
-            for rid in dict.fromkeys(item.seq.request_id for item in batch.scheduled):
-                self.abort_request(rid)
+            self._abort_requests_in([batch])
             self._inflight = previous
             raise
         c = self._counters
@@ -370,9 +369,12 @@ class LLMEngine:
         try:
             return self._resolve(launched)
         except BaseException:
-            for rid in dict.fromkeys(item.seq.request_id for part in launched for item in part.batch.scheduled):
-                self.abort_request(rid)
+            self._abort_requests_in([part.batch for part in launched])
             raise
+
+    def _abort_requests_in(self, batches: list[ScheduledBatch]) -> None:
+        for rid in dict.fromkeys(item.seq.request_id for batch in batches for item in batch.scheduled):
+            self.abort_request(rid)
 
     def _launch_step(self, batch: ScheduledBatch, pending: SampledIds | None) -> LaunchedStep:
         mask = self._grammars.mask_logits if self._grammars else None

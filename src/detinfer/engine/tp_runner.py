@@ -28,6 +28,7 @@ group when a worker exits, and every collective has a timeout (group.DEFAULT_TIM
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.connection as mpc
 import threading
 import time
@@ -166,7 +167,6 @@ class TensorParallelRunner:
                 raise
             raise RuntimeError(failure) from e
 
-
     # -- what the engine reads ------------------------------------------------------------------------
     @property
     def ops(self):
@@ -190,11 +190,7 @@ class TensorParallelRunner:
         return self._step(layout, input_ids, True, lambda ids: self.local.run_padded_eager(layout, ids))
 
     def _step(self, layout, input_ids: torch.Tensor | None, padded: bool, run_local) -> torch.Tensor:
-        if self._failure is None:
-            self._failure = self._worker_failure()
-        if self._failure is not None:
-            raise RuntimeError(self._failure)
-        try:
+        with self._group_operation("step"):
             msg = step_message(self.local, layout, input_ids is not None, padded)
             for conn in self._conns:
                 conn.send(msg)
@@ -203,12 +199,23 @@ class TensorParallelRunner:
                 # The workers receive them by this broadcast (ordered on the stream: no host sync).
                 input_ids = self.group.broadcast(input_ids.contiguous())
             return run_local(input_ids)
+
+    @contextlib.contextmanager
+    def _group_operation(self, what: str):
+        """Run one operation of the whole group (a step, a weight load): refused once a rank failed; any
+        failure inside it stops the group, since the ranks' collectives are out of step from then on."""
+        if self._failure is None:
+            self._failure = self._worker_failure()
+        if self._failure is not None:
+            raise RuntimeError(self._failure)
+        try:
+            yield
         except Exception as e:
             self._fail(self._worker_failure(wait_s=2.0) or
-                       f"tensor-parallel step failed on rank 0 ({type(e).__name__}: {e})")
+                       f"tensor-parallel {what} failed on rank 0 ({type(e).__name__}: {e})")
             raise RuntimeError(self._failure) from e
-        except BaseException:  # interrupted mid-step: the ranks' collectives are out of step from here on
-            self._fail("a tensor-parallel step was interrupted")
+        except BaseException:
+            self._fail(f"a tensor-parallel {what} was interrupted")
             raise
 
     # -- weight updates --------------------------------------------------------------------------------
@@ -216,7 +223,8 @@ class TensorParallelRunner:
         """Copy full (TP=1-shaped) weights `{name: tensor}` into every rank's shard, in place, in buckets
         scattered over the TP group (distributed/weight_push.py); returns the tensors loaded. Validated first
         (nothing changes on a bad name or shape); a failure during the transfer stops the group like a failed
-        step. The caller drops the prefix cache (its blocks hold the old weights' K/V)."""
+        step. The caller (`admin.push_weights`, which refuses FP8 engines) drops the prefix cache (its blocks
+        hold the old weights' K/V)."""
         from detinfer.distributed.weight_push import (
             DEFAULT_BUCKET_BYTES,
             check_full_state,
@@ -225,26 +233,12 @@ class TensorParallelRunner:
             send_weights,
         )
 
-        if self.model_config.quantization is not None:  # a 16-bit tensor copied into an fp8 one loses its scales
-            raise ValueError(f"loading weights into a running {self.model_config.quantization} engine is not "
-                             "supported; start a new engine on the checkpoint")
         check_full_state(state, full_shapes(self.model_config, self.local.ops))
         buckets = plan_buckets(self.local.model, state, bucket_bytes or DEFAULT_BUCKET_BYTES)
-        if self._failure is None:
-            self._failure = self._worker_failure()
-        if self._failure is not None:
-            raise RuntimeError(self._failure)
-        try:
+        with self._group_operation("weight load"):
             for conn in self._conns:
                 conn.send(("load_weights", buckets))
             send_weights(self.group, self.local.model, self.model_config, buckets, state)
-        except Exception as e:
-            self._fail(self._worker_failure(wait_s=2.0) or
-                       f"tensor-parallel weight load failed on rank 0 ({type(e).__name__}: {e})")
-            raise RuntimeError(self._failure) from e
-        except BaseException:
-            self._fail("a tensor-parallel weight load was interrupted")
-            raise
         return len(state)
 
     def _fail(self, message: str) -> None:

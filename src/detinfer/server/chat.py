@@ -87,10 +87,7 @@ def _stream(state, req: P.ChatCompletionRequest, gen: Generation, created: int, 
             u.usage = usage(gen)
             yield u
 
-    def final(tracker: ChoiceTracker):
-        open_ = [c for c in range(gen.params.n) if c not in tracker.finished]
-        count_finishes(state, ["abort"] * len(open_))
-        for c in open_:
-            yield chunk([P.ChatChunkChoice(index=c, delta=P.DeltaMessage(), finish_reason="abort")])
+    def aborted(c: int) -> P.ChatCompletionChunk:
+        return chunk([P.ChatChunkChoice(index=c, delta=P.DeltaMessage(), finish_reason="abort")])
 
-    return stream_response(gen, emit, final, headers)
+    return stream_response(gen, emit, aborted, headers)

@@ -118,10 +118,7 @@ def _stream(state, req: P.CompletionRequest, gen: Generation, choices: _Choices,
         if include_usage and all(x is not None and x.finished for x in gen.latest):
             yield resp([], usage(gen))
 
-    def final(tracker: ChoiceTracker):
-        open_ = [c for c in range(len(gen.prompts) * n) if c not in tracker.finished]
-        count_finishes(state, ["abort"] * len(open_))
-        for c in open_:
-            yield resp([P.CompletionChoice(index=c, text="", finish_reason="abort")])
+    def aborted(c: int) -> P.CompletionResponse:
+        return resp([P.CompletionChoice(index=c, text="", finish_reason="abort")])
 
-    return stream_response(gen, emit, final, headers)
+    return stream_response(gen, emit, aborted, headers)
