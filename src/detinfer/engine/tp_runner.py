@@ -168,15 +168,7 @@ class TensorParallelRunner:
             raise RuntimeError(failure) from e
 
     # -- what the engine reads ------------------------------------------------------------------------
-    @property
-    def ops(self):
-        return self.local.ops
-
-    @property
-    def model(self):
-        return self.local.model
-
-    def __getattr__(self, name):  # device, dtype, num_kv_blocks, block_size, ...: the local runner's
+    def __getattr__(self, name):  # ops, model, device, dtype, num_kv_blocks, block_size, ...: the local runner's
         if name == "local":
             raise AttributeError(name)
         return getattr(self.local, name)
@@ -253,9 +245,7 @@ class TensorParallelRunner:
             for r, (proc, conn) in enumerate(zip(self._procs, self._conns), 1):
                 text = self._error_from(conn)
                 if text is not None or not proc.is_alive():
-                    proc.join(timeout=1.0)
-                    detail = f":\n{text}" if text else ""
-                    return f"tensor-parallel worker rank {r} failed (exit code {proc.exitcode}){detail}"
+                    return _rank_failed(r, proc, text)
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)
@@ -285,10 +275,7 @@ class TensorParallelRunner:
                 if msg is not None and msg[0] == kind:
                     got[r] = msg
                 elif (msg is not None and msg[0] == "error") or not proc.is_alive():
-                    proc.join(timeout=1.0)
-                    detail = f":\n{msg[1]}" if msg is not None else ""
-                    raise RuntimeError(f"tensor-parallel worker rank {r} failed during start-up (exit code "
-                                       f"{proc.exitcode}){detail}")
+                    raise RuntimeError(_rank_failed(r, proc, msg and msg[1], " during start-up"))
             if time.monotonic() > deadline:
                 raise RuntimeError(f"tensor-parallel workers did not send {kind!r} within {STARTUP_TIMEOUT_S} s")
         return [got[r] for r in sorted(got)]
@@ -301,6 +288,13 @@ class TensorParallelRunner:
             finalizer()
         else:
             _stop_workers(self._procs, self._conns)
+
+
+def _rank_failed(rank: int, proc, traceback_text: str | None, when: str = "") -> str:
+    """The message naming a failed worker rank, with the traceback it sent (if any)."""
+    proc.join(timeout=1.0)
+    detail = f":\n{traceback_text}" if traceback_text else ""
+    return f"tensor-parallel worker rank {rank} failed{when} (exit code {proc.exitcode}){detail}"
 
 
 def _watch(sentinels, runner_ref) -> None:
