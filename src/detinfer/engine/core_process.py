@@ -50,13 +50,6 @@ class CoreSpec:
     torch_threads: int | None = None  # the front end's intra-op thread count (CPU runs), kept by the core
 
 
-def _front_end_threads() -> int | None:
-    """The caller's torch thread count, if it chose one (torch imported): the core runs the same CPU policy as
-    the in-process engine would have in the caller's process."""
-    torch = sys.modules.get("torch")
-    return None if torch is None else torch.get_num_threads()
-
-
 def engine_info(engine) -> dict[str, Any]:
     """The facts a front end needs without the engine: resolved config, vocabulary size, device (and, on CUDA,
     its name and compute capability, so the front end never has to touch the GPU), dtype."""
@@ -204,8 +197,11 @@ def start_core(spec: CoreSpec, *, timeout: float | None = None, cancel: threadin
     for s in (ours, theirs):
         s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
-    if spec.torch_threads is None:
-        spec = dataclasses.replace(spec, torch_threads=_front_end_threads())
+    torch = sys.modules.get("torch")
+    if spec.torch_threads is None and torch is not None:
+        # The caller's torch thread count (torch imported): the core runs the same CPU policy as the in-process
+        # engine would have in the caller's process.
+        spec = dataclasses.replace(spec, torch_threads=torch.get_num_threads())
     process = ctx.Process(target=run_core, args=(theirs, spec), name="detinfer-engine-core")
     try:
         process.start()

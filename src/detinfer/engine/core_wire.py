@@ -166,16 +166,13 @@ class OutputAssembler:
     def __init__(self):
         self._reqs: dict[str, list] = {}  # request id -> [prompt, prompt ids, prompt logprobs, {index: _Sample}]
 
-    def forget(self, request_id: str) -> None:
-        self._reqs.pop(request_id, None)
-
     def apply_step(self, deltas: tuple, keep: Callable[[str], bool] = lambda request_id: True) -> list[RequestOutput]:
         """One step's RequestOutputs, for the requests `keep` accepts; the others are forgotten (aborted by the
         front end already, or refused as part of an add)."""
         outs = []
         for delta in deltas:
             if not keep(delta[0]):
-                self.forget(delta[0])
+                self._reqs.pop(delta[0], None)
             elif (out := self.apply(delta)) is not None:
                 outs.append(out)
         return outs

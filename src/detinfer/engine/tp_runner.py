@@ -80,12 +80,6 @@ def make_runner(model: Transformer | None, model_config: ModelConfig, config: En
 _WORKER_PRELOAD = ["detinfer.engine.tp_worker", "detinfer.distributed.layers", "detinfer.engine.model_runner"]
 
 
-def _process_context():
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_WORKER_PRELOAD)
-    return ctx
-
-
 def rank_devices(device: torch.device, size: int) -> list[torch.device]:
     """Rank r's device: CPU for all, or the r-th CUDA device from the engine's."""
     if device.type != "cuda":
@@ -114,7 +108,8 @@ class TensorParallelRunner:
         self._procs, self._conns, self._failure, self._closing = [], [], None, False
         store = master_store(size, timeout_s=timeout_s)
         port = store.port
-        ctx = _process_context()
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_WORKER_PRELOAD)
         threads = max(1, torch.get_num_threads() // size) if device.type == "cpu" else None
         try:
             for r in range(1, size):
