@@ -112,18 +112,26 @@ def count_finishes(state: ServerState, reasons: list[str | None]) -> None:
         state.engine.metrics.finished.inc(finish_reason=reason or "abort")
 
 
-def stream_response(gen: Generation, emit: Callable, aborted: Callable,
+def stream_response(gen: Generation, req: Any, emit: Callable, aborted: Callable, usage_chunk: Callable,
                     headers: dict[str, str] | None = None) -> AbortingStream:
-    """SSE: `emit(tracker, prompt index, output)` yields chunks as outputs come; if the server shuts down,
+    """SSE: for each new part of a choice (`ChoiceTracker.deltas`), `emit(prompt index, output, choice index,
+    text, logprob entries, finish_reason, token ids)` yields its chunks (every finish is counted here); once
+    every prompt finished, `usage_chunk(usage)` if `req.stream_options` asks for it; if the server shuts down,
     `aborted(choice index)` is the chunk that closes each open choice with "abort"; ends with [DONE] in every
     case."""
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     async def body():
         choices = ChoiceTracker(gen.params.n)
         try:
             async for i, out in gen.updates():
-                for chunk in emit(choices, i, out):
-                    yield sse(chunk)
+                for c, text, entries, finish, ids in choices.deltas(i, out):
+                    if finish is not None:
+                        gen.engine.metrics.finished.inc(finish_reason=finish)
+                    for chunk in emit(i, out, c, text, entries, finish, ids):
+                        yield sse(chunk)
+                if include_usage and all(x is not None and x.finished for x in gen.latest):
+                    yield sse(usage_chunk(usage(gen)))
         except RequestAborted:  # server shutdown: close every open choice with "abort"
             for c in range(len(gen.prompts) * gen.params.n):
                 if c not in choices.finished:
