@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from detinfer.server import protocol as P
-from detinfer.server.structured import structured_outputs
+from detinfer.server.sampling import structured_outputs
 
 pytest.importorskip("llguidance")
 MODEL_NAME = "tiny-llama"

@@ -86,8 +86,9 @@ def allocate_kv_cache(spec: KVCacheSpec, num_layers: int, device: torch.device |
 
 def upload(values, dtype: torch.dtype, device: torch.device | str, *, out: torch.Tensor | None = None
            ) -> torch.Tensor:
-    """Host values (nested lists) on `device`, without waiting for the device: the one host->device path of
-    every step input (eager steps, CUDA-graph inputs, sampled-id gathers). On CUDA the values are written
+    """Host values (nested lists, or a tensor built on the host) on `device`, without waiting for the device:
+    the one host->device path of every step input (eager steps, CUDA-graph inputs, sampled-id gathers, the
+    sampler's per-row values, logits processors' and grammars' masks). On CUDA the values are written
     once into pinned memory and copied with non_blocking=True: a copy from pageable memory may wait for the
     device's queued work, and the engine prepares a step while the previous one still runs (overlapped
     scheduling). The pinned block comes from torch's caching host allocator, which reuses it only after the
@@ -96,7 +97,10 @@ def upload(values, dtype: torch.dtype, device: torch.device | str, *, out: torch
     `out`: a device buffer (e.g. a CUDA graph's static input, which replay reads in place) to copy the
     values into instead of a new tensor; it may be a strided view. Returns `out`, or the new tensor."""
     cuda = torch.device(device).type == "cuda"
-    host = torch.tensor(values, dtype=dtype, pin_memory=cuda)
+    if isinstance(values, torch.Tensor):
+        host = values.to(dtype).pin_memory() if cuda else values.to(dtype)
+    else:
+        host = torch.tensor(values, dtype=dtype, pin_memory=cuda)
     if out is not None:
         return out.copy_(host.view(out.shape), non_blocking=True)
     return host.to(device, non_blocking=True) if cuda else host.to(device)

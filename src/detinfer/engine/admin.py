@@ -52,12 +52,6 @@ class HeldCommands:
         while self._queue and (not self._is_admin(self._queue[0]) or idle()):
             apply(self._queue.popleft())
 
-    def drain(self) -> list:
-        """Everything still held (shutdown answers each), emptying the queue."""
-        out = list(self._queue)
-        self._queue.clear()
-        return out
-
 
 def run_admin(engine: Any, op: str, arg: Any = None) -> dict[str, Any]:
     """Run one operation on an idle engine; ValueError (nothing changed) for a bad request."""
@@ -65,19 +59,14 @@ def run_admin(engine: Any, op: str, arg: Any = None) -> dict[str, Any]:
         raise RuntimeError(f"{op}: the engine has unfinished requests")
     if op == "reset_prefix_cache":
         return {"prefix_cache_blocks_dropped": engine.reset_prefix_cache()}
-    if op == "weights_fingerprint":
-        return {"weights_sha256": weights_sha256(_model_of(engine))}
+    if op == "weights_fingerprint":  # the whole model's: under tensor parallelism rank 0 holds only a shard
+        if engine.config.tensor_parallel_size > 1:
+            raise ValueError("weights_fingerprint needs tensor_parallel_size 1 (each rank holds a shard); at a "
+                             "larger size load_weights returns the digest of the full weights it loaded")
+        return {"weights_sha256": weights_sha256(engine.runner.model)}
     if op == "load_weights":
         return load_weights(engine, arg)
     raise ValueError(f"unknown admin operation {op!r}; allowed: {', '.join(ADMIN_OPS)}")
-
-
-def _model_of(engine: Any):
-    """The engine's whole model; under tensor parallelism rank 0 holds only a shard of it."""
-    if engine.config.tensor_parallel_size > 1:
-        raise ValueError("weights_fingerprint needs tensor_parallel_size 1 (each rank holds a shard); at a larger "
-                         "size load_weights returns the digest of the full weights it loaded")
-    return engine.runner.model
 
 
 def weights_sha256(model: Any) -> str:

@@ -161,9 +161,7 @@ class BlockManager:
             block_id = self._free_uncached.popleft()
         elif self._free_cached:
             block_id, _ = self._free_cached.popitem(last=False)  # evict the least recently freed
-            block = self._blocks[block_id]
-            del self._hash_to_block[block.block_hash]
-            block.block_hash, block.token_ids = None, ()
+            self._uncache(block_id)
         else:
             raise RuntimeError("out of KV blocks")
         self._blocks[block_id].ref_count = 1
@@ -228,15 +226,17 @@ class BlockManager:
         stale). Only free cached blocks are dropped: they become plain free blocks. Blocks still owned by
         a sequence keep their hash, so call this when no sequence runs (the engine checks that). Returns
         how many blocks were dropped."""
-        dropped = 0
-        for block_id in list(self._free_cached):
-            block = self._blocks[block_id]
-            del self._hash_to_block[block.block_hash]
-            block.block_hash, block.token_ids = None, ()
+        dropped = list(self._free_cached)
+        for block_id in dropped:
+            self._uncache(block_id)
             self._free_uncached.append(block_id)
-            dropped += 1
         self._free_cached.clear()
-        return dropped
+        return len(dropped)
+
+    def _uncache(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        del self._hash_to_block[block.block_hash]
+        block.block_hash, block.token_ids = None, ()
 
     # -- invariants ----------------------------------------------------------------------------------
     def check_invariants(self, owners: Iterable[Sequence]) -> None:

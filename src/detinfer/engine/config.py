@@ -165,7 +165,7 @@ class EngineConfig:
         check_float("gpu_memory_utilization", self.gpu_memory_utilization, minimum=0.0, maximum=1.0,
                     min_exclusive=True)
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "cuda_graph_short_kv",
-                     "async_scheduling", "releasable_kv_cache"):
+                     "async_scheduling", "tp_invariant_reduction", "releasable_kv_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         check_int("max_model_len", self.max_model_len, minimum=1, optional=True)
@@ -175,8 +175,6 @@ class EngineConfig:
         check_choice("quantization", self.quantization, QUANTIZATION_CHOICES)
         check_int("seed", self.seed, minimum=0, maximum=MAX_SEED, optional=True)
         check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1, maximum=MAX_TENSOR_PARALLEL)
-        if not isinstance(self.tp_invariant_reduction, bool):
-            raise TypeError(f"tp_invariant_reduction must be a bool, got {self.tp_invariant_reduction!r}")
         # Every running sequence must be able to decode in every step, or a step could starve one.
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "

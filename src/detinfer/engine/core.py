@@ -137,11 +137,16 @@ def error_of(e: BaseException) -> tuple[str, str]:
     return "other", repr(e)
 
 
+# Exceptions a front end raises as their own type: ValueError/TypeError (the engine refused the input; `error_of`
+# names no other), and what a core's start-up may fail with (`StartupError`).
+_KNOWN_ERRORS = {e.__name__: e for e in (ValueError, TypeError, OSError, FileNotFoundError, KeyError, RuntimeError)}
+
+
 def exception_of(error: tuple[str, str], other: Callable[[str], BaseException] = RuntimeError) -> BaseException:
-    """The exception a front end raises for an `error_of` pair: ValueError/TypeError as such (the engine refused
-    the input), anything else as `other(message)`."""
+    """The exception a front end raises for an `error_of` pair or a `StartupError`'s (kind, message): the
+    known types above as such, anything else as `other(message)`."""
     kind, message = error
-    return {"ValueError": ValueError, "TypeError": TypeError}.get(kind, other)(message)
+    return _KNOWN_ERRORS.get(kind, other)(message)
 
 
 def stats_dict(raw: Any) -> dict[str, float]:

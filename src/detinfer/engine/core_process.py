@@ -32,13 +32,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from detinfer.engine import core_wire as wire
-from detinfer.engine.core import EngineCore, EngineCoreError, Ready, Shutdown, StartupError, StepDone
+from detinfer.engine.core import EngineCore, EngineCoreError, Ready, Shutdown, StartupError, StepDone, exception_of
 
 SOCKET_BUFFER_BYTES = 4 << 20  # a few steps' outputs fit even while the front end is busy
 STOP_TIMEOUT_S = 10.0
 STEP_GATE_ENV = "DETINFER_TEST_STEP_GATE"  # test-only, see StepGate
-_STARTUP_ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "OSError": OSError,
-                   "FileNotFoundError": FileNotFoundError, "KeyError": KeyError, "RuntimeError": RuntimeError}
 
 
 @dataclass(frozen=True)
@@ -50,24 +48,6 @@ class CoreSpec:
     device: str | None = None
     attention_backend: str = "auto"
     torch_threads: int | None = None  # the front end's intra-op thread count (CPU runs), kept by the core
-
-
-def _front_end_threads() -> int | None:
-    """The caller's torch thread count, if it chose one (torch imported): the core runs the same CPU policy as
-    the in-process engine would have in the caller's process."""
-    torch = sys.modules.get("torch")
-    return None if torch is None else torch.get_num_threads()
-
-
-def _build_engine(spec: CoreSpec):
-    import torch
-
-    from detinfer.engine.llm_engine import LLMEngine
-
-    if spec.torch_threads is not None:
-        torch.set_num_threads(spec.torch_threads)
-
-    return LLMEngine(spec.model_dir, spec.config, device=spec.device, attention_backend=spec.attention_backend)
 
 
 def engine_info(engine) -> dict[str, Any]:
@@ -88,7 +68,13 @@ def run_core(sock: socket.socket, spec: CoreSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        engine = _build_engine(spec)
+        import torch
+
+        from detinfer.engine.llm_engine import LLMEngine
+
+        if spec.torch_threads is not None:
+            torch.set_num_threads(spec.torch_threads)
+        engine = LLMEngine(spec.model_dir, spec.config, device=spec.device, attention_backend=spec.attention_backend)
     except BaseException as e:  # noqa: BLE001 -- every start-up failure goes back with its message
         wire.send(sock, StartupError(type(e).__name__, str(e) or repr(e)))
         sys.exit(1)
@@ -211,8 +197,11 @@ def start_core(spec: CoreSpec, *, timeout: float | None = None, cancel: threadin
     for s in (ours, theirs):
         s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
-    if spec.torch_threads is None:
-        spec = dataclasses.replace(spec, torch_threads=_front_end_threads())
+    torch = sys.modules.get("torch")
+    if spec.torch_threads is None and torch is not None:
+        # The caller's torch thread count (torch imported): the core runs the same CPU policy as the in-process
+        # engine would have in the caller's process.
+        spec = dataclasses.replace(spec, torch_threads=torch.get_num_threads())
     process = ctx.Process(target=run_core, args=(theirs, spec), name="detinfer-engine-core")
     try:
         process.start()
@@ -227,7 +216,7 @@ def start_core(spec: CoreSpec, *, timeout: float | None = None, cancel: threadin
     if isinstance(msg, StartupError):
         ours.close()
         process.join(STOP_TIMEOUT_S)
-        raise _STARTUP_ERRORS.get(msg.kind, RuntimeError)(msg.message)
+        raise exception_of((msg.kind, msg.message))
     return CoreProcess(process, ours, msg.info, spec)
 
 

@@ -98,18 +98,20 @@ def decode_prompt(prompt: Any) -> Any:
     return array("i", prompt).tolist() if isinstance(prompt, bytes) else prompt
 
 
-def encode_prompts(command: Any) -> Any:
-    """An `AddRequests` with its prompts encoded for the wire (any other command as is)."""
+def _map_prompts(command: Any, fn: Callable[[Any], Any]) -> Any:
     if not isinstance(command, AddRequests):
         return command
-    return dataclasses.replace(command, requests=tuple((r, encode_prompt(p), sp) for r, p, sp in command.requests))
+    return dataclasses.replace(command, requests=tuple((r, fn(p), sp) for r, p, sp in command.requests))
+
+
+def encode_prompts(command: Any) -> Any:
+    """An `AddRequests` with its prompts encoded for the wire (any other command as is)."""
+    return _map_prompts(command, encode_prompt)
 
 
 def decode_prompts(command: Any) -> Any:
     """The inverse of encode_prompts, in the core."""
-    if not isinstance(command, AddRequests):
-        return command
-    return dataclasses.replace(command, requests=tuple((r, decode_prompt(p), sp) for r, p, sp in command.requests))
+    return _map_prompts(command, decode_prompt)
 
 
 # -- output deltas ----------------------------------------------------------------------------------------
@@ -164,16 +166,13 @@ class OutputAssembler:
     def __init__(self):
         self._reqs: dict[str, list] = {}  # request id -> [prompt, prompt ids, prompt logprobs, {index: _Sample}]
 
-    def forget(self, request_id: str) -> None:
-        self._reqs.pop(request_id, None)
-
     def apply_step(self, deltas: tuple, keep: Callable[[str], bool] = lambda request_id: True) -> list[RequestOutput]:
         """One step's RequestOutputs, for the requests `keep` accepts; the others are forgotten (aborted by the
         front end already, or refused as part of an add)."""
         outs = []
         for delta in deltas:
             if not keep(delta[0]):
-                self.forget(delta[0])
+                self._reqs.pop(delta[0], None)
             elif (out := self.apply(delta)) is not None:
                 outs.append(out)
         return outs

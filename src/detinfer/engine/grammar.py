@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from detinfer.cache.paged_kv import upload
 from detinfer.engine.structured import StructuredOutputError, StructuredOutputs, compile_grammar, llguidance
 
 TEMPLATE_CACHE_SIZE = 64  # compiled grammars kept per engine, least recently used dropped first
@@ -157,12 +158,8 @@ class GrammarMasks:
         if not picked:
             return logits
         dev, V = logits.device, logits.shape[1]
-        bitmask = self.allowed([s for _, s in picked])
-        if dev.type == "cuda":
-            bitmask = bitmask.pin_memory().to(dev, non_blocking=True)
-            index = torch.tensor([r for r, _ in picked], dtype=torch.int64, pin_memory=True).to(dev, non_blocking=True)
-        else:
-            index = torch.tensor([r for r, _ in picked], dtype=torch.int64)
+        bitmask = upload(self.allowed([s for _, s in picked]), torch.int32, dev)
+        index = upload([r for r, _ in picked], torch.int64, dev)
         allowed = unpack_bitmask(bitmask, V)
         masked = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
         return logits.index_copy(0, index, masked)

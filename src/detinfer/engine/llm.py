@@ -83,10 +83,8 @@ class LLM:
         self._ids = itertools.count()
 
     def close(self) -> None:
-        """Stop the engine process (engine_process=True; idempotent). The in-process engine needs nothing."""
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
+        """Stop the engine process (engine_process=True) or a tensor-parallel engine's workers (idempotent)."""
+        self.engine.close()
 
     def release_kv_cache(self) -> None:
         """Hand the KV pool's memory back while idle (LLM(..., releasable_kv_cache=True)), e.g. while a

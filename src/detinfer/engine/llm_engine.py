@@ -101,11 +101,11 @@ class LLMEngine:
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         device = resolve_device(device)
         model_dir = resolve_model_path(model_dir)  # a directory, or a hub id -> its cached snapshot
-        dtype = resolve_dtype(config.dtype, ModelConfig.from_dir(model_dir).dtype, device)
+        model_config = ModelConfig.from_dir(model_dir)
+        dtype = resolve_dtype(config.dtype, model_config.dtype, device)
         try:
             if config.tensor_parallel_size > 1 or config.quantization != "auto":
                 # every rank reads only its own slices (no full copy anywhere); FP8 models are built here too
-                model_config = ModelConfig.from_dir(model_dir)
                 self._setup_sharded(CheckpointWeights(str(model_dir), dtype), model_config, config, device,
                                     load_tokenizer(model_dir), attention_backend)
             else:
@@ -338,8 +338,7 @@ class LLMEngine:
             # so its requests cannot simply be retried: abort them (their blocks are freed and they end
             # with finish_reason "abort" at the next step) and let the caller see the error. Requests
             # not in the batch are untouched (the previous step stays to be read), so the engine stays usable.
-            for rid in dict.fromkeys(item.seq.request_id for item in batch.scheduled):
-                self.abort_request(rid)
+            self._abort_requests_in([batch])
             self._inflight = previous
             raise
         c = self._counters
@@ -387,9 +386,12 @@ class LLMEngine:
         try:
             return self._resolve(launched)
         except BaseException:
-            for rid in dict.fromkeys(item.seq.request_id for part in launched for item in part.batch.scheduled):
-                self.abort_request(rid)
+            self._abort_requests_in([part.batch for part in launched])
             raise
+
+    def _abort_requests_in(self, batches: list[ScheduledBatch]) -> None:
+        for rid in dict.fromkeys(item.seq.request_id for batch in batches for item in batch.scheduled):
+            self.abort_request(rid)
 
     def _launch_step(self, batch: ScheduledBatch, pending: SampledIds | None) -> LaunchedStep:
         mask = self._grammars.mask_logits if self._grammars else None
@@ -445,19 +447,14 @@ class LLMEngine:
                 detok.finish()
 
     def _output(self, req: _Request) -> RequestOutput:
-        params = req.params
-        outs = []
-        for seq, detok in zip(req.seqs, req.detokenizers):
-            wants = params.logprobs is not None
-            outs.append(CompletionOutput(
-                index=seq.sample_index, text="" if detok is None else detok.text,
-                token_ids=tuple(seq.known_output_token_ids),
-                cumulative_logprob=req.cumulative_logprobs[seq.sample_index] if wants else None,
-                logprobs=tuple(seq.output_logprobs) if wants else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
-        prompt_lp = None
-        if params.prompt_logprobs is not None:
-            prompt_lp = (None,) + tuple(req.seqs[0].prompt_logprobs)
+        wants = req.params.logprobs is not None
+        outs = tuple(CompletionOutput(index=seq.sample_index, text="" if detok is None else detok.text,
+                                      token_ids=tuple(seq.known_output_token_ids),
+                                      cumulative_logprob=req.cumulative_logprobs[seq.sample_index] if wants else None,
+                                      logprobs=tuple(seq.output_logprobs) if wants else None,
+                                      finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+                     for seq, detok in zip(req.seqs, req.detokenizers))
+        prompt_lp = None if req.params.prompt_logprobs is None else (None, *req.seqs[0].prompt_logprobs)
         finished = all(s.is_finished for s in req.seqs)
         if finished:
             del self._requests[req.request_id]
@@ -465,7 +462,7 @@ class LLMEngine:
                 if self._grammars is not None:
                     self._grammars.release(seq.seq_id)
             self._counters["num_finished_requests"] += 1
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, prompt_lp, tuple(outs), finished,
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, prompt_lp, outs, finished,
                              req.error if finished else None)
 
     # -- monitoring ----------------------------------------------------------------------------------

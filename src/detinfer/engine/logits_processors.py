@@ -29,6 +29,7 @@ from collections.abc import Collection, Sequence
 import torch
 
 from detinfer import admission
+from detinfer.cache.paged_kv import upload
 from detinfer.engine.sampling_params import SamplingParams
 
 
@@ -88,15 +89,7 @@ def _allowed_mask(allowed, row: int, vocab_size: int, device: torch.device) -> t
     ids = admission.check_token_ids(f"row {row}: token_mask", allowed, vocab_size)
     mask = torch.zeros(vocab_size, dtype=torch.bool)
     mask[ids] = True
-    return _upload(mask, device)
-
-
-def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`; on CUDA through pinned memory without blocking (a pageable copy would wait
-    for the forward pass queued before it, as in the sampler's `_row_tensor`)."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return upload(mask, torch.bool, device)
 
 
 def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
@@ -144,13 +137,13 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams], posit
     if bias_rows:
         bias = torch.zeros(S, V, dtype=torch.float32)
         bias[bias_rows, bias_toks] = torch.tensor(bias_vals, dtype=torch.float32)
-        bias = _upload(bias, dev)
+        bias = upload(bias, torch.float32, dev)
         # Only biased entries change: adding 0.0 elsewhere would turn -0.0 logits into +0.0.
         x = torch.where(bias != 0, x + bias, x)
     if ban_rows or allow:
         masked = torch.zeros(S, V, dtype=torch.bool)
         masked[ban_rows, ban_toks] = True
-        masked = _upload(masked, dev)
+        masked = upload(masked, torch.bool, dev)
         for r, ok in allow.items():
             masked[r] |= ~ok
         x = torch.where(masked, torch.full_like(x, float("-inf")), x)

@@ -27,6 +27,8 @@ from typing import NamedTuple
 
 import torch
 
+# Per-row values go up through the engine's one host->device path (pinned memory, a non-blocking copy on CUDA):
+# the engine enqueues sampling behind a forward pass it does not want to wait for.
 from detinfer.cache.paged_kv import upload
 from detinfer.engine.logits_processors import process_logits
 from detinfer.engine.sampling_params import SamplingParams
@@ -72,13 +74,6 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, sample_indices: t
 fold_sum, _inclusive_scan = Ops.fold_sum, Ops.cumsum
 
 
-def _row_tensor(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host values on `device` through the engine's one host->device path (`cache.paged_kv.upload`: pinned
-    memory and a non-blocking copy on CUDA; the engine enqueues sampling behind a forward pass it does not
-    want to wait for)."""
-    return upload(list(values), dtype, device)
-
-
 def _token_counts(histories: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """[S, V] int32 occurrence counts (integer adds: exact in any order)."""
     rows = [r for r, h in enumerate(histories) for _ in h]
@@ -87,7 +82,7 @@ def _token_counts(histories: Sequence[Sequence[int]], vocab_size: int, device: t
     if toks:
         if min(toks) < 0 or max(toks) >= vocab_size:
             raise ValueError(f"token histories hold ids outside [0, {vocab_size})")
-        counts.index_put_((_row_tensor(rows, torch.int64, device), _row_tensor(toks, torch.int64, device)),
+        counts.index_put_((upload(rows, torch.int64, device), upload(toks, torch.int64, device)),
                           torch.ones(len(toks), dtype=torch.int32, device=device), accumulate=True)
     return counts
 
@@ -108,9 +103,9 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
     dev = logits.device
     out_counts = _token_counts(output_token_ids, V, dev)
     seen = (_token_counts(prompt_token_ids, V, dev) + out_counts) > 0
-    rep = _row_tensor([p.repetition_penalty for p in params], torch.float32, dev)[:, None]
-    pres = _row_tensor([p.presence_penalty for p in params], torch.float32, dev)[:, None]
-    freq = _row_tensor([p.frequency_penalty for p in params], torch.float32, dev)[:, None]
+    rep = upload([p.repetition_penalty for p in params], torch.float32, dev)[:, None]
+    pres = upload([p.presence_penalty for p in params], torch.float32, dev)[:, None]
+    freq = upload([p.frequency_penalty for p in params], torch.float32, dev)[:, None]
     penalised = torch.where(logits > 0, logits / rep, logits * rep)
     x = torch.where(seen & (rep != 1.0), penalised, logits)
     additive = freq * out_counts.to(torch.float32) + pres * (out_counts > 0).to(torch.float32)
@@ -190,9 +185,9 @@ def sampling_scores(logits: torch.Tensor, params: Sequence[SamplingParams], seed
     if all(p.is_greedy for p in params):
         return x
     # Every per-row value goes up in two copies (one int64, one float32 tensor), built from lists once.
-    ints = _row_tensor([[0 if s is None else s for s in seeds], list(positions), sample_indices,
+    ints = upload([[0 if s is None else s for s in seeds], list(positions), sample_indices,
                         [p.top_k for p in params], [int(p.is_greedy) for p in params]], torch.int64, dev)
-    floats = _row_tensor([[1.0 if p.is_greedy else p.temperature for p in params], [p.top_p for p in params],
+    floats = upload([[1.0 if p.is_greedy else p.temperature for p in params], [p.top_p for p in params],
                           [p.min_p for p in params]], torch.float32, dev)
     greedy, temperature = ints[4] != 0, floats[0]
     scaled = penalised / temperature[:, None]

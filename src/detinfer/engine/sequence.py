@@ -28,7 +28,6 @@ from detinfer.engine.sampling_params import SamplingParams
 FINISH_STOP = "stop"      # EOS, a stop token id or a stop string
 FINISH_LENGTH = "length"  # max_tokens or max_model_len reached
 FINISH_ABORT = "abort"    # aborted by the caller
-FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)
 
 
 PENDING_TOKEN = -1  # a sampled token still on the device (never a valid id: ids are >= 0)

@@ -22,7 +22,7 @@ from detinfer.server.chat import chat_completions
 from detinfer.server.completions import completions
 from detinfer.server.config import ServerConfig
 from detinfer.server.context import ServedModel, ServerState
-from detinfer.server.handling import check_model, state_of
+from detinfer.server.handling import check_model, json_response, state_of
 from detinfer.server.logprobs import TokenFormatter
 from detinfer.server.metrics import HTTPRequestCounter
 from detinfer.server.prompts import PromptChecker
@@ -55,14 +55,14 @@ def _card(state: ServerState) -> P.ModelCard:
 async def list_models(request: Request):
     state = state_of(request)
     check_auth(request, state.config.api_key)
-    return Response(P.ModelList(data=[_card(state)]).model_dump_json(), media_type="application/json")
+    return json_response(P.ModelList(data=[_card(state)]))
 
 
 async def get_model(request: Request, model_id: str):
     state = state_of(request)
     check_auth(request, state.config.api_key)
     check_model(state, model_id)
-    return Response(_card(state).model_dump_json(), media_type="application/json")
+    return json_response(_card(state))
 
 
 async def _api_error(_request, exc: P.APIError):

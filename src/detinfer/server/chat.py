@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Request
 
 from detinfer.server import protocol as P
-from detinfer.server.generation import ChoiceTracker, Generation
+from detinfer.server.generation import Generation
 from detinfer.server.handling import (
     count_finishes,
     ignored_fields_headers,
@@ -54,43 +54,33 @@ async def chat_completions(request: Request):
 
 def _stream(state, req: P.ChatCompletionRequest, gen: Generation, created: int, logprobs: int | None,
             headers: dict[str, str]):
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
     started: set[int] = set()
 
-    def chunk(choices) -> P.ChatCompletionChunk:
+    def chunk(choices, usage_: P.Usage | None = None) -> P.ChatCompletionChunk:
         return P.ChatCompletionChunk(id=gen.request_id, created=created, model=state.model.name,
-                                     system_fingerprint=state.model.fingerprint, choices=choices)
+                                     system_fingerprint=state.model.fingerprint, choices=choices, usage=usage_)
 
-    def emit(tracker: ChoiceTracker, i: int, out: Any):
-        for c, text, entries, finish, new_ids in tracker.deltas(i, out):
-            new_ids = new_ids if req.return_token_ids else None
-            if c not in started:  # OpenAI opens each choice with the role
-                first = not started
-                started.add(c)
-                opening = chunk([P.ChatChunkChoice(index=c, delta=P.DeltaMessage(role="assistant", content=""))])
-                if first and req.return_token_ids:  # the templated prompt's ids, once per response
-                    opening.prompt_token_ids = list(gen.prompts[0])
-                if first and req.prompt_logprobs is not None:  # once per response, with the first chunk
-                    opening.prompt_logprobs = state.formatter.prompt_logprobs(out.prompt_logprobs or ())
-                yield opening
-            lp = state.formatter.chat_logprobs(entries) if entries and logprobs is not None else None
-            if text or lp:
-                yield chunk([P.ChatChunkChoice(index=c, delta=P.DeltaMessage(content=text), logprobs=lp,
-                                               token_ids=new_ids)])
-                new_ids = [] if new_ids is not None else None
-            if finish is not None:
-                count_finishes(state, [finish])
-                yield chunk([P.ChatChunkChoice(index=c, delta=P.DeltaMessage(), finish_reason=finish,
-                                               token_ids=new_ids)])
-        if include_usage and gen.latest[0] is not None and gen.latest[0].finished:
-            u = chunk([])
-            u.usage = usage(gen)
-            yield u
+    def emit(i: int, out: Any, c: int, text: str, entries: Any, finish: str | None, new_ids: list[int]):
+        new_ids = new_ids if req.return_token_ids else None
+        if c not in started:  # OpenAI opens each choice with the role
+            first = not started
+            started.add(c)
+            opening = chunk([P.ChatChunkChoice(index=c, delta=P.DeltaMessage(role="assistant", content=""))])
+            if first and req.return_token_ids:  # the templated prompt's ids, once per response
+                opening.prompt_token_ids = list(gen.prompts[0])
+            if first and req.prompt_logprobs is not None:  # once per response, with the first chunk
+                opening.prompt_logprobs = state.formatter.prompt_logprobs(out.prompt_logprobs or ())
+            yield opening
+        lp = state.formatter.chat_logprobs(entries) if entries and logprobs is not None else None
+        if text or lp:
+            yield chunk([P.ChatChunkChoice(index=c, delta=P.DeltaMessage(content=text), logprobs=lp,
+                                           token_ids=new_ids)])
+            new_ids = [] if new_ids is not None else None
+        if finish is not None:
+            yield chunk([P.ChatChunkChoice(index=c, delta=P.DeltaMessage(), finish_reason=finish,
+                                           token_ids=new_ids)])
 
-    def final(tracker: ChoiceTracker):
-        open_ = [c for c in range(gen.params.n) if c not in tracker.finished]
-        count_finishes(state, ["abort"] * len(open_))
-        for c in open_:
-            yield chunk([P.ChatChunkChoice(index=c, delta=P.DeltaMessage(), finish_reason="abort")])
+    def aborted(c: int) -> P.ChatCompletionChunk:
+        return chunk([P.ChatChunkChoice(index=c, delta=P.DeltaMessage(), finish_reason="abort")])
 
-    return stream_response(gen, emit, final, headers)
+    return stream_response(gen, req, emit, aborted, lambda u: chunk([], u), headers)

@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import Request
 
 from detinfer.server import protocol as P
-from detinfer.server.generation import ChoiceTracker, Generation
+from detinfer.server.generation import Generation
 from detinfer.server.handling import (
     count_finishes,
     ignored_fields_headers,
@@ -96,7 +96,7 @@ async def completions(request: Request):
                                     system_fingerprint=state.model.fingerprint, choices=items, usage=usage_)
 
     if req.stream:
-        return _stream(state, req, gen, choices, resp, headers)
+        return _stream(req, gen, choices, resp, headers)
     latest = await run_to_end(gen, request)
     items = [choices.choice(out, i, o, prompt_text[i] + o.text, o.logprobs, o.finish_reason)
              for i, out in enumerate(latest) for o in out.outputs]
@@ -104,24 +104,13 @@ async def completions(request: Request):
     return json_response(resp(items, usage(gen)), headers)
 
 
-def _stream(state, req: P.CompletionRequest, gen: Generation, choices: _Choices, resp, headers):
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    n = choices.n
+def _stream(req: P.CompletionRequest, gen: Generation, choices: _Choices, resp, headers):
+    def emit(i: int, out: Any, c: int, text: str, entries: Any, finish: str | None, ids: list[int]):
+        o = out.outputs[c - i * choices.n]
+        text = (choices.prompt_text[i] if c not in choices.offsets else "") + text
+        yield resp([choices.choice(out, i, o, text, entries, finish, ids)])
 
-    def emit(tracker: ChoiceTracker, i: int, out: Any):
-        for c, text, entries, finish, ids in tracker.deltas(i, out):
-            o = out.outputs[c - i * n]
-            text = (choices.prompt_text[i] if c not in choices.offsets else "") + text
-            if finish is not None:
-                count_finishes(state, [finish])
-            yield resp([choices.choice(out, i, o, text, entries, finish, ids)])
-        if include_usage and all(x is not None and x.finished for x in gen.latest):
-            yield resp([], usage(gen))
+    def aborted(c: int) -> P.CompletionResponse:
+        return resp([P.CompletionChoice(index=c, text="", finish_reason="abort")])
 
-    def final(tracker: ChoiceTracker):
-        open_ = [c for c in range(len(gen.prompts) * n) if c not in tracker.finished]
-        count_finishes(state, ["abort"] * len(open_))
-        for c in open_:
-            yield resp([P.CompletionChoice(index=c, text="", finish_reason="abort")])
-
-    return stream_response(gen, emit, final, headers)
+    return stream_response(gen, req, emit, aborted, lambda u: resp([], u), headers)

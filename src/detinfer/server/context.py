@@ -27,11 +27,6 @@ class ServedModel:
     max_model_len: int
     fingerprint: str
 
-    @classmethod
-    def from_engine(cls, engine: Any, name: str, fingerprint: str) -> ServedModel:
-        """From an LLMEngine (its resolved config's max_model_len, its model config's vocab size)."""
-        return cls(name, engine.tokenizer, engine.model_config.vocab_size, engine.config.max_model_len, fingerprint)
-
 
 @dataclass
 class ServerState:

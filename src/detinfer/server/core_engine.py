@@ -72,9 +72,6 @@ class CoreAsyncEngine(AsyncEngine):
         self.error = None
         self.metrics.engine_alive.set(1)
 
-    def _send(self, command: Any) -> None:
-        self._write(wire.encode_prompts(command))
-
     def _outputs(self, deltas: tuple) -> list[RequestOutput]:
         return self._assembler.apply_step(deltas, self._streams.__contains__)
 
@@ -101,10 +98,11 @@ class CoreAsyncEngine(AsyncEngine):
             self._loop.remove_writer(self.core.sock.fileno())
 
     # -- socket --------------------------------------------------------------------------------------
-    def _write(self, message: Any) -> None:
+    def _send(self, command: Any) -> None:
+        """Write `command` now as far as the socket takes it; the rest is flushed when it is writable."""
         if self.error is not None:
             return
-        frame = wire.pack(message)
+        frame = wire.pack(wire.encode_prompts(command))
         if not self._out:
             try:
                 frame = frame[self.core.sock.send(frame):]

@@ -35,15 +35,6 @@ class DeviceInfo:
     name: str
     capability: tuple[int, int] | None = None
 
-    @classmethod
-    def of(cls, device: str) -> DeviceInfo:
-        import torch
-
-        dev = torch.device(device)
-        if dev.type == "cuda" and torch.cuda.is_available():
-            return cls("cuda", torch.cuda.get_device_name(dev), tuple(torch.cuda.get_device_capability(dev)))
-        return cls(dev.type, dev.type)
-
 
 @dataclass(frozen=True)
 class SoftwareInfo:
@@ -115,10 +106,10 @@ def fingerprint_parts(*, weights_digest: str, dtype: str, mode: str, block_size:
     return parts
 
 
-def system_fingerprint(*, weights_digest: str, dtype: str, mode: str, block_size: int, device: DeviceInfo | str,
+def system_fingerprint(*, weights_digest: str, dtype: str, mode: str, block_size: int, device: DeviceInfo,
                        software: SoftwareInfo | None = None) -> str:
-    """`fp_` + 16 hex digits of `fingerprint_parts`."""
-    device = DeviceInfo.of(device) if isinstance(device, str) else device
+    """`fp_` + 16 hex digits of `fingerprint_parts`. `device`: the engine's, as its core reports it
+    (`core_process.engine_info`), so the API process never touches the GPU."""
     parts = fingerprint_parts(weights_digest=weights_digest, dtype=dtype, mode=mode, block_size=block_size,
                               device=device, software=software or SoftwareInfo.current())
     return "fp_" + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]

@@ -61,9 +61,15 @@ async def read_request(request: Request, model_cls: type) -> tuple[ServerState, 
     return state, req
 
 
-def _failed(e: RequestFailed) -> P.APIError:
-    return P.APIError(500, f"this request failed in the engine and was aborted (the server keeps serving "
-                      f"other requests): {e}", code="request_failed")
+def _ended_badly(e: Exception) -> P.APIError:
+    """The answer for a request the engine ended without its output: failed alone and aborted (500), aborted
+    by a shutdown (503), or lost with an engine that failed as a whole (500)."""
+    if isinstance(e, RequestFailed):
+        return P.APIError(500, f"this request failed in the engine and was aborted (the server keeps serving "
+                          f"other requests): {e}", code="request_failed")
+    if isinstance(e, RequestAborted):
+        return P.APIError(503, f"request aborted: {e}")
+    return P.APIError(500, str(e))
 
 
 async def start_generation(state: ServerState, prompts: list[list[int]], params: Any, prefix: str) -> Generation:
@@ -77,7 +83,7 @@ async def start_generation(state: ServerState, prompts: list[list[int]], params:
     except EngineUnavailableError as e:
         raise P.APIError(503, str(e)) from None
     except RequestFailed as e:
-        raise _failed(e) from None
+        raise _ended_badly(e) from None
     except (ValueError, TypeError) as e:  # refused by the engine (the server checks most of it first)
         raise P.bad_request(str(e), param="prompt") from None
     return gen
@@ -92,12 +98,8 @@ async def run_to_end(gen: Generation, request: Request) -> list[Any]:
         return await gen.run_to_end(client_gone)
     except ClientDisconnected:  # nobody reads this answer; the status is for the logs and metrics
         raise P.APIError(499, "client disconnected", code="client_closed_request") from None
-    except RequestAborted as e:
-        raise P.APIError(503, f"request aborted: {e}") from None
-    except RequestFailed as e:
-        raise _failed(e) from None
-    except EngineUnavailableError as e:
-        raise P.APIError(500, str(e)) from None
+    except (RequestAborted, RequestFailed, EngineUnavailableError) as e:
+        raise _ended_badly(e) from None
 
 
 def usage(gen: Generation) -> P.Usage:
@@ -110,24 +112,33 @@ def count_finishes(state: ServerState, reasons: list[str | None]) -> None:
         state.engine.metrics.finished.inc(finish_reason=reason or "abort")
 
 
-def stream_response(gen: Generation, emit: Callable, final: Callable,
+def stream_response(gen: Generation, req: Any, emit: Callable, aborted: Callable, usage_chunk: Callable,
                     headers: dict[str, str] | None = None) -> AbortingStream:
-    """SSE: `emit(tracker, prompt index, output)` yields chunks as outputs come; `final(tracker)` closes
-    every open choice with "abort" if the server shuts down; ends with [DONE] in every case."""
+    """SSE: for each new part of a choice (`ChoiceTracker.deltas`), `emit(prompt index, output, choice index,
+    text, logprob entries, finish_reason, token ids)` yields its chunks (every finish is counted here); once
+    every prompt finished, `usage_chunk(usage)` if `req.stream_options` asks for it; if the server shuts down,
+    `aborted(choice index)` is the chunk that closes each open choice with "abort"; ends with [DONE] in every
+    case."""
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     async def body():
         choices = ChoiceTracker(gen.params.n)
         try:
             async for i, out in gen.updates():
-                for chunk in emit(choices, i, out):
-                    yield sse(chunk)
+                for c, text, entries, finish, ids in choices.deltas(i, out):
+                    if finish is not None:
+                        gen.engine.metrics.finished.inc(finish_reason=finish)
+                    for chunk in emit(i, out, c, text, entries, finish, ids):
+                        yield sse(chunk)
+                if include_usage and all(x is not None and x.finished for x in gen.latest):
+                    yield sse(usage_chunk(usage(gen)))
         except RequestAborted:  # server shutdown: close every open choice with "abort"
-            for chunk in final(choices):
-                yield sse(chunk)
-        except RequestFailed as e:
-            yield sse(_failed(e).body())
-        except EngineUnavailableError as e:
-            yield sse(P.APIError(500, str(e)).body())
+            for c in range(len(gen.prompts) * gen.params.n):
+                if c not in choices.finished:
+                    gen.engine.metrics.finished.inc(finish_reason="abort")
+                    yield sse(aborted(c))
+        except (RequestFailed, EngineUnavailableError) as e:
+            yield sse(_ended_badly(e).body())
         yield b"data: [DONE]\n\n"
 
     return AbortingStream(body(), on_close=gen.abort, media_type="text/event-stream",

@@ -165,7 +165,7 @@ class _SamplingRequest(_Strict):
     # vLLM's: return the prompt's token ids and each choice's completion token ids (RL rollouts score
     # exactly these tokens; re-tokenizing the text need not give them back)
     return_token_ids: bool = False
-    # Structured output (at most one; see server/structured.py): OpenAI's, vLLM's older guided_* and newer
+    # Structured output (at most one; see server/sampling.py): OpenAI's, vLLM's older guided_* and newer
     # structured_outputs.
     response_format: ResponseFormat | None = None
     guided_json: str | dict[str, Any] | None = None

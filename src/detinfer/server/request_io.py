@@ -58,16 +58,12 @@ def is_json_content_type(value: str | None) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-def check_content_type(request: Request) -> None:
-    value = request.headers.get("content-type")
-    if not is_json_content_type(value):
-        raise P.APIError(415, f"Content-Type must be application/json, got {value or 'none'}",
-                         code="unsupported_media_type")
-
-
 async def read_json(request: Request, limit: int, timeout: float) -> Any:
     """The body as JSON (after the Content-Type check); 413 past `limit` bytes, 408 past `timeout` s."""
-    check_content_type(request)
+    content_type = request.headers.get("content-type")
+    if not is_json_content_type(content_type):
+        raise P.APIError(415, f"Content-Type must be application/json, got {content_type or 'none'}",
+                         code="unsupported_media_type")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise P.APIError(413, f"request body is {declared} bytes; the limit is {limit}")

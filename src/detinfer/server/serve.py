@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import functools
 import logging
 import os
 import signal
@@ -174,12 +173,6 @@ def _serve(model_dir: Path, name: str, server_config: ServerConfig, engine_confi
             engine.close()  # idempotent: normally the app's shutdown stopped it already
 
 
-def _fingerprint_of(weights_digest: str, **rest) -> str:
-    from detinfer.server.fingerprint import system_fingerprint
-
-    return system_fingerprint(weights_digest=weights_digest, **rest)
-
-
 def _serve_engine(engine, info: dict, model_dir: Path, name: str, server_config: ServerConfig,
                   sock: socket.socket, url: str) -> int:
     from detinfer.models.loader import load_tokenizer
@@ -191,8 +184,12 @@ def _serve_engine(engine, info: dict, model_dir: Path, name: str, server_config:
 
     resolved, device, dtype = info["config"], info["device"], info["dtype"]  # max_model_len resolved
     hardware = DeviceInfo(device.split(":")[0], info["device_name"], info["capability"])  # the core's GPU facts
-    fingerprint = system_fingerprint(weights_digest=model_files_digest(model_dir), dtype=dtype,
-                                     mode=resolved.mode, block_size=resolved.block_size, device=hardware)
+
+    def refingerprint(weights_digest: str) -> str:  # an admin weight load changes only the weights' digest
+        return system_fingerprint(weights_digest=weights_digest, dtype=dtype, mode=resolved.mode,
+                                  block_size=resolved.block_size, device=hardware)
+
+    fingerprint = refingerprint(model_files_digest(model_dir))
     if server_config.engine_process:
         from detinfer.engine.core_process import start_core
 
@@ -203,8 +200,6 @@ def _serve_engine(engine, info: dict, model_dir: Path, name: str, server_config:
         async_engine = AsyncEngine(engine, max_pending_requests=server_config.max_pending_requests)
     tokenizer = load_tokenizer(model_dir) if server_config.engine_process else engine.tokenizer
     served = ServedModel(name, tokenizer, info["vocab_size"], resolved.max_model_len, fingerprint)
-    refingerprint = functools.partial(_fingerprint_of, dtype=dtype, mode=resolved.mode,
-                                      block_size=resolved.block_size, device=hardware)
     app = create_app(async_engine, server_config, served, refingerprint)
     grace = server_config.timeout_graceful_shutdown
     uv_config = uvicorn_config(app, server_config)
