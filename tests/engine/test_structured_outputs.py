@@ -274,3 +274,17 @@ def test_a_grammar_failure_ends_that_request_alone(stories_dir):
     assert got["free"] == alone
     for rid, what in (("broken", "grammar failed"), ("refused", "refused token")):
         assert got[rid].completions[0].finish_reason == "abort" and what in got[rid].error, got[rid]
+
+
+def test_an_llguidance_older_than_1_7_is_refused_with_the_fix(monkeypatch):
+    """llguidance 1.6 takes one EOS id where the grammar masks pass all of the model's: named, not a confusing
+    tokenizer error at the first request."""
+    import importlib.metadata
+
+    from detinfer.engine import structured
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "1.6.1")
+    with pytest.raises(ValueError, match=r"needs llguidance >= 1\.7, found 1\.6\.1"):
+        structured.llguidance()
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "1.7.0")
+    assert structured.llguidance() is not None

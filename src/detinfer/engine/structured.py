@@ -122,12 +122,26 @@ class StructuredOutputError(ValueError):
         self.field = field
 
 
+# llguidance 1.6 takes one EOS id (`LLTokenizer(eos_token=int)`); GrammarMasks passes every EOS id of the
+# model, which 1.7 accepts (checked: 1.6.1 refuses the list, 1.7.0-1.9.1 take it). pyproject pins the same.
+MIN_LLGUIDANCE = (1, 7)
+
+
 def llguidance():
-    """The llguidance module, or a ValueError saying how to install it."""
+    """The llguidance module, or a ValueError saying how to install it (or a new enough one)."""
     try:
         import llguidance as llg
     except ImportError:
         raise ValueError(INSTALL_HINT) from None
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("llguidance")
+    except PackageNotFoundError:  # imported from a path without metadata: trust it
+        return llg
+    if tuple(int(p) for p in found.split(".")[:2] if p.isdigit()) < MIN_LLGUIDANCE:
+        raise ValueError(f"structured output needs llguidance >= {'.'.join(map(str, MIN_LLGUIDANCE))}, found "
+                         f"{found}: pip install -U 'detinfer[structured]'")
     return llg
 
 
