@@ -129,3 +129,30 @@ def test_resume_may_change_the_layout_and_older_checkpoints_count_as_the_default
     with pytest.raises(ValueError, match=r"tensor_parallel_size: 1 -> 2"):
         check_compatible({**state, "config": older}, config.replace(tensor_parallel_size=2), "deterministic",
                          "emit-token")
+
+
+@pytest.mark.slow
+def test_a_failure_while_building_the_trainer_closes_the_engines(stories_dir, monkeypatch):
+    """The engines (here a TP=2 sampler's worker process) are closed when building the trainer fails after
+    they started, e.g. out of memory while sharding: nothing is left running."""
+    from detinfer.engine import LLM
+    from detinfer.rl import grpo
+
+    closed = []
+    close = LLM.close
+
+    def counting_close(self):
+        closed.append(self)
+        return close(self)
+
+    def failing_optimizer(*_args, **_kwargs):
+        raise RuntimeError("out of memory (simulated)")
+    monkeypatch.setattr(LLM, "close", counting_close)
+    monkeypatch.setattr(grpo, "build_optimizer", failing_optimizer)
+    config = RLConfig(task="emit-token", steps=1, prompts_per_step=2, n_samples=2, max_tokens=4,
+                      tensor_parallel_size=2, tp_invariant_reduction=True, layout="split")
+    with pytest.raises(RuntimeError, match="out of memory"):
+        GRPOTrainer(str(stories_dir), config, device="cpu", max_model_len=64)
+    assert len(closed) == 2  # the TP=2 sampler (its worker process) and the trainer's engine
+    workers = [p for llm in closed for p in getattr(llm.engine.runner, "_procs", [])]
+    assert workers and not any(p.is_alive() for p in workers)

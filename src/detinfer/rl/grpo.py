@@ -82,8 +82,6 @@ class GRPOTrainer:
 
     def __init__(self, model, config: RLConfig | None = None, arm: str = "deterministic", *,
                  task: Task | str | None = None, device=None, max_model_len: int = 512, _follower: bool = False):
-        from detinfer.train import TrainableModel
-
         self.config = RLConfig() if config is None else config
         if not isinstance(self.config, RLConfig):
             raise TypeError(f"config must be an RLConfig, got {type(self.config).__name__}")
@@ -110,9 +108,21 @@ class GRPOTrainer:
         self.engine = None if self.llm is None else self.llm.engine  # the sampler's (TP: rank 0 of it)
         self.tokenizer = None if self.engine is None else self.engine.tokenizer
         self.device = self.train_llm.engine.device  # where the trainer's tensors live
+        self.reference = self.trainer = self.optimizer = None
+        try:
+            self._build_trainer(c)
+        except BaseException:  # e.g. out of memory while sharding: no engine, worker or follower left behind
+            if self._followers is not None:  # they may wait in a collective this rank never joins: end them
+                self._followers.broken = True
+            self.close()
+            raise
+
+    def _build_trainer(self, c: RLConfig) -> None:
+        """The trainer (FSDP-sharded with trainer ranks), the reference policy if used, the optimizer."""
+        from detinfer.train import TrainableModel
+
         # The reference policy for the KL penalty: a frozen copy of the initial weights, kept only when
         # used (it costs one more copy of the weights in memory and a no-grad forward per micro-batch).
-        self.reference = None
         if c.kl_coef > 0:
             ref_model = copy.deepcopy(self.train_llm.engine.runner.model)
             self.reference = TrainableModel(ref_model, mode=self.mode, master_weights=False)
@@ -426,7 +436,7 @@ class GRPOTrainer:
 
     def close(self) -> None:
         """Release the trainer's hooks and the engine (frees GPU memory for the next arm)."""
-        if self.dp_size == 1:  # (FSDP took over the trainer's weights: nothing of its own to release)
+        if self.dp_size == 1 and self.trainer is not None:  # (FSDP took over the trainer's weights)
             self.trainer.close()
         if self._followers is not None:
             self._followers.close()
