@@ -37,7 +37,7 @@ from detinfer.ops import Ops
 from detinfer.rl.metrics import weights_fingerprint
 from detinfer.train import TrainableModel
 from detinfer.train import fsdp as fsdp_module
-from detinfer.train.fsdp import REDUCE_SCATTER_PIECE, FixedOrderReduceScatter, FSDPTrainer, local_sequences
+from detinfer.train.fsdp import FixedOrderReduceScatter, FSDPTrainer, local_sequences
 from detinfer.train.optim import adamw
 from detinfer.train.testing import pack, run_ranks
 
@@ -285,16 +285,13 @@ def test_bad_groups_and_batches_are_rejected_with_clear_errors(fsdp_run):
 def _three_rank_job(rank: int, ckpt: str, seqs: list) -> dict:
     """The fixed-order reduce-scatter on spread-out random values, and FSDP gradients, at 3 ranks (where the
     order of a sum of 3 values matters; gloo's own reduce-scatter does not add in rank order there)."""
-    world, sums = dist.get_world_size(), []
+    world, comm, sums = dist.get_world_size(), FixedOrderReduceScatter(), []
     for n in (1, 7, 1000):
         gen = torch.Generator().manual_seed(rank * 10 + n)
         values = torch.randn(world * n, generator=gen) * torch.logspace(-3, 3, world * n)  # spread exponents
-        pieces = []
-        for piece in (REDUCE_SCATTER_PIECE, 64, 3):  # whole blocks, and blocks exchanged in pieces
-            comm = FixedOrderReduceScatter(piece)
-            pieces.append(comm.allocate((n,), dtype=torch.float32, device=torch.device("cpu")))
-            comm(pieces[-1], values, dist.group.WORLD, dist.ReduceOp.SUM)
-        sums.append((values, *pieces))
+        reduced = comm.allocate((n,), dtype=torch.float32, device=torch.device("cpu"))
+        comm(reduced, values, dist.group.WORLD, dist.ReduceOp.SUM)
+        sums.append((values, reduced))
     sharded = FSDPTrainer(_load(ckpt))
     _backward(sharded, local_sequences(seqs))
     return {"sums": sums, "grads": sharded.full_grads()}
@@ -305,10 +302,9 @@ def test_three_ranks_sum_in_rank_order_equal_to_one_process_accumulation(tmp_pat
     seqs = [[1, 5, 9, 33, 100, 7], [1, 44, 55], [1, 12, 300, 301], [4, 9, 9, 10], [1, 2, 3, 4, 5], [7, 70, 170]]
     ranks = run_ranks(_three_rank_job, 3, (ckpt, seqs), timeout_s=600)
     for r, result in enumerate(ranks):
-        for i, (_, *pieces) in enumerate(result["sums"]):
+        for i, (_, reduced) in enumerate(result["sums"]):
             blocks = [other["sums"][i][0].view(3, -1)[r] for other in ranks]
-            for reduced in pieces:  # the same bits whatever the piece size
-                assert torch.equal(reduced, (blocks[0] + blocks[1]) + blocks[2]), f"rank {r}, size {reduced.numel()}"
+            assert torch.equal(reduced, (blocks[0] + blocks[1]) + blocks[2]), f"rank {r}, size {reduced.numel()}"
     trainer = _load(ckpt)
     for r in range(3):
         _backward(trainer, seqs[2 * r:2 * r + 2])

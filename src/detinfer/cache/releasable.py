@@ -10,10 +10,6 @@ release unmaps and frees the physical allocation but keeps the address range, an
 the same range. The pool tensors' addresses never change, so CUDA graphs captured on them stay valid.
 Elsewhere (CPU) the pools are ordinary tensors: release swaps each for an empty one and restore allocates
 them again (no graphs hold CPU addresses).
-
-Restore needs the memory to be free at the driver: torch keeps what a process freed in its own cache, so
-restore first empties this process's cache, and another process on the GPU (a colocated trainer rank) must
-empty its own (`detinfer rl` does after each update; a pool that still does not fit is an error naming it).
 """
 
 from __future__ import annotations
@@ -81,15 +77,10 @@ class _DriverArena:
 
     def _call(self, name: str, *args) -> None:
         code = getattr(self.lib, name)(*args)
-        if code == 2:  # CUDA_ERROR_OUT_OF_MEMORY, e.g. on restore while another allocator keeps the memory cached
-            raise RuntimeError(f"releasable KV pool: {name} failed: out of memory for {self.size} bytes (memory "
-                               "freed by torch elsewhere on this GPU stays in that process's cache until "
-                               "torch.cuda.empty_cache())")
         if code != 0:
             raise RuntimeError(f"releasable KV pool: {name} failed (CUresult {code})")
 
     def map(self) -> None:
-        torch.cuda.empty_cache()  # this process's cached, unused blocks back to the driver first
         handle = ctypes.c_ulonglong()
         self._call("cuMemCreate", ctypes.byref(handle), ctypes.c_size_t(self.size), ctypes.byref(self.prop),
                    ctypes.c_ulonglong(0))

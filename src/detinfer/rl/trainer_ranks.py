@@ -143,10 +143,6 @@ def follower_main(trainer_class, rank: int, size: int, port: int, model: str, co
                 trainer.step_index, rollout = payload
                 trainer.update(rollout)
                 trainer.refresh_fingerprint()
-                if config.layout == "colocated" and torch.cuda.is_available():
-                    # the update's freed memory back to the driver: rank 0 maps the sampler's KV pool again
-                    # on these GPUs next (best effort: nothing waits for it; see cache/releasable.py)
-                    torch.cuda.empty_cache()
             elif command == "checkpoint":
                 trainer.checkpoint_tensors()
             elif command == "resume":  # rank 0 validated the checkpoint; restore this rank's shards of it

@@ -73,19 +73,9 @@ from detinfer.train.model import TrainableModel
 __all__ = ["FSDPTrainer", "FixedOrderReduceScatter", "local_sequences"]
 
 
-# Elements of each rank's block exchanged per all-to-all (64 MiB of fp32): the receive buffer holds P of these
-# pieces, not a copy of FSDP's whole [P * shard] input (at Qwen3-8B shapes the root unit's is 5 GB). The
-# piece size changes no bit: each element's sum is its own.
-REDUCE_SCATTER_PIECE = 1 << 24
-
-
 class FixedOrderReduceScatter(ReduceScatter):
     """FSDP's reduce-scatter as an all-to-all plus a sum in rank order (see the module doc). The input is
-    FSDP's flat [P * shard] buffer whose r-th block is destined for rank r; blocks longer than `piece`
-    elements are exchanged a piece at a time."""
-
-    def __init__(self, piece: int = REDUCE_SCATTER_PIECE):
-        self.piece = piece
+    FSDP's flat [P * shard] buffer whose r-th block is destined for rank r."""
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -94,17 +84,12 @@ class FixedOrderReduceScatter(ReduceScatter):
                  op, async_op: bool = False):
         if op != dist.ReduceOp.SUM:
             raise ValueError(f"FixedOrderReduceScatter sums only (FSDP's averaging must be off), got {op}")
-        blocks = input_tensor.view(group.size(), -1)
-        shard = blocks.shape[1]
-        for start in range(0, shard, self.piece):
-            end = min(shard, start + self.piece)
-            send = blocks if end - start == shard else blocks[:, start:end].contiguous()
-            received = torch.empty_like(send)
-            dist.all_to_all_single(received, send, group=group)  # row r: rank r's gradient of my piece
-            out = output_tensor[start:end]
-            out.copy_(received[0])
-            for r in range(1, group.size()):
-                out.add_(received[r])  # rank order: the order of one-process gradient accumulation
+        received = torch.empty_like(input_tensor)
+        dist.all_to_all_single(received, input_tensor, group=group)  # block r: rank r's gradient of my shard
+        parts = received.view(group.size(), -1)
+        output_tensor.copy_(parts[0])
+        for r in range(1, group.size()):
+            output_tensor.add_(parts[r])  # rank order: the order of one-process gradient accumulation
         return None
 
 
