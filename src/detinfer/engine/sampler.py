@@ -186,9 +186,9 @@ def sampling_scores(logits: torch.Tensor, params: Sequence[SamplingParams], seed
         return x
     # Every per-row value goes up in two copies (one int64, one float32 tensor), built from lists once.
     ints = upload([[0 if s is None else s for s in seeds], list(positions), sample_indices,
-                        [p.top_k for p in params], [int(p.is_greedy) for p in params]], torch.int64, dev)
+                   [p.top_k for p in params], [int(p.is_greedy) for p in params]], torch.int64, dev)
     floats = upload([[1.0 if p.is_greedy else p.temperature for p in params], [p.top_p for p in params],
-                          [p.min_p for p in params]], torch.float32, dev)
+                     [p.min_p for p in params]], torch.float32, dev)
     greedy, temperature = ints[4] != 0, floats[0]
     scaled = penalised / temperature[:, None]
     noise = gumbel_noise(ints[0], ints[1], ints[2], V)
