@@ -125,10 +125,6 @@ class ModelRunner:
 
     # -- the KV pool's memory, handed back and taken again (config.releasable_kv_cache) -----------------------
     @property
-    def kv_releasable(self) -> bool:
-        return self._kv is not None
-
-    @property
     def kv_released(self) -> bool:
         return self._kv is not None and self._kv.released
 

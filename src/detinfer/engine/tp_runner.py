@@ -28,7 +28,6 @@ group when a worker exits, and every collective has a timeout (group.DEFAULT_TIM
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing.connection as mpc
 import threading
 import time
@@ -80,6 +79,12 @@ def make_runner(model: Transformer | None, model_config: ModelConfig, config: En
 _WORKER_PRELOAD = ["detinfer.engine.tp_worker", "detinfer.distributed.layers", "detinfer.engine.model_runner"]
 
 
+def _process_context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_WORKER_PRELOAD)
+    return ctx
+
+
 def rank_devices(device: torch.device, size: int) -> list[torch.device]:
     """Rank r's device: CPU for all, or the r-th CUDA device from the engine's."""
     if device.type != "cuda":
@@ -108,8 +113,7 @@ class TensorParallelRunner:
         self._procs, self._conns, self._failure, self._closing = [], [], None, False
         store = master_store(size, timeout_s=timeout_s)
         port = store.port
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_WORKER_PRELOAD)
+        ctx = _process_context()
         threads = max(1, torch.get_num_threads() // size) if device.type == "cpu" else None
         try:
             for r in range(1, size):
@@ -162,8 +166,17 @@ class TensorParallelRunner:
                 raise
             raise RuntimeError(failure) from e
 
+
     # -- what the engine reads ------------------------------------------------------------------------
-    def __getattr__(self, name):  # ops, model, device, dtype, num_kv_blocks, block_size, ...: the local runner's
+    @property
+    def ops(self):
+        return self.local.ops
+
+    @property
+    def model(self):
+        return self.local.model
+
+    def __getattr__(self, name):  # device, dtype, num_kv_blocks, block_size, ...: the local runner's
         if name == "local":
             raise AttributeError(name)
         return getattr(self.local, name)
@@ -177,7 +190,11 @@ class TensorParallelRunner:
         return self._step(layout, input_ids, True, lambda ids: self.local.run_padded_eager(layout, ids))
 
     def _step(self, layout, input_ids: torch.Tensor | None, padded: bool, run_local) -> torch.Tensor:
-        with self._group_operation("step"):
+        if self._failure is None:
+            self._failure = self._worker_failure()
+        if self._failure is not None:
+            raise RuntimeError(self._failure)
+        try:
             msg = step_message(self.local, layout, input_ids is not None, padded)
             for conn in self._conns:
                 conn.send(msg)
@@ -186,23 +203,12 @@ class TensorParallelRunner:
                 # The workers receive them by this broadcast (ordered on the stream: no host sync).
                 input_ids = self.group.broadcast(input_ids.contiguous())
             return run_local(input_ids)
-
-    @contextlib.contextmanager
-    def _group_operation(self, what: str):
-        """Run one operation of the whole group (a step, a weight load): refused once a rank failed; any
-        failure inside it stops the group, since the ranks' collectives are out of step from then on."""
-        if self._failure is None:
-            self._failure = self._worker_failure()
-        if self._failure is not None:
-            raise RuntimeError(self._failure)
-        try:
-            yield
         except Exception as e:
             self._fail(self._worker_failure(wait_s=2.0) or
-                       f"tensor-parallel {what} failed on rank 0 ({type(e).__name__}: {e})")
+                       f"tensor-parallel step failed on rank 0 ({type(e).__name__}: {e})")
             raise RuntimeError(self._failure) from e
-        except BaseException:
-            self._fail(f"a tensor-parallel {what} was interrupted")
+        except BaseException:  # interrupted mid-step: the ranks' collectives are out of step from here on
+            self._fail("a tensor-parallel step was interrupted")
             raise
 
     # -- the KV pools' memory (config.releasable_kv_cache) -----------------------------------------------
@@ -213,22 +219,23 @@ class TensorParallelRunner:
         self._kv_cache_on_every_rank("restore")
 
     def _kv_cache_on_every_rank(self, what: str) -> None:
-        if not self.local.kv_releasable:  # the local runner's error (release) or nothing to do, before any message
-            getattr(self.local, f"{what}_kv_cache")()
-            return
-        with self._group_operation(f"KV cache {what}"):
-            getattr(self.local, f"{what}_kv_cache")()
+        if self._failure is not None:
+            raise RuntimeError(self._failure)
+        getattr(self.local, f"{what}_kv_cache")()  # rank 0 first: a pool that is not releasable raises here
+        try:
             for conn in self._conns:
                 conn.send(("kv_cache", what))
             self._expect("kv_cache_done")
+        except Exception as e:
+            self._fail(self._worker_failure(wait_s=2.0) or f"{what} of the KV cache failed ({e})")
+            raise RuntimeError(self._failure) from e
 
     # -- weight updates --------------------------------------------------------------------------------
     def load_full_weights(self, state, bucket_bytes: int | None = None) -> int:
         """Copy full (TP=1-shaped) weights `{name: tensor}` into every rank's shard, in place, in buckets
         scattered over the TP group (distributed/weight_push.py); returns the tensors loaded. Validated first
         (nothing changes on a bad name or shape); a failure during the transfer stops the group like a failed
-        step. The caller (`admin.push_weights`, which refuses FP8 engines) drops the prefix cache (its blocks
-        hold the old weights' K/V)."""
+        step. The caller drops the prefix cache (its blocks hold the old weights' K/V)."""
         from detinfer.distributed.weight_push import (
             DEFAULT_BUCKET_BYTES,
             check_full_state,
@@ -237,12 +244,26 @@ class TensorParallelRunner:
             send_weights,
         )
 
+        if self.model_config.quantization is not None:  # a 16-bit tensor copied into an fp8 one loses its scales
+            raise ValueError(f"loading weights into a running {self.model_config.quantization} engine is not "
+                             "supported; start a new engine on the checkpoint")
         check_full_state(state, full_shapes(self.model_config, self.local.ops))
         buckets = plan_buckets(self.local.model, state, bucket_bytes or DEFAULT_BUCKET_BYTES)
-        with self._group_operation("weight load"):
+        if self._failure is None:
+            self._failure = self._worker_failure()
+        if self._failure is not None:
+            raise RuntimeError(self._failure)
+        try:
             for conn in self._conns:
                 conn.send(("load_weights", buckets))
             send_weights(self.group, self.local.model, self.model_config, buckets, state)
+        except Exception as e:
+            self._fail(self._worker_failure(wait_s=2.0) or
+                       f"tensor-parallel weight load failed on rank 0 ({type(e).__name__}: {e})")
+            raise RuntimeError(self._failure) from e
+        except BaseException:
+            self._fail("a tensor-parallel weight load was interrupted")
+            raise
         return len(state)
 
     def _fail(self, message: str) -> None:
@@ -257,7 +278,9 @@ class TensorParallelRunner:
             for r, (proc, conn) in enumerate(zip(self._procs, self._conns), 1):
                 text = self._error_from(conn)
                 if text is not None or not proc.is_alive():
-                    return _rank_failed(r, proc, text)
+                    proc.join(timeout=1.0)
+                    detail = f":\n{text}" if text else ""
+                    return f"tensor-parallel worker rank {r} failed (exit code {proc.exitcode}){detail}"
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)
@@ -287,7 +310,10 @@ class TensorParallelRunner:
                 if msg is not None and msg[0] == kind:
                     got[r] = msg
                 elif (msg is not None and msg[0] == "error") or not proc.is_alive():
-                    raise RuntimeError(_rank_failed(r, proc, msg and msg[1], " during start-up"))
+                    proc.join(timeout=1.0)
+                    detail = f":\n{msg[1]}" if msg is not None else ""
+                    raise RuntimeError(f"tensor-parallel worker rank {r} failed during start-up (exit code "
+                                       f"{proc.exitcode}){detail}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"tensor-parallel workers did not send {kind!r} within {STARTUP_TIMEOUT_S} s")
         return [got[r] for r in sorted(got)]
@@ -300,13 +326,6 @@ class TensorParallelRunner:
             finalizer()
         else:
             _stop_workers(self._procs, self._conns)
-
-
-def _rank_failed(rank: int, proc, traceback_text: str | None, when: str = "") -> str:
-    """The message naming a failed worker rank, with the traceback it sent (if any)."""
-    proc.join(timeout=1.0)
-    detail = f":\n{traceback_text}" if traceback_text else ""
-    return f"tensor-parallel worker rank {rank} failed{when} (exit code {proc.exitcode}){detail}"
 
 
 def _watch(sentinels, runner_ref) -> None:
