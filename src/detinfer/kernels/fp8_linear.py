@@ -1,17 +1,14 @@
 """Block-scaled FP8 linear (W8A8): y = x @ W^T with W fp8 in 128 x 128 blocks (kernels/fp8_quant.py) and x
 quantized per token per 128-wide group along K at call time ("dynamic" activations).
 
-Numerics (both paths): the K blocks are cut into `k_runs(N, K)` contiguous runs (boundaries
-c * KB // runs, `run_bounds`); in each run, for each K block kb in ascending order, with a fresh fp32
-accumulator per run,
+Numerics (both paths): with one fp32 accumulator starting at 0.0, for each K block kb in ascending order,
 
-    acc_c += (dot(x_q[:, kb], W_q[:, kb]) * sx[:, kb]) * sw[n, kb]
+    acc = fma(dot(x_q[:, kb], W_q[:, kb]), sx[:, kb] * sw[n, kb], acc)
 
-then total = ((0 + acc_0) + acc_1) + ..., then bias (fp32), then a cast to x's dtype. The run count depends
-on the weight's shape only (kernels/fp8_tiles.py says why runs exist: decode-sized launches of narrow
-weights would leave most SMs idle). Each row's activation scales depend on that row only, and each
-output element reduces the same K blocks in the same order whatever M is, so a row's result does not depend
-on the batch it is in.
+(the scale product rounded to fp32, then one fused multiply-add), then bias (fp32), then a cast to x's
+dtype. Each row's activation scales depend on that row only, and each output element reduces the same K
+blocks in the same order with the same operations whatever M is, so a row's result does not depend on the
+batch it is in.
 
 - `linear_fp8_ref` (CPU, and anywhere the kernel does not run): a block's dot of 128 fp8 x fp8 products is
   computed EXACTLY, then rounded once to fp32. Why exact: an e4m3 value has 4 significant bits and
@@ -19,12 +16,17 @@ on the batch it is in.
   them stays below 2^43 such units, inside float64's 53 bits. A float64 matmul of the upcast values
   therefore has no rounding at all, in whatever order or blocking the BLAS adds (the same reason as
   kernels/_exact_dot.py, here without any pre-rounding): the block partial is a pure function of the two
-  rows, i.e. a fixed-order fp32 result by construction.
-- `linear_fp8` (Hopper, Triton): fp8 `tl.dot` per K block into a fresh fp32 tile, scaled and added in the same
+  rows, i.e. a fixed-order fp32 result by construction. The fma is evaluated in float64 and rounded once to
+  fp32 (the product of two fp32 values is exact there; the sum rounds only where the two terms' exponents
+  differ by more than 29, so this equals a fused multiply-add except in such cases, and stays a function of
+  the element's own values either way).
+- `linear_fp8` (Hopper, Triton): fp8 `tl.dot` per K block into a fresh fp32 tile, then the same fma in the same
   order; the activations quantized by one Triton launch before it (torch's bits, kernels/fp8_tiles.py). The
   tensor cores' internal fp8 accumulation is not documented to be exact, so the kernel matches the ref within
-  a tolerance, not bitwise; it is batch-invariant on its own (tile config and K runs from (N, K) only). A GPU
-  kernel; Triton's CPU interpreter also runs it on CPU tensors (tests only).
+  a tolerance, not bitwise; it is batch-invariant on its own: BLOCK_K is the scale block whatever the config,
+  and the tile config (picked from M for speed, `kernel_config`) changes no element's operations (asserted
+  bitwise across every config on the GPU). A GPU kernel; Triton's CPU interpreter also runs it on CPU tensors
+  (tests only).
 - `linear_fp8_stock` (fast mode): what a serving stack runs: torch's block-scaled `scaled_mm` on a GPU that
   takes it, else dequantize + F.linear.
 """
@@ -41,8 +43,8 @@ import torch.nn.functional as F
 from detinfer.kernels._launch import interpreting
 from detinfer.kernels.fp8_quant import BLOCK, FP8_DTYPE, dequantize_weight, num_blocks, quantize_activations
 
-__all__ = ["linear_fp8", "linear_fp8_ref", "linear_fp8_stock", "linear_fp8_tree", "check_fp8_linear", "k_runs",
-           "quantize_activations_gpu"]
+__all__ = ["linear_fp8", "linear_fp8_ref", "linear_fp8_stock", "linear_fp8_tree", "check_fp8_linear",
+           "kernel_config", "quantize_activations_gpu", "uniform_block_rows"]
 
 
 def check_fp8_linear(op: str, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
@@ -75,31 +77,32 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 
 def linear_fp8_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                   out_dtype: torch.dtype | None = None, uniform: bool | None = None) -> torch.Tensor:
     """The pure-torch definition (see the module doc): x [..., K] -> [..., N] in `out_dtype` (default x's;
-    fp32: the accumulator itself, what tensor-parallel partial sums add)."""
+    fp32: the accumulator itself, what tensor-parallel partial sums add). `uniform` is `linear_fp8`'s speed
+    hint, taken for a common signature: the products are the same either way."""
     check_fp8_linear("linear_fp8_ref", x, w_q, w_scale, bias)
     n, k = w_q.shape
     x2 = _flat(x)
     x_q, sx = quantize_activations(x2)
-    total = torch.zeros((x2.shape[0], n), dtype=torch.float32, device=x.device)
-    for kb_lo, kb_hi in run_bounds(n, k):  # K runs, each its own accumulator (kernels/fp8_tiles.py)
-        acc = torch.zeros_like(total)
-        for kb in range(kb_lo, kb_hi):
-            k0, k1 = kb * BLOCK, min(k, (kb + 1) * BLOCK)
-            exact = x_q[:, k0:k1].double() @ w_q[:, k0:k1].double().t()  # no rounding (module doc)
-            acc += (exact.float() * sx[:, kb:kb + 1]) * w_scale[:, kb][None, :]
-        total += acc
+    acc = torch.zeros((x2.shape[0], n), dtype=torch.float32, device=x.device)
+    for kb in range(num_blocks(k)):
+        k0, k1 = kb * BLOCK, min(k, (kb + 1) * BLOCK)
+        part = (x_q[:, k0:k1].double() @ w_q[:, k0:k1].double().t()).float()  # no rounding until here
+        scale = sx[:, kb:kb + 1] * w_scale[:, kb][None, :]  # fp32
+        acc = (part.double() * scale.double() + acc.double()).float()  # the fma (module doc)
     if bias is not None:
-        total += bias.float()
-    return total.to(out_dtype or x.dtype).reshape(tuple(x.shape[:-1]) + (n,))
+        acc += bias.float()
+    return acc.to(out_dtype or x.dtype).reshape(tuple(x.shape[:-1]) + (n,))
 
 
 def linear_fp8_tree(linear, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                     num_chunks: int) -> torch.Tensor:
     """x [..., K] -> fp32 [..., N]: `linear(x_c, w_c, s_c, out_dtype=float32)` over `num_chunks` equal K chunks,
     added in kernels/chunked_linear.py's fixed pairwise tree. Each chunk must be whole 128-column blocks, so
-    every chunk quantizes the activations in exactly the groups the whole K would."""
+    every chunk quantizes the activations in exactly the groups the whole K would. A K slice has the whole
+    tensor's rows, so `linear` gets the whole scale tensor's `uniform_block_rows` (cached; a slice, a new view
+    per call, would be checked afresh each time)."""
     from detinfer.kernels.chunked_linear import pairwise_tree_sum
 
     k = w_q.shape[1]
@@ -107,9 +110,10 @@ def linear_fp8_tree(linear, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.T
         raise ValueError(f"linear_fp8_tree: K={k} must split into {num_chunks} equal chunks of whole "
                          f"{BLOCK}-column scale blocks")
     kc, bc = k // num_chunks, k // num_chunks // BLOCK
+    uniform = uniform_block_rows(w_scale) if w_scale.is_cuda else None
     return pairwise_tree_sum(torch.stack([
         linear(x[..., c * kc:(c + 1) * kc], w_q[:, c * kc:(c + 1) * kc], w_scale[:, c * bc:(c + 1) * bc],
-               out_dtype=torch.float32) for c in range(num_chunks)]))
+               out_dtype=torch.float32, uniform=uniform) for c in range(num_chunks)]))
 
 
 def linear_fp8_stock(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
@@ -141,32 +145,44 @@ def _scaled_mm_blockwise(x2: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Ten
     return y[:m] if rows != m else y
 
 
-# The block-scale layouts fast mode has built, by (id of the scale tensor, layout), each entry holding a weak
-# reference to that tensor and its version: a serving stack lays a weight's scales out once at load; here
-# they are built at the first call and reused while the same tensor is unchanged (an in-place update bumps
-# the version; a new tensor at a recycled id fails the identity check). Inference tensors (an engine's
-# weights) have no version counter: nothing updates an FP8 engine's weights in place (engine/admin.py refuses
-# weight loads into a quantized engine), so for them the identity check alone decides.
-_BLOCK_SCALES: dict = {}
-_BLOCK_SCALES_MAX = 4096  # entries (about four per layer); cleared when full
+# What is derived once per weight-scale tensor (fast mode's block-scale layouts, the kernel's UNIFORM flag), by
+# (id of the scale tensor, what), each entry holding a weak reference to that tensor and its version: a
+# serving stack derives these once at load; here they are built at the first call and reused while the same
+# tensor is unchanged (an in-place update bumps the version; a new tensor at a recycled id fails the identity
+# check). Inference tensors (an engine's weights) have no version counter: nothing updates an FP8 engine's
+# weights in place (engine/admin.py refuses weight loads into a quantized engine), so for them the identity
+# check alone decides.
+_PER_TENSOR: dict = {}
+_PER_TENSOR_MAX = 8192  # entries (about eight per layer); cleared when full
+
+
+def _per_tensor(w_scale: torch.Tensor, what: str, build):
+    """The cached value for (w_scale, what), else build() cached (build None: None on a miss)."""
+    key = (id(w_scale), what)
+    version = -1 if w_scale.is_inference() else w_scale._version
+    hit = _PER_TENSOR.get(key)
+    if hit is not None and hit[0]() is w_scale and hit[1] == version:
+        return hit[2]
+    if build is None:
+        return None
+    value = build()
+    if len(_PER_TENSOR) >= _PER_TENSOR_MAX:
+        _PER_TENSOR.clear()
+    _PER_TENSOR[key] = (weakref.ref(w_scale), version, value)
+    return value
 
 
 def _block_scales(w_scale: torch.Tensor, layout: str) -> torch.Tensor:
     """The weight's [N/128, K/128] block scales as given ("rows") or as a transposed view [K/128, N/128]
     with the K blocks padded to a multiple of 4 ("cols", what torch 2.11's cuBLASLt path asks for)."""
-    key = (id(w_scale), layout)
-    version = -1 if w_scale.is_inference() else w_scale._version
-    hit = _BLOCK_SCALES.get(key)
-    if hit is not None and hit[0]() is w_scale and hit[1] == version:
-        return hit[2]
-    blocks = w_scale[::BLOCK].contiguous()  # [N/128, K/128]: every row of a block holds the block's scales
-    if layout == "cols":  # [K/128 (padded to 4), N/128] with strides (1, padded K/128)
-        kb = blocks.shape[1]
-        blocks = torch.cat((blocks, blocks.new_ones(blocks.shape[0], -kb % 4)), 1).t()
-    if len(_BLOCK_SCALES) >= _BLOCK_SCALES_MAX:
-        _BLOCK_SCALES.clear()
-    _BLOCK_SCALES[key] = (weakref.ref(w_scale), version, blocks)
-    return blocks
+    def build() -> torch.Tensor:
+        blocks = w_scale[::BLOCK].contiguous()  # [N/128, K/128]: every row of a block holds the block's scales
+        if layout == "cols":  # [K/128 (padded to 4), N/128] with strides (1, padded K/128)
+            kb = blocks.shape[1]
+            blocks = torch.cat((blocks, blocks.new_ones(blocks.shape[0], -kb % 4)), 1).t()
+        return blocks
+
+    return _per_tensor(w_scale, layout, build)
 
 
 @functools.cache
@@ -196,41 +212,61 @@ def blockwise_layout(device: torch.device) -> str | None:
 
 
 # -- the Triton kernel (Hopper) ------------------------------------------------------------------------------
-# Programs a launch aims for when one weight is read at small M: enough K runs (`k_runs`) that a decode
-# step's narrow outputs (N = 4096: 32 tiles) still spread their weight stream over every SM (132 on an
-# H100) with a few programs each to hide DRAM latency. A model-shape constant: never M, never the GPU.
-TARGET_PROGRAMS = 256
-MIN_BLOCKS_PER_RUN = 4  # a run shorter than this pays its prologue and partial more than it saves
 # Decode-class launches (M <= matmul.PREFETCH_MAX_M) under PDL ask the L2 for the first PREFETCH_COLS weight
-# columns of each program's first K run before waiting for the previous kernel (kernels/_pdl.py): the bf16
-# matmul's 512 bytes per row, inside the run (a run is at least MIN_BLOCKS_PER_RUN = 4 blocks; K a multiple
-# of 128, so no prefetch leaves the weight). Measured (docs/performance.md, "FP8, second pass"): 1.2-1.6 us
-# less per call in an experimental split launch (H100); the shipped kernel against the one before, 0.1-0.7 us
-# at M = 1 (H200), a decode step within noise. Speed only, and free.
+# columns of each program's rows before waiting for the previous kernel (kernels/_pdl.py): the bf16 matmul's
+# 512 bytes per row. Measured (docs/performance.md, "FP8, second pass"): 0.1-0.7 us at M = 1 (H200), a decode
+# step within noise. Speed only, and free.
 PREFETCH_COLS = 512
 
-
-def kernel_config(n: int, k: int) -> dict:
-    """Tile sizes and pipeline depth from (N, K) only, never from M: every row of every batch then runs the
-    same instruction sequence (same K blocks, same MMA shapes) for a given weight, so a row's bits cannot
-    depend on how many rows came with it. BLOCK_K is the scale block: one scale pair per fp32 partial."""
-    block_n = 128 if n >= 2048 else 64
-    return dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=BLOCK, num_warps=4, num_stages=4 if k >= 1024 else 3)
-
-
-def k_runs(n: int, k: int) -> int:
-    """How many contiguous runs of K blocks the reduction is cut into (module doc of kernels/fp8_tiles.py):
-    from (N, K) only, so part of every row's reduction order, in the kernel and in `linear_fp8_ref` alike.
-    Enough runs that the weight's output tiles times runs reach TARGET_PROGRAMS, each run at least
-    MIN_BLOCKS_PER_RUN blocks long."""
-    tiles = -(-n // kernel_config(n, k)["BLOCK_N"])
-    return max(1, min(TARGET_PROGRAMS // tiles, num_blocks(k) // MIN_BLOCKS_PER_RUN))
+# Tile configs by M. Why M may choose: BLOCK_K is the 128-column scale block in every config, and each output
+# element runs the same block dots, scale products and fmas in the same order whichever tile holds it (the
+# kernel's doc; asserted bitwise across every config on the GPU), so the config is where the work goes, not
+# what a row computes. Measured on an H100 (`bench/bench_fp8.py --sweep`, docs/performance.md "FP8, third
+# pass"): up to 64 rows, 64 x 64 tiles (N = 4096: 64 programs streaming the weight) walking two K blocks per
+# iteration (a long K of dependent steps, e.g. down_proj's 96 blocks, otherwise bounds a program's pace);
+# above, 64 x 128 tiles read through TMA descriptors (fewer registers than pointer loads, no spills), best
+# at every M from 128 to 4096 of the sweep (128 x 128 tiles with 8 warps were within 5% at 4096, slower below).
+SMALL_TILES_MAX_M = 64
+_SMALL = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=4, TMA=False, PAIRED=True)
+_LARGE = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=4, TMA=True, PAIRED=False)
 
 
-def run_bounds(n: int, k: int) -> list[tuple[int, int]]:
-    """[start, end) K blocks of each run, the kernels' c * KB // runs boundaries."""
-    kb, runs = num_blocks(k), k_runs(n, k)
-    return [(c * kb // runs, (c + 1) * kb // runs) for c in range(runs)]
+def kernel_config(m: int) -> dict:
+    """The tile config for M rows (the constants above say why M may pick it). BLOCK_K is the scale block."""
+    return dict(_SMALL if m <= SMALL_TILES_MAX_M else _LARGE, BLOCK_K=BLOCK)
+
+
+def uniform_block_rows(w_scale: torch.Tensor) -> bool:
+    """Whether every aligned group of 128 rows of the per-row block scales [N, KB] holds one row's scales (a
+    checkpoint's weights and fused parts of whole 128-row blocks: the kernel's UNIFORM path). Computed once per
+    tensor (cached like fast mode's scale layouts; inside a CUDA graph capture, where a host sync is not
+    allowed, an unknown tensor takes the per-element path: the same bits)."""
+    def build() -> bool:
+        n, kb = w_scale.shape
+        rows = torch.cat((w_scale, w_scale[-1:].expand(-n % BLOCK, kb))) if n % BLOCK else w_scale
+        groups = rows.reshape(-1, BLOCK, kb)
+        return bool((groups == groups[:, :1]).all())
+
+    if w_scale.shape[0] == 0:
+        return True
+    capturing = w_scale.is_cuda and torch.cuda.is_current_stream_capturing()
+    return bool(_per_tensor(w_scale, "uniform", None if capturing else build))
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """TMA descriptors need 16-byte aligned bases and row strides (and a unit inner stride)."""
+    return _tensor_descriptor() is not None and all(
+        t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+        for t in tensors)
+
+
+@functools.cache
+def _tensor_descriptor():
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # an older Triton: pointer loads (the same bits)
+        return None
+    return TensorDescriptor
 
 
 def quantize_activations_gpu(x2: torch.Tensor, rows: int | None = None,
@@ -269,28 +305,18 @@ def quantize_activations_gpu(x2: torch.Tensor, rows: int | None = None,
     return q, s
 
 
-def split_runs(m: int, n: int, k: int, cfg: dict | None = None) -> bool:
-    """Whether an [M, K] x [N, K] launch gives each K run programs of its own (then adds the runs' partials
-    in a second launch) or walks every run in one program per tile: how the work is spread, not what is
-    computed (the same bits, kernels/fp8_tiles.py), so it may look at M. Split when the output tiles alone
-    would leave the GPU short of programs."""
-    cfg = cfg or kernel_config(n, k)
-    tiles = -(-m // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"])
-    return k_runs(n, k) > 1 and tiles < TARGET_PROGRAMS // 2
-
-
 def linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-               out_dtype: torch.dtype | None = None, split: bool | None = None,
-               config: dict | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype | None = None, config: dict | None = None,
+               uniform: bool | None = None) -> torch.Tensor:
     """The Triton path (CUDA, fp8 tensor cores: Hopper or newer; CPU tensors under TRITON_INTERPRET=1):
-    x [..., K] -> [..., N] in `out_dtype` (default x's). `split` overrides `split_runs` (tests: both give the
-    same bits); `config` overrides `kernel_config` (benchmark sweeps; K runs stay `k_runs(N, K)`)."""
+    x [..., K] -> [..., N] in `out_dtype` (default x's). `config` overrides `kernel_config` (tests and
+    benchmark sweeps: every config gives the same bits); `uniform` overrides `uniform_block_rows(w_scale)`
+    (the caller knows it, e.g. of the whole tensor a K slice comes from; False is always allowed)."""
     check_fp8_linear("linear_fp8", x, w_q, w_scale, bias)
     check_fp8_kernel_device("linear_fp8", x, w_q, w_scale, bias)
     import triton
 
     from detinfer.kernels._pdl import launch_options, use_pdl
-    from detinfer.kernels.fp8_tiles import add_chunks_kernel
     from detinfer.kernels.fp8_tiles import linear_fp8_kernel as kernel
     from detinfer.kernels.matmul import PREFETCH_MAX_M
 
@@ -300,20 +326,20 @@ def linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: 
     y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if not (m and n):
         return y.reshape(tuple(x.shape[:-1]) + (n,))
+    uniform = uniform_block_rows(w_scale) if uniform is None else uniform
     a, sa = quantize_activations_gpu(x2)
-    w_q, w_scale = w_q.contiguous(), w_scale.contiguous()
-    cfg, runs, pdl = config or kernel_config(n, k), k_runs(n, k), use_pdl(x.device)
-    split = (split_runs(m, n, k, cfg) if split is None else split) and runs > 1
-    target = torch.empty((runs, m, n), dtype=torch.float32, device=x.device) if split else y
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), runs if split else 1)
+    w_q = w_q if w_q.stride(1) == 1 else w_q.contiguous()  # a K slice keeps its row stride
+    w_scale = w_scale if w_scale.stride(1) == 1 else w_scale.contiguous()
+    cfg, pdl = dict(config or kernel_config(m)), use_pdl(x.device)
+    block = dict(BLOCK_M=cfg.pop("BLOCK_M"), BLOCK_N=cfg.pop("BLOCK_N"), BLOCK_K=cfg.pop("BLOCK_K", BLOCK))
+    tma = cfg.pop("TMA") and _tma_ok(a, w_q)
+    descs = (_tensor_descriptor().from_tensor(a, [block["BLOCK_M"], BLOCK]),
+             _tensor_descriptor().from_tensor(w_q, [block["BLOCK_N"], BLOCK])) if tma else (a, w_q)
+    grid = (triton.cdiv(m, block["BLOCK_M"]), triton.cdiv(n, block["BLOCK_N"]))
     prefetch = PREFETCH_COLS if pdl and m <= PREFETCH_MAX_M and k >= PREFETCH_COLS and k % BLOCK == 0 else 0
-    kernel[grid](a, sa, w_q, w_scale, bias if bias is not None else w_scale, target, m, n, k, num_blocks(k),
-                 a.stride(0), sa.stride(0), w_q.stride(0), w_scale.stride(0), n if split else y.stride(0),
-                 HAS_BIAS=bias is not None, CHUNKS=runs, SPLIT=split, USE_PDL=pdl, PREFETCH_K=prefetch, **cfg,
-                 **launch_options(pdl))
-    if split:
-        block = 1024
-        add_chunks_kernel[(triton.cdiv(m * n, block),)](
-            target, bias if bias is not None else target, y, m * n, n, CHUNKS=runs, HAS_BIAS=bias is not None,
-            BLOCK=block, USE_PDL=pdl, num_warps=4, **launch_options(pdl))
+    kernel[grid](*descs, a, sa, w_q, w_scale, bias if bias is not None else w_scale, y, m, n, k, num_blocks(k),
+                 a.stride(0), sa.stride(0), w_q.stride(0), w_scale.stride(0), y.stride(0),
+                 HAS_BIAS=bias is not None, TMA=tma, UNIFORM=uniform, PAIRED=cfg.pop("PAIRED", False), USE_PDL=pdl,
+                 PREFETCH_K=prefetch,
+                 STAGES=cfg.pop("STAGES"), num_warps=cfg.pop("num_warps"), **block, **launch_options(pdl))
     return y.reshape(tuple(x.shape[:-1]) + (n,))

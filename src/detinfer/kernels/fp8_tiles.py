@@ -1,6 +1,5 @@
-"""The Triton kernels of the block-scaled FP8 linear (kernels/fp8_linear.py: launcher, reference, config):
-the activation quantization of kernels/fp8_quant.py, the GEMM over K runs, and the kernel that adds K-run
-partials.
+"""The Triton kernels of the block-scaled FP8 linear (kernels/fp8_linear.py: launcher, reference, tile
+configs): the activation quantization of kernels/fp8_quant.py and the GEMM.
 
 Activation quantization, bit for bit `fp8_quant.quantize_activations`: a group's scale is
 max(amax, AMAX_FLOOR) * INV_FP8_MAX and its values fp8(clamp(x / scale, +-448)), every step one IEEE fp32
@@ -9,12 +8,15 @@ operation (`div_rn`: correctly rounded, as torch's tensor division is), the cast
 tests/kernels/test_fp8_linear.py). One launch for all of a GEMM's N tiles: quantizing inside the GEMM, on
 each program's A tiles, was measured 2-5x slower at M <= 64 on an H100 (the divisions in the K loop).
 
-K chunks: a launch's K blocks are cut into `chunks` contiguous runs, boundaries c * KB // chunks. Each run
-is reduced into its own fp32 accumulator (the K-block step of fp8_linear's doc), and the runs' results are
-added in run order, starting from 0.0. Both launch forms compute exactly that: one program walking every
-run in turn (`total += acc_c`), or one program per (tile, run) writing its accumulator and
-`add_chunks_kernel` adding them in run order. The number of runs comes from (N, K) only
-(fp8_linear.k_runs); the form from M (how many programs the GPU would otherwise get).
+The GEMM: one program per output tile walks the K blocks in ascending order, one fp8 `tl.dot` per 128-wide
+block into a fresh fp32 tile, folded into the accumulator by one fused multiply-add per element with the
+product of the two scales (fp8_linear's module doc). What a tile's shape, its warps, its pipeline depth and
+its load path (pointers or TMA descriptors) change is which elements a program computes and how its operands
+arrive, never an element's operations: so the config may follow M (fp8_linear.kernel_config; asserted
+bitwise across configs on the GPU). UNIFORM: every aligned group of 128 weight rows shares its block scales
+(a checkpoint's weights and fused parts of whole blocks), so a tile's weight scale is one number per K block and
+the scale product is a per-row vector; otherwise it is formed per element. The same products either way:
+the same bits, only fewer registers and multiplies (the per-element form spills at 128-row tiles).
 """
 
 from __future__ import annotations
@@ -42,22 +44,6 @@ def quantize_tile(a):
 
 
 @triton.jit
-def a_block(x_ptr, sx_ptr, rm, m_ok, kb, K, stride_xm, stride_sxm, BLOCK_K: tl.constexpr):
-    """The A operand of K block kb for rows rm: fp8 [BLOCK_M, BLOCK_K] and its fp32 scales [BLOCK_M]
-    (quantize_activations_kernel's output)."""
-    kk = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-    rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :]
-    return (tl.load(rows, mask=m_ok[:, None] & (kk < K)[None, :], other=0.0),
-            tl.load(sx_ptr + rm.to(tl.int64) * stride_sxm + kb, mask=m_ok, other=0.0))
-
-
-@triton.jit
-def chunk_bounds(c, KB, CHUNKS: tl.constexpr):
-    """K blocks [start, end) of run c of CHUNKS."""
-    return c * KB // CHUNKS, (c + 1) * KB // CHUNKS
-
-
-@triton.jit
 def quantize_activations_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_xm, stride_qm, stride_sm, stride_sk,
                                 ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """quantize_activations for ROWS rows x one 128-group per program (grid: cdiv(M_OUT, ROWS), KB). Rows
@@ -76,61 +62,72 @@ def quantize_activations_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_xm, str
 
 
 @triton.jit
-def add_chunks_kernel(p_ptr, b_ptr, y_ptr, MN, N, CHUNKS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    """y = cast(((0 + p[0]) + p[1]) + ... + bias) over flat [M * N] outputs; p is fp32 [CHUNKS, M * N]."""
-    pdl_start(USE_PDL)
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < MN
-    total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for c in tl.static_range(CHUNKS):
-        total += tl.load(p_ptr + c * MN + offs, mask=ok, other=0.0)
-    if HAS_BIAS:
-        total += tl.load(b_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs, total.to(y_ptr.dtype.element_ty), mask=ok)
+def scaled_block(a_desc, w_desc, x_ptr, sx_ptr, w_ptr, sw_ptr, rm, rn, m_ok, n_ok, pid_m, pid_n, kb, K,
+                 stride_xm, stride_sxm, stride_wn, stride_swn, TMA: tl.constexpr, UNIFORM: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """K block kb of a tile: (its fp32 dot, the scale product sx * sw) for `acc = fma(dot, scale, acc)`."""
+    if TMA:
+        a = a_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
+        b = w_desc.load([pid_n * BLOCK_N, kb * BLOCK_K]).T
+    else:
+        kk = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = kk < K
+        a = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptr + rn.to(tl.int64)[None, :] * stride_wn + kk[:, None],
+                    mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+    sa = tl.load(sx_ptr + rm.to(tl.int64) * stride_sxm + kb, mask=m_ok, other=0.0)
+    part = tl.dot(a, b, out_dtype=tl.float32)  # this K block alone, fp32
+    if UNIFORM:  # one weight scale per (tile, K block): the tile's first row holds it
+        scale = (sa * tl.load(sw_ptr + (pid_n * BLOCK_N) * stride_swn + kb))[:, None]
+    else:
+        scale = sa[:, None] * tl.load(sw_ptr + rn * stride_swn + kb, mask=n_ok, other=0.0)[None, :]
+    return part, scale
 
 
 @triton.jit
-def linear_fp8_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, M, N, K, KB,
-                       stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym,
-                       HAS_BIAS: tl.constexpr, CHUNKS: tl.constexpr,
-                       SPLIT: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One BLOCK_M x BLOCK_N output tile; every K run in turn (y = the result), or (SPLIT) run
-    program_id(2) alone (y = fp32 partials [CHUNKS, M, N], added by fp8_tiles.add_chunks_kernel).
-    PREFETCH_K > 0: the first PREFETCH_K weight columns of the program's first run are asked of the L2
-    before the PDL wait (kernels/_pdl.py: a cache hint, never stale)."""
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
+def linear_fp8_kernel(a_desc, w_desc, x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, M, N, K, KB,
+                      stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym,
+                      HAS_BIAS: tl.constexpr, TMA: tl.constexpr, UNIFORM: tl.constexpr, PAIRED: tl.constexpr,
+                      USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr, STAGES: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One BLOCK_M x BLOCK_N tile of y = x_q @ w_q^T: acc = fma(dot_kb, sx[m, kb] * sw[n, kb], acc) over the K
+    blocks in order from acc = 0, then + bias, cast to y's dtype. TMA: the operands come through the tensor
+    descriptors a_desc / w_desc (out-of-bounds reads are zeros, as the masked loads' are). PAIRED: two K
+    blocks per iteration, both dots issued before the two fmas (in block order): a small tile's one long
+    chain of dependent steps gets two MMAs in flight. PREFETCH_K > 0: the first PREFETCH_K weight columns of
+    the tile's rows are asked of the L2 before the PDL wait (kernels/_pdl.py: a cache hint, never stale)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = rm < M, rn < N
-    w_rows = w_ptr + rn.to(tl.int64)[None, :] * stride_wn
-    if SPLIT:
-        c_lo = tl.program_id(2)
-        c_hi = c_lo + 1
-    else:
-        c_lo = 0
-        c_hi = CHUNKS
     if PREFETCH_K > 0:
-        prefetch_rows_l2(w_ptr + (c_lo * KB // CHUNKS) * BLOCK_K, rn, n_ok, stride_wn, PREFETCH_K, 128)
+        prefetch_rows_l2(w_ptr, rn, n_ok, stride_wn, PREFETCH_K, 128)
     pdl_start(USE_PDL)  # kernels/_pdl.py: nothing is read before the previous kernel is done
-    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for c in range(c_lo, c_hi):
-        kb_lo, kb_hi = chunk_bounds(c, KB, CHUNKS)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(kb_lo, kb_hi):
-            a, sa = a_block(x_ptr, sx_ptr, rm, m_ok, kb, K, stride_xm, stride_sxm, BLOCK_K)
-            kk = kb * BLOCK_K + rk
-            b = tl.load(w_rows + kk[:, None], mask=n_ok[None, :] & (kk < K)[:, None], other=0.0)
-            part = tl.dot(a, b, out_dtype=tl.float32)  # this K block alone, fp32
-            sb = tl.load(sw_ptr + rn * stride_swn + kb, mask=n_ok, other=0.0)
-            acc += (part * sa[:, None]) * sb[None, :]
-        total += acc
-    out = rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-    mask = m_ok[:, None] & n_ok[None, :]
-    if SPLIT:
-        tl.store(y_ptr + c_lo.to(tl.int64) * M * N + out, total, mask=mask)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PAIRED:
+        for kb in tl.range(0, KB - 1, 2, num_stages=STAGES):
+            p0, s0 = scaled_block(a_desc, w_desc, x_ptr, sx_ptr, w_ptr, sw_ptr, rm, rn, m_ok, n_ok, pid_m, pid_n,
+                                  kb, K, stride_xm, stride_sxm, stride_wn, stride_swn, TMA, UNIFORM,
+                                  BLOCK_M, BLOCK_N, BLOCK_K)
+            p1, s1 = scaled_block(a_desc, w_desc, x_ptr, sx_ptr, w_ptr, sw_ptr, rm, rn, m_ok, n_ok, pid_m, pid_n,
+                                  kb + 1, K, stride_xm, stride_sxm, stride_wn, stride_swn, TMA, UNIFORM,
+                                  BLOCK_M, BLOCK_N, BLOCK_K)
+            acc = tl.fma(p0, s0, acc)
+            acc = tl.fma(p1, s1, acc)
+        if KB % 2 == 1:
+            p, s = scaled_block(a_desc, w_desc, x_ptr, sx_ptr, w_ptr, sw_ptr, rm, rn, m_ok, n_ok, pid_m, pid_n,
+                                KB - 1, K, stride_xm, stride_sxm, stride_wn, stride_swn, TMA, UNIFORM,
+                                BLOCK_M, BLOCK_N, BLOCK_K)
+            acc = tl.fma(p, s, acc)
     else:
-        if HAS_BIAS:
-            total += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + out, total.to(y_ptr.dtype.element_ty), mask=mask)
+        for kb in tl.range(0, KB, num_stages=STAGES):
+            p, s = scaled_block(a_desc, w_desc, x_ptr, sx_ptr, w_ptr, sw_ptr, rm, rn, m_ok, n_ok, pid_m, pid_n,
+                                kb, K, stride_xm, stride_sxm, stride_wn, stride_swn, TMA, UNIFORM,
+                                BLOCK_M, BLOCK_N, BLOCK_K)
+            acc = tl.fma(p, s, acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+    tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])

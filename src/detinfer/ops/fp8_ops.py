@@ -31,10 +31,10 @@ class Fp8Ops:
             return fp8.linear_fp8_stock(x, weight, weight_scale, bias)
         return self._linear_fp8_det(x, weight, weight_scale, bias)
 
-    def _linear_fp8_det(self, x, weight, weight_scale, bias=None, out_dtype=None) -> torch.Tensor:
+    def _linear_fp8_det(self, x, weight, weight_scale, bias=None, out_dtype=None, uniform=None) -> torch.Tensor:
         fp8 = _kernels("fp8_linear")
         fn = fp8.linear_fp8 if self.device.type == "cuda" and x.is_cuda else fp8.linear_fp8_ref
-        return fn(x, weight, weight_scale, bias, out_dtype=out_dtype)
+        return fn(x, weight, weight_scale, bias, out_dtype=out_dtype, uniform=uniform)
 
     def linear_fp8_tree(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                         num_chunks: int) -> torch.Tensor:
