@@ -126,16 +126,18 @@ def bench_gemm(ms: list[int], layout: str | None, old, rows: list) -> None:
             del sets
 
 
-SWEEP = {  # name: kernel_config overrides (BLOCK_K is always the 128-column scale block)
-    "64x32": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, STAGES=6, TMA=False),
+SWEEP = {  # name: kernel_config overrides (BLOCK_K is always the 128-column scale block); p = PAIRED, sN = stages
     "64x32p": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, STAGES=4, TMA=False, PAIRED=True),
-    "64x64": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=4, TMA=False),
+    "64x32p_s8": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, STAGES=8, TMA=False, PAIRED=True),
     "64x64p": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=4, TMA=False, PAIRED=True),
-    "64x16p": dict(BLOCK_M=64, BLOCK_N=16, num_warps=4, STAGES=4, TMA=False, PAIRED=True),
+    "64x64p_s6": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=6, TMA=False, PAIRED=True),
+    "64x64p_w8": dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, STAGES=4, TMA=False, PAIRED=True),
     "64x128tma": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=4, TMA=True),
-    "64x128tmap": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=3, TMA=True, PAIRED=True),
-    "128x64tma": dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, STAGES=4, TMA=True),
-    "128x128tma": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, STAGES=3, TMA=True),
+    "64x128tma_s3": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=3, TMA=True),
+    "64x128tma_s2": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2, TMA=True),
+    "64x256tma_w8": dict(BLOCK_M=64, BLOCK_N=256, num_warps=8, STAGES=3, TMA=True),
+    "128x128tma_w8": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, STAGES=4, TMA=True),
+    "128x256tma_w8": dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, STAGES=3, TMA=True),
 }
 
 

@@ -342,6 +342,18 @@ def test_interpreter_every_tile_config_and_scale_path_gives_the_same_bits(m, mon
     assert torch.allclose(outs[0], linear_fp8_ref(x, q, s, bias), rtol=1e-5, atol=1e-4)
 
 
+def test_interpreter_a_tile_wider_than_a_scale_group_takes_the_per_element_path(monkeypatch):
+    """uniform=True says each 128-row group shares its scales; a 256-wide tile spans two groups, so the
+    launcher must not read one scale for it (caught by the GPU sweep's bit check)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from detinfer.kernels.fp8_linear import _LARGE, _SMALL, linear_fp8
+
+    x, _, q, s = _operands(3, 256, 256, seed=5, dtype=torch.float32)
+    s = s * torch.tensor([1.0, 3.0]).repeat_interleave(128)[:, None]  # two groups, two scales
+    wide = linear_fp8(x, q, s, config=dict(_LARGE, BLOCK_N=256, BLOCK_K=BLOCK, TMA=False), uniform=True)
+    assert torch.equal(wide, linear_fp8(x, q, s, config=dict(_SMALL, BLOCK_K=BLOCK), uniform=False))
+
+
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("m", [1, 7, 33, 64, 65, 300, 2049])

@@ -333,6 +333,7 @@ def linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: 
     cfg, pdl = dict(config or kernel_config(m)), use_pdl(x.device)
     block = dict(BLOCK_M=cfg.pop("BLOCK_M"), BLOCK_N=cfg.pop("BLOCK_N"), BLOCK_K=cfg.pop("BLOCK_K", BLOCK))
     tma = cfg.pop("TMA") and _tma_ok(a, w_q)
+    uniform = uniform and BLOCK % block["BLOCK_N"] == 0  # a tile inside one 128-row group of scales
     descs = (_tensor_descriptor().from_tensor(a, [block["BLOCK_M"], BLOCK]),
              _tensor_descriptor().from_tensor(w_q, [block["BLOCK_N"], BLOCK])) if tma else (a, w_q)
     grid = (triton.cdiv(m, block["BLOCK_M"]), triton.cdiv(n, block["BLOCK_N"]))
