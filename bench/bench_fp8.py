@@ -138,6 +138,9 @@ SWEEP = {  # name: kernel_config overrides (BLOCK_K is always the 128-column sca
     "64x256tma_w8": dict(BLOCK_M=64, BLOCK_N=256, num_warps=8, STAGES=3, TMA=True),
     "128x128tma_w8": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, STAGES=4, TMA=True),
     "128x256tma_w8": dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, STAGES=3, TMA=True),
+    "64x128tmap_s2": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2, TMA=True, PAIRED=True),
+    "128x128tmap_w8_s2": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, STAGES=2, TMA=True, PAIRED=True),
+    "128x64tmap_s2": dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, STAGES=2, TMA=True, PAIRED=True),
 }
 
 

@@ -340,7 +340,7 @@ def linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: 
     prefetch = PREFETCH_COLS if pdl and m <= PREFETCH_MAX_M and k >= PREFETCH_COLS and k % BLOCK == 0 else 0
     kernel[grid](*descs, a, sa, w_q, w_scale, bias if bias is not None else w_scale, y, m, n, k, num_blocks(k),
                  a.stride(0), sa.stride(0), w_q.stride(0), w_scale.stride(0), y.stride(0),
-                 HAS_BIAS=bias is not None, TMA=tma, UNIFORM=uniform, PAIRED=cfg.pop("PAIRED", False), USE_PDL=pdl,
-                 PREFETCH_K=prefetch,
-                 STAGES=cfg.pop("STAGES"), num_warps=cfg.pop("num_warps"), **block, **launch_options(pdl))
+                 HAS_BIAS=bias is not None, TMA=tma, UNIFORM=uniform, PAIRED=cfg.get("PAIRED", False),
+                 USE_PDL=pdl, PREFETCH_K=prefetch, STAGES=cfg["STAGES"], num_warps=cfg["num_warps"], **block,
+                 **launch_options(pdl))
     return y.reshape(tuple(x.shape[:-1]) + (n,))
