@@ -16,10 +16,10 @@ batch it is in.
   them stays below 2^43 such units, inside float64's 53 bits. A float64 matmul of the upcast values
   therefore has no rounding at all, in whatever order or blocking the BLAS adds (the same reason as
   kernels/_exact_dot.py, here without any pre-rounding): the block partial is a pure function of the two
-  rows, i.e. a fixed-order fp32 result by construction. The fma is evaluated in float64 and rounded once to
-  fp32 (the product of two fp32 values is exact there; the sum rounds only where the two terms' exponents
-  differ by more than 29, so this equals a fused multiply-add except in such cases, and stays a function of
-  the element's own values either way).
+  rows, i.e. a fixed-order fp32 result by construction. The fma is evaluated in float64, then rounded to fp32
+  (the product of two fp32 values is exact there; the sum may round, and rounding twice differs from a fused
+  multiply-add's one rounding only where the float64 sum lands exactly on a midpoint between two fp32
+  values: rare, and a function of the element's own values either way).
 - `linear_fp8` (Hopper, Triton): fp8 `tl.dot` per K block into a fresh fp32 tile, then the same fma in the same
   order; the activations quantized by one Triton launch before it (torch's bits, kernels/fp8_tiles.py). The
   tensor cores' internal fp8 accumulation is not documented to be exact, so the kernel matches the ref within
