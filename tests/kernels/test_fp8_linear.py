@@ -182,8 +182,8 @@ def test_kernel_matches_ref(m, n, k):
 @given(m=st.integers(1, 300), a=st.integers(0, 300), b=st.integers(0, 300), seed=st.integers(0, 100),
        nk=st.sampled_from([(1024, 768), (512, 2048)]))
 def test_kernel_slice_invariance_bitwise(m, a, b, seed, nk):
-    """M up to 300 crosses the small / mid tile configs' boundary (kernel_config): a slice and the whole batch
-    may run different tiles."""
+    """M up to 300 crosses the small / large tile configs' boundary (kernel_config, 64 rows): a slice and the
+    whole batch may run different tiles."""
     if not _fp8_gpu():
         pytest.skip("fp8 tl.dot needs sm89+")
     from detinfer.kernels.fp8_linear import linear_fp8
@@ -362,7 +362,7 @@ def test_every_tile_config_load_path_and_scale_path_gives_the_same_bits_on_gpu(m
     """Small / large tiles, one or two K blocks per iteration, TMA or pointer loads, the per-tile or per-element
     scale product: where the work goes, never what an element computes (kernel_config may therefore follow
     M). (320, 384): fused parts of 64 rows, so the scales are not uniform per 128 rows and only the
-    per-element path is right; (1000, 700): an odd K block count (a pair loop's tail) and a partial block."""
+    per-element path is right, and 3 K blocks (a pair loop's leftover one); (1000, 700): a partial last block."""
     if not _fp8_gpu():
         pytest.skip("fp8 tl.dot needs sm89+")
     from detinfer.kernels.fp8_linear import _LARGE, _SMALL, linear_fp8, uniform_block_rows
