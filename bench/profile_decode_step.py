@@ -6,11 +6,15 @@ listed by device time per step (all layers summed), with launches per step. Eage
 profiles the CUDA-graphed step the engine really runs, and `--sequence N` prints N consecutive kernels from
 a tenth into the trace (one layer's order and each launch's grid). Under PDL (kernels/_pdl.py) a kernel
 launches early and waits for its predecessor, so with graphs its duration includes that wait: read the
-counts and the order there, or set DETINFER_PDL=0 for durations that do not overlap.
+counts and the order there, or set DETINFER_PDL=0 for durations that do not overlap. `--critical-path` adds
+a table that PDL does not blur: each kernel is charged the time from the previous kernel's end to its own
+end (what removing it would save at most), summed per kernel name. `--tp N` profiles rank 0 of a
+tensor-parallel engine (the other ranks run the same step in their own processes).
 
     python bench/profile_decode_step.py --layers 36 --batches 1,64 --mode deterministic
     python bench/profile_decode_step.py --preset qwen3-30b-a3b --batches 1,64 --mode fast   # a full-size preset
     python bench/profile_decode_step.py --preset qwen3-30b-a3b --batches 1 --graphs --steps 5 --sequence 60
+    python bench/profile_decode_step.py --tp 2 --graphs --steps 10 --critical-path
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -33,31 +38,71 @@ from detinfer.models.weight_sources import RandomWeights  # noqa: E402
 from detinfer.repro.random_model import preset_config  # noqa: E402
 
 
-def profile_batch(engine: LLMEngine, batch: int, vocab: int, top: int, steps: int, sequence: int) -> None:
+def kernel_events(prof) -> list[dict]:
+    """The trace's CUDA kernels in start order (name, ts, dur in us)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        with open(f"{tmp}/trace.json") as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    return sorted(events, key=lambda e: e["ts"])
+
+
+def print_critical_path(events: list[dict], steps: int, top: int) -> None:
+    """Charge each kernel (end - the latest earlier end): under PDL kernels overlap, so durations double count,
+    while these charges add up to the busy span and say what each kernel adds to it."""
+    charged: dict[str, list[float]] = {}
+    last_end = None
+    for e in events:
+        end = e["ts"] + e["dur"]
+        start = e["ts"] if last_end is None else max(last_end, e["ts"])
+        name = re.sub(r"_(\d+)$", "", e["name"])[:70]
+        entry = charged.setdefault(name, [0.0, 0.0, 0])
+        entry[0] += max(0.0, end - start)
+        entry[1] += max(0.0, e["ts"] - last_end) if last_end is not None else 0.0  # idle before it
+        entry[2] += 1
+        last_end = end if last_end is None else max(last_end, end)
+    span = (last_end - events[0]["ts"]) / steps
+    busy = sum(v[0] for v in charged.values()) / steps
+    print(f"  critical path: span {span / 1e3:.3f} ms per step, charged {busy / 1e3:.3f} ms, idle "
+          f"{sum(v[1] for v in charged.values()) / steps / 1e3:.3f} ms")
+    for name, (c, idle, n) in sorted(charged.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"  {c / steps:9.1f} us  idle before {idle / steps:7.1f} us  x{n / steps:<6.1f} {name}")
+
+
+def profile_batch(engine: LLMEngine, batch: int, vocab: int, top: int, steps: int, sequence: int,
+                  critical_path: bool = False, prefill: int = 0) -> None:
+    """`prefill` > 0: each profiled step also prefills a new prompt of that many tokens (a mixed step)."""
     rng = random.Random(batch)
     for i in range(batch):
         engine.add_request(f"p{batch}-{i}", [rng.randrange(vocab) for _ in range(100)],
                            SamplingParams(temperature=0.0, max_tokens=16 + steps, ignore_eos=True))
     for _ in range(6):  # prefill(s), then warm decode steps (compiles every variant)
         engine.step()
+    for s in range(3 if prefill else 0):  # warm the mixed step's shapes too
+        engine.add_request(f"w{batch}-{s}", [rng.randrange(vocab) for _ in range(prefill)],
+                           SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        engine.step()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
+        for s in range(steps):
+            if prefill:
+                engine.add_request(f"m{batch}-{s}", [rng.randrange(vocab) for _ in range(prefill)],
+                                   SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
             engine.step()
         torch.cuda.synchronize()
     rows = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     rows.sort(key=lambda e: -e.self_device_time_total)
     total = sum(e.self_device_time_total for e in rows) / steps
     launches = sum(e.count for e in rows) / steps
-    print(f"batch {batch}: {total / 1e3:.2f} ms device time, {launches:.0f} kernels per decode step")
+    kind = f" + a {prefill}-token prefill" if prefill else ""
+    print(f"batch {batch}{kind}: {total / 1e3:.2f} ms device time, {launches:.0f} kernels per decode step")
     for e in rows[:top]:
         print(f"  {e.self_device_time_total / steps:9.1f} us  x{e.count / steps:<7.1f} {e.key[:100]}")
+    if critical_path or sequence:
+        events = kernel_events(prof)
+    if critical_path:
+        print_critical_path(events, steps, top)
     if sequence:
-        with tempfile.TemporaryDirectory() as tmp:
-            prof.export_chrome_trace(f"{tmp}/trace.json")
-            with open(f"{tmp}/trace.json") as f:
-                events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "kernel"]
-        events.sort(key=lambda e: e["ts"])
         for e in events[len(events) // 10:len(events) // 10 + sequence]:
             print(f"    {e['dur']:7.1f} us  {e['name'][:60]:60s} grid {e.get('args', {}).get('grid')}")
     while engine.has_unfinished_requests():
@@ -73,13 +118,19 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=1, help="decode steps profiled (figures are per step)")
     ap.add_argument("--graphs", action="store_true", help="CUDA graphs on (the engine's default) instead of eager")
     ap.add_argument("--sequence", type=int, default=0, help="also print this many consecutive kernels in order")
+    ap.add_argument("--prefill", type=int, default=0, help="profile mixed steps: each also prefills a new "
+                    "prompt of this many tokens")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (rank 0 is profiled)")
+    ap.add_argument("--critical-path", action="store_true", help="also charge each kernel the time from the "
+                    "previous kernel's end to its own end, per name")
     ap.add_argument("--preset", default=None, help="a random-model preset at full size (e.g. qwen3-30b-a3b) "
                     "instead of qwen3-8b shapes with --layers")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_decode_step needs a CUDA GPU", file=sys.stderr)
         return 2
-    config = EngineConfig(mode=args.mode, max_num_seqs=256, max_model_len=1024, enforce_eager=not args.graphs)
+    config = EngineConfig(mode=args.mode, max_num_seqs=256, max_model_len=max(1024, args.prefill + 64),
+                          enforce_eager=not args.graphs, tensor_parallel_size=args.tp)
     if args.preset:
         cfg = preset_config(args.preset)
         print(f"{torch.cuda.get_device_name()}  {args.preset}  mode {args.mode}")
@@ -91,7 +142,8 @@ def main(argv=None) -> int:
         print(f"{torch.cuda.get_device_name()}  layers {args.layers}  mode {args.mode}  roofline {roof * 1e3:.2f} ms")
         engine = LLMEngine.from_model(model, cfg, config)
     for b in args.batches.split(","):
-        profile_batch(engine, int(b), cfg.vocab_size, args.top, args.steps, args.sequence)
+        profile_batch(engine, int(b), cfg.vocab_size, args.top, args.steps, args.sequence, args.critical_path,
+                      args.prefill)
     return 0
 
 

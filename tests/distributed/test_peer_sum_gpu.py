@@ -44,7 +44,9 @@ def _sum_checks(rank: int, port: int, queue) -> None:
     group = connect(rank, 2, port, dev)
     out = {"peer": group.peer is not None}
     gen = torch.Generator().manual_seed(1234)  # same draws on both ranks: each takes its own part
-    shapes = [(1, 1), (1, 7), (3, 333), (1, 4096), (64, 4096), (CAPACITY // 4096, 4096), (CAPACITY // 4096 + 1, 4096)]
+    # Past CAPACITY elements: row pieces, one launch each (the bits of one launch and of NCCL).
+    shapes = [(1, 1), (1, 7), (3, 333), (1, 4096), (64, 4096), (CAPACITY // 4096, 4096), (CAPACITY // 4096 + 1, 4096),
+              (2 * CAPACITY // 4096 + 3, 4096), (CAPACITY // 1000 + 1, 1000)]
     for rows, cols in shapes:
         parts = [_case(gen, rows, cols, r) for r in range(2)]
         bias = (torch.randn(cols, generator=gen) * 4).to(torch.bfloat16).to(dev)
@@ -98,7 +100,7 @@ def _sum_checks(rank: int, port: int, queue) -> None:
         out[f"chunk tree {rows}"] = torch.equal(_bits(fused), _bits(full))
     # The sum fused with the RMSNorm after it == the rounded sum, then the standalone norm kernel.
     from detinfer.kernels.rmsnorm import rms_norm
-    for rows, c in ((1, 1), (7, 4), (64, 1), (512, 1), (512, 4)):
+    for rows, c in ((1, 1), (7, 4), (64, 1), (512, 1), (512, 4), (513, 1), (1100, 4)):  # > 512: row pieces
         parts = [torch.randn(c, rows, 4096, generator=gen) * 3 for _ in range(2)]
         weight = (torch.rand(4096, generator=gen) + 0.5).to(torch.bfloat16).to(dev)
         residual = torch.randn(rows, 4096, generator=gen).to(torch.bfloat16).to(dev)

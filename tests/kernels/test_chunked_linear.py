@@ -152,11 +152,12 @@ def test_ref_batched_partials_equal_per_chunk_linear_ref(m, n, kc, chunks, seed)
 
 
 def test_wide_outputs_of_16_bit_inputs_cap_the_tile():
-    from detinfer.kernels.matmul import _WIDE_OUTPUT_CONFIG, fit_to_output
-    from detinfer.kernels.matmul_configs import MatmulConfig
+    from detinfer.kernels.matmul import fit_to_output
+    from detinfer.kernels.matmul_configs import WIDE_OUTPUT_CONFIG, MatmulConfig, gpu_configs
 
     big = MatmulConfig(128, 256, 64, 8, 3, tma=True, persistent=True, warp_specialize=True)
-    assert fit_to_output(big, 4, 2) == _WIDE_OUTPUT_CONFIG  # fp32 partials of bf16 inputs
+    assert fit_to_output(big, 4, 2) == WIDE_OUTPUT_CONFIG  # fp32 partials of bf16 inputs
+    assert WIDE_OUTPUT_CONFIG in gpu_configs(torch.bfloat16)  # swept by the GPU config tests
     assert fit_to_output(big, 2, 2) == big  # a bf16 output keeps the dispatcher's choice
     small = MatmulConfig(16, 64, 256, 4, 4)
     assert fit_to_output(small, 4, 2) == small
@@ -171,6 +172,23 @@ def test_gpu_prefill_sized_partials_fit_and_keep_row_bits():
     w = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16) / 32
     full = cl.linear_tree(x, w, 8)
     assert torch.equal(full[100:117], cl.linear_tree(x[100:117], w, 8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [576, 1000, 4096])
+def test_gpu_one_chunk_fp32_partials_at_prefill_rows_keep_row_bits(m):
+    """TP=2's row-parallel partials without the flag (one chunk: the descriptor kernel with the capped 128x128
+    tile): they fit, rows equal those of a decode-sized launch (another kernel and config), and they are
+    accurate against float64."""
+    torch.manual_seed(m)
+    x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16) / 32
+    full = cl.linear_parts(x, w, 1)
+    assert full.dtype == torch.float32
+    for a, b in ((0, 1), (100, 117), (m - 5, m)):
+        assert torch.equal(full[0, a:b], cl.linear_parts(x[a:b], w, 1)[0])
+    want = x[:64].double() @ w.double().T
+    torch.testing.assert_close(full[0, :64].double(), want, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("parts_fn, tree_fn", [pytest.param(cl.linear_parts_ref, cl.linear_tree_ref, id="ref"),

@@ -72,9 +72,32 @@ def test_fused_sum_and_norm_equal_the_sum_then_the_standalone_norm(num_parts, ro
             assert torch.equal(_bits(got_h), _bits(want_h)), f"rank {rank}: the new residual"
 
 
-def test_rows_past_the_channel_are_not_fused():
+def test_any_number_of_rows_fits_and_one_launch_takes_the_channel_at_most():
     block_d, rows, _ = psn._layout_for(4096)
-    assert psn.fits(torch.zeros(1, psn.G_ROWS * rows, 4096))
-    assert not psn.fits(torch.zeros(1, psn.G_ROWS * rows + 1, 4096))
+    assert psn.rows_per_launch(4096) == psn.G_ROWS * rows
+    assert psn.fits(torch.zeros(1, psn.G_ROWS * rows + 1, 4096))  # the caller launches row pieces
     assert not psn.fits(torch.zeros(3, 4, 4096))  # three local parts: not a tree the kernel adds
     assert not psn.fits(torch.zeros(1, 4, 16384))  # a row wider than a mailbox
+    ranks = _TwoRanks()
+    too_many = [torch.zeros(1, psn.rows_per_launch(128) + 1, 128)] * 2
+    with pytest.raises(ValueError, match="rows in one launch"):
+        ranks.run(too_many, None, None, None, 1e-6, torch.float32)
+
+
+@pytest.mark.parametrize("num_parts", [1, 4])
+def test_row_pieces_give_the_bits_of_one_launch(num_parts):
+    """What `PeerSum.sum_rms_norm` does past the channel: row slices of the parts (a chunk stride larger than
+    the piece) launched in turn, each a new call of the mailbox protocol == one launch over all rows."""
+    g = torch.Generator().manual_seed(5)
+    rows, d = 11, 256
+    parts = [torch.randn(num_parts, rows, d, generator=g) * 3 for _ in range(2)]
+    residual = torch.randn(rows, d, generator=g).to(torch.float16)
+    weight = (torch.rand(d, generator=g) + 0.5).to(torch.float16)
+    whole = _RANKS.run(parts, None, residual, weight, 1e-6, torch.float16)
+    for cut in ((0, 4, 11), (0, 1, 2, 11)):
+        pieces = [_RANKS.run([p[:, a:b] for p in parts], None, residual[a:b], weight, 1e-6, torch.float16)
+                  for a, b in zip(cut, cut[1:])]
+        for rank in (0, 1):
+            for i in range(3):  # x, y, h
+                got = torch.cat([piece[rank][i] for piece in pieces])
+                assert torch.equal(_bits(got), _bits(whole[rank][i])), f"rank {rank}, output {i}, cut {cut}"

@@ -5,9 +5,13 @@ other rank as a CUDA IPC handle through the group's TCP store, and maps the peer
 row-parallel sum is one kernel launch on the current stream (captured in CUDA graphs like any kernel).
 
 When it is used: two ranks on CUDA GPUs that can access each other's memory (NVLink or PCIe peer access),
-both agreeing at start-up, and messages of at most `kernels.peer_sum.CAPACITY` elements (8 MiB of fp32: a
-decode step or a small prefill); larger messages take the library all-reduce, which gives the same bits at
-two ranks (`TPGroup.exact_sum`). `DETINFER_TP_PEER_SUM=0` turns it off (every sum through NCCL).
+both agreeing at start-up, for every message size: a message larger than a channel (`kernels.peer_sum.CAPACITY`
+elements, 8 MiB of fp32; `kernels.peer_sum_norm.G_ROWS` rows) goes through in row pieces, one launch each.
+Every element's sum is one addition and every row's norm is its own, so the pieces give the bits of one
+launch (and of the library all-reduce, `TPGroup.exact_sum`); the mailbox protocol is per call, so pieces are
+just successive calls. Why not the library above the capacity: a prefill-sized sum through the peer kernel
+took ~0.65x the time of NCCL's fp32 all-reduce + cast (8 MiB, 2 x H100; docs/performance.md), and one path
+at every size is one path to test. `DETINFER_TP_PEER_SUM=0` turns it off (every sum through NCCL).
 """
 
 from __future__ import annotations
@@ -155,8 +159,9 @@ class PeerSum:
 
     @staticmethod
     def fits(parts: torch.Tensor) -> bool:
-        """Whether the kernel takes this rank's partials parts [C, ..., N] (C in LOCAL_PARTS, small enough)."""
-        return parts.dim() >= 2 and parts.shape[0] in kernel.LOCAL_PARTS and parts[0].numel() <= kernel.CAPACITY
+        """Whether the kernel takes this rank's partials parts [C, ..., N] (C in LOCAL_PARTS; rows of at most
+        CAPACITY elements, any number of them: larger messages go in row pieces)."""
+        return parts.dim() >= 2 and parts.shape[0] in kernel.LOCAL_PARTS and parts.shape[-1] <= kernel.CAPACITY
 
     def sum_rounded(self, parts: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         """round_to(dtype, tree(parts) + the peer's tree(parts) [+ bias]) for this rank's partials parts
@@ -172,7 +177,12 @@ class PeerSum:
         if bias is not None:
             bias = bias.contiguous()
         addresses, epochs = self.channels["elements"]
-        kernel.launch_peer_sum(parts, bias, out, self.rank, addresses, epochs, self.abort_flag, self.timeout_ns)
+        n = parts.shape[-1]
+        rows_in, rows_out = parts.view(parts.shape[0], -1, n), out.view(-1, n)
+        step = kernel.CAPACITY // n  # whole rows per launch: the bias stays aligned with each piece's columns
+        for r in range(0, rows_in.shape[1], step):
+            kernel.launch_peer_sum(rows_in[:, r:r + step], bias, rows_out[r:r + step], self.rank, addresses,
+                                   epochs, self.abort_flag, self.timeout_ns)
         return out
 
     @staticmethod
@@ -190,8 +200,13 @@ class PeerSum:
         y = torch.empty((t, d), dtype=y_dtype, device=parts.device)
         h = torch.empty_like(x) if residual is not None else None
         addresses, epochs = self.channels["rows"]
-        norm_kernel.launch_peer_sum_rms_norm(parts, bias, residual, weight, eps, x, y, h, self.rank, addresses,
-                                             epochs, self.abort_flag, self.timeout_ns)
+        step = norm_kernel.rows_per_launch(d)  # larger steps in row pieces: each row's norm is its own
+        for r in range(0, t, step):
+            piece = slice(r, r + step)
+            norm_kernel.launch_peer_sum_rms_norm(
+                parts[:, piece], bias, residual[piece] if residual is not None else None, weight, eps, x[piece],
+                y[piece], h[piece] if h is not None else None, self.rank, addresses, epochs, self.abort_flag,
+                self.timeout_ns)
         return y if residual is None else (y, h)
 
     @staticmethod

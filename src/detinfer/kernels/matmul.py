@@ -28,7 +28,7 @@ import triton.language as tl
 from detinfer.kernels._direct import LaunchCache
 from detinfer.kernels._launch import KERNEL_DTYPES, check_kernel_inputs, dot_precision, interpreting, sm_count
 from detinfer.kernels._pdl import launch_options, pdl_start, prefetch_rows_l2, use_pdl
-from detinfer.kernels.matmul_configs import MatmulConfig, select_config
+from detinfer.kernels.matmul_configs import WIDE_OUTPUT_CONFIG, MatmulConfig, select_config
 from detinfer.kernels.matmul_ref import (  # noqa: F401
     REF_BLOCK_K,
     REF_MAX_PRODUCTS,
@@ -249,18 +249,11 @@ def _config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) ->
     return cfg
 
 
-# fp32 outputs of 16-bit inputs (the row-parallel partials of kernels/chunked_linear.py) stage the output tile
-# through shared memory at 4 bytes per element: a 128x256 tile then needs 272 KB with its 3 load stages, over
-# the 227 KB of an H100/H200 SM (Triton OutOfResources at prefill-sized M). Such launches cap the tile at
-# 128x128 with 4 stages (196 KB). Any config gives the same bits (matmul_configs.py), so no bit moves.
-_WIDE_OUTPUT_CONFIG = MatmulConfig(128, 128, 64, 8, 4)
-
-
 def fit_to_output(cfg: MatmulConfig, out_elem: int, in_elem: int) -> MatmulConfig:
     """`cfg`, or a smaller tile when the output's elements are wider than the inputs' and the tile exceeds
-    128x128 (see _WIDE_OUTPUT_CONFIG)."""
+    128x128 (`matmul_configs.WIDE_OUTPUT_CONFIG` says why)."""
     if out_elem > in_elem and cfg.block_m * cfg.block_n > 128 * 128:
-        return _WIDE_OUTPUT_CONFIG
+        return WIDE_OUTPUT_CONFIG
     return cfg
 
 

@@ -146,6 +146,16 @@ WAVE_EFFICIENCY: dict = {
     _C(64, 64, 256, 4, 3): 0.33,
     _C(64, 32, 256, 4, 4): 0.19,
 }
+# fp32 outputs of 16-bit inputs (the row-parallel partials of kernels/chunked_linear.py; `matmul.fit_to_output`)
+# stage the output tile through shared memory at 4 bytes per element: a 128x256 tile then needs 272 KB with
+# its 3 load stages, over the 227 KB of an H100/H200 SM (Triton OutOfResources at prefill-sized M). Such
+# launches cap the tile at 128x128 with 4 stages (196 KB), loaded through TMA descriptors: the pointer-load
+# version of that tile ran at about half the speed of the 16-bit-output GEMMs (a TP=2 mixed step of 576 rows,
+# H100: 5.5 ms in o_proj / down_proj against 4.9 ms for the twice-as-large qkv / gate_up;
+# docs/performance.md). Plain TMA tiles (not persistent, not warp-specialized): the variant measured in the
+# workload and tested; the warp-specialized one gave a similar mixed-step median on another machine (not
+# compared side by side). Any config gives the same bits (module doc), so no bit moves.
+WIDE_OUTPUT_CONFIG = _C(128, 128, 64, 8, 4, tma=True)
 # A family member qualifies for the "tiles" rule when it yields at least this many tiles per SM: enough
 # programs to keep every SM busy while streaming weights.
 TILES_PER_SM = 0.7
@@ -209,6 +219,8 @@ def gpu_configs(dtype: torch.dtype, tables: MatmulTables | None = None) -> tuple
     """Every config the GPU dispatcher can select for `dtype` (what the GPU invariance tests sweep)."""
     tables = active_tables() if tables is None else tables
     picked = [c for _, family in tables.for_dtype(dtype).values() for c in family]
+    if dtype != torch.float32:
+        picked.append(WIDE_OUTPUT_CONFIG)  # what an fp32-output launch of 16-bit inputs gets instead
     # A TMA config falls back to pointer loads with the same tiles when operands do not qualify (bmm,
     # unaligned or transposed operands): that twin is selectable too.
     twins = [replace(c, tma=False, persistent=False, warp_specialize=False) for c in picked if c.tma]

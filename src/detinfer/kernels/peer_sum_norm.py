@@ -31,11 +31,18 @@ G_ROWS = 512
 
 
 def fits(parts: torch.Tensor) -> bool:
-    """Whether this rank's partials parts [C, T, D] go through the fused kernel (else sum, then norm)."""
+    """Whether this rank's partials parts [C, T, D] go through the fused kernel (else sum, then norm): any T
+    (`rows_per_launch` rows per launch), D whose norm tile fits a mailbox."""
     if parts.dim() != 3 or parts.shape[0] not in (1, 2, 4, 8):
         return False
     block_d, rows, _ = _layout_for(parts.shape[-1])
-    return rows * block_d <= BOX and -(-parts.shape[1] // rows) <= G_ROWS
+    return rows * block_d <= BOX
+
+
+def rows_per_launch(d: int) -> int:
+    """The most rows one launch takes (G_ROWS programs of the norm's ROWS rows); a caller with more launches
+    row pieces in order (each row's sum and norm are its own: the same bits)."""
+    return G_ROWS * _layout_for(d)[1]
 
 
 @triton.jit
@@ -77,9 +84,12 @@ def launch_peer_sum_rms_norm(parts, bias, residual, weight, eps: float, x, y, h,
                              addresses: tuple[int, int, int, int], epochs, abort, timeout_ns: int,
                              phases: int = BOTH) -> None:
     """x = round(tree(parts) + the peer's tree [+ bias]) [T, D], then y (and h) as `rms_norm(x, weight, eps,
-    residual)` writes them; parts [C, T, D] contiguous fp32, `fits(parts)`; x, y, h contiguous [T, D]
-    (h: residual given). Rows channel addresses / epochs / abort of `distributed.peer_sum.PeerSum`."""
+    residual)` writes them; parts [C, T, D] fp32 with contiguous rows (a row slice of a contiguous tensor),
+    `fits(parts)`, T <= `rows_per_launch(D)`; x, y, h contiguous [T, D] (h: residual given). Rows channel
+    addresses / epochs / abort of `distributed.peer_sum.PeerSum`."""
     num_parts, n_rows, d = parts.shape
+    if n_rows > rows_per_launch(d):
+        raise ValueError(f"peer_sum_rms_norm: {n_rows} rows in one launch, at most {rows_per_launch(d)}")
     if n_rows == 0:
         return
     block_d, rows, warps = _layout_for(d)
@@ -89,8 +99,9 @@ def launch_peer_sum_rms_norm(parts, bias, residual, weight, eps: float, x, y, h,
     tensors = (parts, bias if bias is not None else parts, x, res, weight if weight is not None else x, y,
                h if h is not None else y, epochs, abort)
     part_stride = parts.stride(0) if num_parts > 1 else n_rows * d
-    key = (n_rows, d, eps, num_parts, rank, bias is not None, residual is not None, weight is not None, phases,
-           parts.dtype, x.dtype, y.dtype, pdl, timeout_ns, addresses, res.stride(0), tensors[4].dtype)
+    key = (n_rows, d, eps, num_parts, part_stride, rank, bias is not None, residual is not None,
+           weight is not None, phases, parts.dtype, x.dtype, y.dtype, pdl, timeout_ns, addresses, res.stride(0),
+           tensors[4].dtype)
     if _LAUNCHES.try_launch(key, tensors):
         return
     _LAUNCHES.launch(key, tensors, (-(-n_rows // rows),),
