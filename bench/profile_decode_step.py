@@ -95,7 +95,7 @@ def profile_batch(engine: LLMEngine, batch: int, vocab: int, top: int, steps: in
     total = sum(e.self_device_time_total for e in rows) / steps
     launches = sum(e.count for e in rows) / steps
     kind = f" + a {prefill}-token prefill" if prefill else ""
-    print(f"batch {batch}{kind}: {total / 1e3:.2f} ms device time, {launches:.0f} kernels per decode step")
+    print(f"batch {batch}{kind}: {total / 1e3:.2f} ms device time, {launches:.0f} kernels per step")
     for e in rows[:top]:
         print(f"  {e.self_device_time_total / steps:9.1f} us  x{e.count / steps:<7.1f} {e.key[:100]}")
     if critical_path or sequence:
