@@ -15,16 +15,21 @@ tensor-parallel engine (the other ranks run the same step in their own processes
     python bench/profile_decode_step.py --preset qwen3-30b-a3b --batches 1,64 --mode fast   # a full-size preset
     python bench/profile_decode_step.py --preset qwen3-30b-a3b --batches 1 --graphs --steps 5 --sequence 60
     python bench/profile_decode_step.py --tp 2 --graphs --steps 10 --critical-path
+    python bench/profile_decode_step.py --tp 2 --graphs --steps 20 --batches 256 --host   # rank 0's host side
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import random
 import re
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -69,19 +74,53 @@ def print_critical_path(events: list[dict], steps: int, top: int) -> None:
         print(f"  {c / steps:9.1f} us  idle before {idle / steps:7.1f} us  x{n / steps:<6.1f} {name}")
 
 
+PROMPT_LEN = 100
+
+
+def host_profile(engine: LLMEngine, steps: int, top: int) -> None:
+    """The host side of `steps` steps (rank 0's process): wall time per step without any profiler, then the
+    same number of steps under cProfile, functions by own time (where the host's time goes when the GPU
+    idles between steps: scheduling, the step message to the workers, uploads, sampling's read-back)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    print(f"  host: {(time.perf_counter() - start) / steps * 1e3:.2f} ms per step (wall, no profiler)")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    for order in ("tottime", "cumulative"):
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats(order).print_stats(top)
+        print("\n".join("  " + line for line in out.getvalue().splitlines() if line.strip()))
+
+
 def profile_batch(engine: LLMEngine, batch: int, vocab: int, top: int, steps: int, sequence: int,
-                  critical_path: bool = False, prefill: int = 0) -> None:
-    """`prefill` > 0: each profiled step also prefills a new prompt of that many tokens (a mixed step)."""
+                  critical_path: bool = False, prefill: int = 0, host: bool = False) -> None:
+    """`prefill` > 0: each profiled step also prefills a new prompt of that many tokens (a mixed step).
+    `host`: `host_profile` instead of the device trace (decode steps only)."""
     rng = random.Random(batch)
+    # Prefill steps (chunked by the token budget), then warm decode steps (compiles every variant): a large
+    # batch's prompts take several steps, and a profiled step must not still be prefilling.
+    warm = 6 + -(-batch * PROMPT_LEN // engine.config.max_num_batched_tokens)
     for i in range(batch):
-        engine.add_request(f"p{batch}-{i}", [rng.randrange(vocab) for _ in range(100)],
-                           SamplingParams(temperature=0.0, max_tokens=16 + steps, ignore_eos=True))
-    for _ in range(6):  # prefill(s), then warm decode steps (compiles every variant)
+        engine.add_request(f"p{batch}-{i}", [rng.randrange(vocab) for _ in range(PROMPT_LEN)],
+                           SamplingParams(temperature=0.0, max_tokens=warm + 16 + 2 * steps, ignore_eos=True))
+    for _ in range(warm):
         engine.step()
     for s in range(3 if prefill else 0):  # warm the mixed step's shapes too
         engine.add_request(f"w{batch}-{s}", [rng.randrange(vocab) for _ in range(prefill)],
                            SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
         engine.step()
+    if host:
+        host_profile(engine, steps, top)
+        while engine.has_unfinished_requests():
+            engine.step()
+        return
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for s in range(steps):
@@ -123,6 +162,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (rank 0 is profiled)")
     ap.add_argument("--critical-path", action="store_true", help="also charge each kernel the time from the "
                     "previous kernel's end to its own end, per name")
+    ap.add_argument("--host", action="store_true", help="profile rank 0's host side instead (cProfile; "
+                    "wall time per step first)")
     ap.add_argument("--preset", default=None, help="a random-model preset at full size (e.g. qwen3-30b-a3b) "
                     "instead of qwen3-8b shapes with --layers")
     args = ap.parse_args(argv)
@@ -143,7 +184,7 @@ def main(argv=None) -> int:
         engine = LLMEngine.from_model(model, cfg, config)
     for b in args.batches.split(","):
         profile_batch(engine, int(b), cfg.vocab_size, args.top, args.steps, args.sequence, args.critical_path,
-                      args.prefill)
+                      args.prefill, args.host)
     return 0
 
 
