@@ -36,8 +36,8 @@ def _run_side_by_side(engine, prompt, params):
 
 
 def _joined(deltas):
-    """The delta outputs of one request folded back into cumulative completions: (index, token ids, text,
-    logprobs, cumulative_logprob, finish_reason, stop_reason) per sample."""
+    """The delta outputs of one request folded back into cumulative completions: {sample index: (token ids,
+    text, logprobs, the last cumulative_logprob, finish_reason, stop_reason)}."""
     joined = {}
     for out in deltas:
         for c in out.outputs:
