@@ -1,18 +1,22 @@
 """CoreAsyncEngine's restart of a dead engine core, over the scripted fake engine (the core's real loop on a
 thread, see test_server_async_engine.py): requests in flight fail, new ones get 503 "restarting" until the
 fresh core is attached, then they are served; failed start-ups count against the bound; a shutdown during a
-restart closes the core being started; restarts off leaves the engine down. (The real process, kill -9 and
+restart closes the core being started; restarts off leaves the engine down; a write that finds the core gone
+still reports the core's own failure. (The real process, kill -9 and
 bit-identical answers after a restart: tests/server/test_server_engine_process.py.)"""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 
 import pytest
 from test_server_async_engine import FakeEngine, ThreadCore, _collect, run
 
+from detinfer.engine import core_wire as wire
+from detinfer.engine.core import Abort, Failed
 from detinfer.engine.core_process import EngineCoreError
 from detinfer.server.async_engine import EngineUnavailableError
 from detinfer.server.core_engine import CoreAsyncEngine
@@ -137,6 +141,39 @@ def test_restarts_off_leaves_the_engine_down():
         ae = await _core_dies(Restarts(), 0, match="automatic engine core restarts are off")
         await asyncio.sleep(0.1)
         assert "restarts are off" in ae.unavailable_reason()
+        await ae.shutdown()
+
+    run(main())
+
+
+class _ClosedCore:
+    """A core that sent its last events and closed its end (what a failed step leaves behind)."""
+
+    pid = 0
+
+    def __init__(self, *events):
+        self.sock, theirs = socket.socketpair()
+        for event in events:
+            wire.send(theirs, event)
+        theirs.close()
+
+    def exit_description(self) -> str:
+        return "its thread ended"
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_write_that_finds_the_core_gone_still_reports_its_failure():
+    """The core failed a step (`Failed`, then it closed its socket); the front end writes a command before
+    the loop read that event: the write fails, and the requests must still learn the core's cause, not a
+    bare "stopped unexpectedly"."""
+    async def main():
+        ae = CoreAsyncEngine(_ClosedCore(Failed("RuntimeError('device lost')")))
+        ae.start()
+        ae._send(Abort(("r",)))  # synchronous: the reader callback has not run yet
+        assert isinstance(ae.error, EngineUnavailableError)
+        assert "the engine failed: RuntimeError('device lost')" in str(ae.error), ae.error
         await ae.shutdown()
 
     run(main())

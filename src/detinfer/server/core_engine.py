@@ -142,9 +142,26 @@ class CoreAsyncEngine(AsyncEngine):
 
     def _core_gone(self) -> None:
         if self.error is None and not self._closing:
+            # A write can fail (the core closed its end) before the loop has read what the core sent last:
+            # a `Failed` naming the cause, which is the better message for the requests in flight.
+            self._read_what_is_left()
+        if self.error is None and not self._closing:
             how = self.core.exit_description()
             self._fail(f"the engine core process (pid {self.core.pid}) stopped unexpectedly ({how})")
         self._detach()
+
+    def _read_what_is_left(self) -> None:
+        """Handle the events still unread in the socket of a core that is gone (the socket is non-blocking:
+        a read returns data, EOF or an error at once)."""
+        while self.error is None:
+            try:
+                data = self.core.sock.recv(READ_CHUNK)
+            except OSError:  # nothing more (BlockingIOError), or the socket is closed / reset
+                return
+            if not data:
+                return
+            for event in self._reader.feed(data):
+                self._on_event(event)
 
     def _core_failed(self, cause: str, restarting: bool) -> None:
         self._out.clear()
