@@ -137,6 +137,9 @@ class CoreAsyncEngine(AsyncEngine):
         if not data:
             self._core_gone()
             return
+        self._handle(data)
+
+    def _handle(self, data: bytes) -> None:
         for event in self._reader.feed(data):
             self._on_event(event)
 
@@ -160,8 +163,7 @@ class CoreAsyncEngine(AsyncEngine):
                 return
             if not data:
                 return
-            for event in self._reader.feed(data):
-                self._on_event(event)
+            self._handle(data)
 
     def _core_failed(self, cause: str, restarting: bool) -> None:
         self._out.clear()
