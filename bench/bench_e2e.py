@@ -74,14 +74,16 @@ def matmul_weight_bytes(model: Transformer) -> int:
     return total
 
 
-def workload(n: int, vocab: int, seed: int, prompt_len: int):
+def workload(n: int, vocab: int, seed: int, prompt_len: int, output_kind: str = "final_only"):
+    """`output_kind` "final_only" is what `LLM.generate` asks the engine for (only the final outputs are
+    used); "cumulative" reproduces runs before that (a growing copy of every running request's output per step)."""
     rng = random.Random(seed)
     reqs = []
     for i in range(n):
         plen = rng.randint(prompt_len - 5, prompt_len + 5)
         prompt = [rng.randrange(vocab) for _ in range(plen)]
         reqs.append((f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=rng.randint(90, 110),
-                                                     ignore_eos=True)))
+                                                     ignore_eos=True, output_kind=output_kind)))
     return reqs
 
 
@@ -239,6 +241,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quantization", choices=["fp8"], default=None,
                     help="fp8: the random model's linears block-scaled FP8 (W8A8), as an FP8 checkpoint loads")
     ap.add_argument("--repeat", type=int, default=1, help="timed e2e runs per mode (the median is reported)")
+    ap.add_argument("--output-kind", default="final_only",
+                    help="the workload's SamplingParams.output_kind (final_only: as LLM.generate; cumulative: as "
+                    "runs before it); a comma list alternates them over the repeats (an A/B in one engine)")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test the script (tiny --layers)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
@@ -258,7 +263,8 @@ def main(argv=None) -> int:
           f"  {wbytes / 1e9:.2f} GB{f' ({wbytes / tp / 1e9:.2f} GB per GPU)' if tp > 1 else ''} -> roofline "
           f"{roof_step * 1e3:.2f} ms/step  (built in "
           f"{time.perf_counter() - t:.1f}s)", flush=True)
-    reqs = workload(args.num_requests, cfg.vocab_size, seed=1, prompt_len=args.prompt_len)
+    kinds = args.output_kind.split(",")
+    reqs = workload(args.num_requests, cfg.vocab_size, seed=1, prompt_len=args.prompt_len, output_kind=kinds[0])
     results = {}
     overlaps = [v.strip() for v in args.async_scheduling.split(",")]
     if not overlaps or any(v not in ("on", "off") for v in overlaps):
@@ -297,8 +303,10 @@ def main(argv=None) -> int:
             # cache and skip most prefill work. Collected garbage first, so no GC pause of the earlier
             # run's objects lands inside the timed region.
             gc.collect()
+            kind = kinds[i % len(kinds)]
             runs.append(run_e2e(engine, reqs if i == 0 else workload(
-                args.num_requests, cfg.vocab_size, seed=100 + i, prompt_len=args.prompt_len)))
+                args.num_requests, cfg.vocab_size, seed=100 + i, prompt_len=args.prompt_len, output_kind=kind)))
+            runs[-1]["output_kind"] = kind
         res = sorted(runs, key=lambda r: r["wall_s"])[(len(runs) - 1) // 2] | {"tokens": runs[0]["tokens"]}
         res["all_wall_s"] = [r["wall_s"] for r in runs]
         res["graph_steps"], res["eager_steps"] = counts["graph"] // len(runs), counts["eager"] // len(runs)
@@ -316,6 +324,9 @@ def main(argv=None) -> int:
               f"{res['output_tokens']} output tokens  {res['output_tok_s']:.0f} tok/s  steps {res['steps']}  "
               f"(graph {res['graph_steps']} of which mixed {res['mixed_graph_steps']}, eager {res['eager_steps']})  "
               f"kv blocks {res['kv_blocks']}", flush=True)
+        if len(kinds) > 1:
+            walls = {k: ", ".join(f"{r['wall_s']:.2f}" for r in runs if r["output_kind"] == k) for k in kinds}
+            print(f"[{key}] runs by output kind: " + "; ".join(f"{k} {w} s" for k, w in walls.items()), flush=True)
         for k, ms in res["step_ms"].items():
             print(f"[{key}] {k} steps (all timed runs): {step_summary(ms)}", flush=True)
         if toks:

@@ -23,7 +23,7 @@ import sys
 import time
 
 
-def build_engine(seqs: int, steps: int, vocab: int):
+def build_engine(seqs: int, steps: int, vocab: int, output_kind: str = "cumulative"):
     import torch
 
     from detinfer.engine import EngineConfig, LLMEngine, SamplingParams
@@ -45,7 +45,8 @@ def build_engine(seqs: int, steps: int, vocab: int):
     warm = 4 + seqs * 100 // config.max_num_batched_tokens
     for i in range(seqs):
         engine.add_request(f"r{i}", [3 + (i * 7 + j) % (vocab - 3) for j in range(100)],
-                           SamplingParams(temperature=0.0, max_tokens=warm + 4 * steps + 8, ignore_eos=True))
+                           SamplingParams(temperature=0.0, max_tokens=warm + 4 * steps + 8, ignore_eos=True,
+                                          output_kind=output_kind))
     for _ in range(warm):
         engine.step()
     return engine
@@ -56,6 +57,7 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=256)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--output-kind", default="cumulative", help="the requests' SamplingParams.output_kind")
     ap.add_argument("--profile", type=int, default=0, help="also print cProfile's top N functions by own time")
     ap.add_argument("--src", default=os.path.join(os.path.dirname(__file__), "..", "src"))
     args = ap.parse_args()
@@ -63,14 +65,15 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    engine = build_engine(args.seqs, args.steps, args.vocab)
+    engine = build_engine(args.seqs, args.steps, args.vocab, args.output_kind)
     best = float("inf")
     for _ in range(3):
         start = time.process_time()
         for _ in range(args.steps):
             engine.step()
         best = min(best, (time.process_time() - start) / args.steps)
-    print(f"{args.seqs} sequences: {best * 1e3:.3f} ms of host CPU time per decode step (best of 3 x {args.steps})")
+    print(f"{args.seqs} sequences, output_kind {args.output_kind}: {best * 1e3:.3f} ms of host CPU time per decode "
+          f"step (best of 3 x {args.steps})")
     if args.profile:
         prof = cProfile.Profile()
         prof.runcall(lambda: [engine.step() for _ in range(args.steps // 4)])

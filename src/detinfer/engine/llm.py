@@ -18,6 +18,7 @@ debuggers and profilers working and lets `TrainableModel` and `detinfer rl` shar
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -172,6 +173,10 @@ class LLM:
             if not isinstance(prompt, str) and not _is_token_list(prompt):
                 raise TypeError(f"prompt {i} must be a non-empty str or a non-empty list of "
                                 f"token ids, got {prompt!r:.80}")
+        # Only final outputs are returned, so only final outputs are asked for (as vLLM's LLM does): no
+        # per-step copies of growing outputs on the host, and a "delta" request still returns all its text.
+        params = [p if p.output_kind == "final_only" else dataclasses.replace(p, output_kind="final_only")
+                  for p in params]
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         bar = None
         if use_tqdm:

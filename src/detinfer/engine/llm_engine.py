@@ -89,6 +89,8 @@ class _Request:
     detokenizers: list  # one IncrementalDetokenizer per sample, or None without a tokenizer
     cumulative_logprobs: list[float] = field(default_factory=list)
     error: str | None = None  # set when the engine aborted this request alone (see _isolate_failure)
+    # output_kind "delta": per sample, (output tokens, text characters, logprobs) already reported
+    reported: list[tuple[int, int, int]] | None = None
 
 
 class LLMEngine:
@@ -321,7 +323,11 @@ class LLMEngine:
         if not self.config.async_scheduling:
             inflight, self._inflight = self._inflight, []
             touched += self._resolve_or_abort(inflight)
-        outputs += [self._output(self._requests[rid]) for rid in dict.fromkeys(touched) if rid in self._requests]
+        for rid in dict.fromkeys(touched):
+            req = self._requests.get(rid)
+            # final_only: no output (and no copy of the growing token list) until the request finishes
+            if req is not None and (req.params.output_kind != "final_only" or all(s.is_finished for s in req.seqs)):
+                outputs.append(self._output(req))
         self._last_step_seconds = time.perf_counter() - start
         return outputs
 
@@ -448,13 +454,26 @@ class LLMEngine:
 
     def _output(self, req: _Request) -> RequestOutput:
         wants = req.params.logprobs is not None
-        outs = tuple(CompletionOutput(index=seq.sample_index, text="" if detok is None else detok.text,
-                                      token_ids=tuple(seq.known_output_token_ids),
-                                      cumulative_logprob=req.cumulative_logprobs[seq.sample_index] if wants else None,
-                                      logprobs=tuple(seq.output_logprobs) if wants else None,
-                                      finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
-                     for seq, detok in zip(req.seqs, req.detokenizers))
-        prompt_lp = None if req.params.prompt_logprobs is None else (None, *req.seqs[0].prompt_logprobs)
+        delta = req.params.output_kind == "delta"
+        first = req.reported is None
+        if delta and first:
+            req.reported = [(0, 0, 0)] * len(req.seqs)
+        outs = []
+        for seq, detok in zip(req.seqs, req.detokenizers):
+            i = seq.sample_index
+            tokens, chars, lps = req.reported[i] if delta else (0, 0, 0)
+            text = "" if detok is None else detok.text
+            ids = seq.token_ids[seq.num_prompt_tokens + tokens:seq.num_known_tokens]
+            if delta:
+                req.reported[i] = (tokens + len(ids), len(text), len(seq.output_logprobs))
+            outs.append(CompletionOutput(index=i, text=text[chars:], token_ids=tuple(ids),
+                                         cumulative_logprob=req.cumulative_logprobs[i] if wants else None,
+                                         logprobs=tuple(seq.output_logprobs[lps:]) if wants else None,
+                                         finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        outs = tuple(outs)
+        prompt_lp = None
+        if req.params.prompt_logprobs is not None and (first or not delta):
+            prompt_lp = (None, *req.seqs[0].prompt_logprobs)
         finished = all(s.is_finished for s in req.seqs)
         if finished:
             del self._requests[req.request_id]

@@ -22,6 +22,7 @@ PENALTY_RANGE = 2.0  # presence/frequency penalties live in [-2, 2] (OpenAI's ra
 # z / T in float32 (T < ~1e-37 turns logits into inf and NaN, and the draw into garbage).
 MIN_SAMPLING_TEMPERATURE = 1e-5
 LOGIT_BIAS_RANGE = 100.0  # logit_bias values live in [-100, 100] (OpenAI's range)
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,11 @@ class SamplingParams:
     structured_outputs: a `StructuredOutputs` (JSON schema, JSON object, regex, choice or grammar) the output
         must match; None: free text. Unlike the processors above, its mask also shapes the logprobs
         (they are those of the grammar-masked distribution, as in vLLM). See docs/structured-output.md.
+    output_kind: what `LLMEngine.step()` returns for this request (vLLM's RequestOutputKind): "cumulative"
+        (every step it progressed: everything generated so far), "delta" (every step it progressed: only
+        what is new since its last output; cumulative_logprob stays the running total, prompt logprobs come
+        in the first output), "final_only" (one output, when it finishes: what an offline caller needs, and
+        the host then builds no per-step copies of growing outputs). Changes what is reported, never a token.
     """
 
     n: int = 1
@@ -96,6 +102,7 @@ class SamplingParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=())
     token_mask: Callable[[tuple[int, ...]], Any] | None = None
     structured_outputs: StructuredOutputs | None = None
+    output_kind: str = "cumulative"
 
     def __post_init__(self):
         check_int("n", self.n, minimum=1, maximum=INT64_MAX)
@@ -134,6 +141,9 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise TypeError(f"structured_outputs must be a StructuredOutputs or None, "
                             f"got {type(self.structured_outputs).__name__}")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {', '.join(map(repr, OUTPUT_KINDS))}, "
+                             f"got {self.output_kind!r}")
         self._check_processors()
 
     def _check_processors(self) -> None:
