@@ -100,9 +100,10 @@ def warm_up(engine: LLMEngine, vocab: int) -> None:
 
 def count_graph_steps(engine: LLMEngine) -> dict:
     """Counts graph / eager steps, and times every step (host wall time of `step()`, which ends with the
-    logits on the host) by kind: "mixed" (a prefill chunk in the step) or "decode"."""
+    logits on the host) by kind: "mixed" (a prefill chunk in the step) or "decode". While
+    counts["argmax_only"] is False, steps that could finish as argmax ids get the full logits instead."""
     counts = {"graph": 0, "eager": 0, "mixed_graph": 0, "step_ms": {"mixed": [], "decode": []},
-              "mixed_tokens": []}
+              "mixed_tokens": [], "argmax_only": True}
     # Under tensor parallelism the engine's runner sends each step to the workers and runs rank 0's
     # ModelRunner (`.local`): that one picks graph or eager.
     local = getattr(engine.runner, "local", engine.runner)
@@ -118,11 +119,11 @@ def count_graph_steps(engine: LLMEngine) -> dict:
         counts["eager"] += 1
         return orig_eager(host, *args, **kwargs)
 
-    def execute(batch, input_ids=None, _orig=runner.execute):
+    def execute(batch, input_ids=None, argmax_only=False, _orig=runner.execute):
         kind.append("decode" if batch.layout.all_single_token else "mixed")
         if kind[-1] == "mixed":
             counts["mixed_tokens"].append(batch.layout.num_tokens)
-        return _orig(batch, input_ids)
+        return _orig(batch, input_ids, argmax_only and counts["argmax_only"])
 
     def step():
         kind.clear()
@@ -244,6 +245,9 @@ def main(argv=None) -> int:
     ap.add_argument("--output-kind", default="final_only",
                     help="the workload's SamplingParams.output_kind (final_only: as LLM.generate; cumulative: as "
                     "runs before it); a comma list alternates them over the repeats (an A/B in one engine)")
+    ap.add_argument("--argmax-only", default="on",
+                    help="on: greedy steps finish as argmax ids (the engine's default); off: as full logits (as "
+                    "before it); a comma list alternates with the output kinds over the repeats")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test the script (tiny --layers)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
@@ -264,6 +268,7 @@ def main(argv=None) -> int:
           f"{roof_step * 1e3:.2f} ms/step  (built in "
           f"{time.perf_counter() - t:.1f}s)", flush=True)
     kinds = args.output_kind.split(",")
+    variants = [(k, a) for a in args.argmax_only.split(",") for k in kinds]  # cycled over the repeats
     reqs = workload(args.num_requests, cfg.vocab_size, seed=1, prompt_len=args.prompt_len, output_kind=kinds[0])
     results = {}
     overlaps = [v.strip() for v in args.async_scheduling.split(",")]
@@ -303,10 +308,14 @@ def main(argv=None) -> int:
             # cache and skip most prefill work. Collected garbage first, so no GC pause of the earlier
             # run's objects lands inside the timed region.
             gc.collect()
-            kind = kinds[i % len(kinds)]
+            kind, argmax = variants[i % len(variants)]
+            counts["argmax_only"] = argmax == "on"
+            n_decode = len(counts["step_ms"]["decode"])
             runs.append(run_e2e(engine, reqs if i == 0 else workload(
                 args.num_requests, cfg.vocab_size, seed=100 + i, prompt_len=args.prompt_len, output_kind=kind)))
-            runs[-1]["output_kind"] = kind
+            runs[-1]["variant"] = f"{kind}, argmax-only {argmax}"
+            runs[-1]["decode_median_ms"] = statistics.median(counts["step_ms"]["decode"][n_decode:] or [0.0])
+        counts["argmax_only"] = True
         res = sorted(runs, key=lambda r: r["wall_s"])[(len(runs) - 1) // 2] | {"tokens": runs[0]["tokens"]}
         res["all_wall_s"] = [r["wall_s"] for r in runs]
         res["graph_steps"], res["eager_steps"] = counts["graph"] // len(runs), counts["eager"] // len(runs)
@@ -324,9 +333,11 @@ def main(argv=None) -> int:
               f"{res['output_tokens']} output tokens  {res['output_tok_s']:.0f} tok/s  steps {res['steps']}  "
               f"(graph {res['graph_steps']} of which mixed {res['mixed_graph_steps']}, eager {res['eager_steps']})  "
               f"kv blocks {res['kv_blocks']}", flush=True)
-        if len(kinds) > 1:
-            walls = {k: ", ".join(f"{r['wall_s']:.2f}" for r in runs if r["output_kind"] == k) for k in kinds}
-            print(f"[{key}] runs by output kind: " + "; ".join(f"{k} {w} s" for k, w in walls.items()), flush=True)
+        if len(variants) > 1:
+            for v in dict.fromkeys(r["variant"] for r in runs):
+                walls = ", ".join(f"{r['wall_s']:.2f}" for r in runs if r["variant"] == v)
+                medians = ", ".join(f"{r['decode_median_ms']:.2f}" for r in runs if r["variant"] == v)
+                print(f"[{key}] {v}: runs {walls} s, decode step medians {medians} ms", flush=True)
         for k, ms in res["step_ms"].items():
             print(f"[{key}] {k} steps (all timed runs): {step_summary(ms)}", flush=True)
         if toks:

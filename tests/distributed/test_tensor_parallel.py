@@ -62,12 +62,19 @@ REQUESTS = [(0, "a", prompt(_rng, 13), greedy(4, prompt_logprobs=2)), (0, "b", p
             (1, "c", prompt(_rng, 21), greedy(3)), (2, "d", prompt(_rng, 2), sampled(3, seed=9))]
 
 
-def forward_logits(engine) -> torch.Tensor:
-    """The logits of one packed forward (two sequences, every row), straight from the runner."""
+def forward_logits(engine, argmax_only: bool = False) -> torch.Tensor:
+    """The logits of one packed forward (two sequences, every row), straight from the runner (or, with
+    `argmax_only`, each row's argmax as the runner finds it: from the ranks' own maxima under TP)."""
     rng = random.Random(1)
     layout = StepLayout.build([[40, 41], [42, 43, 44]], [0, 0], [6, 9], 4, token_ids=[prompt(rng, 6), prompt(rng, 9)],
                               num_logits=[6, 9])
-    return engine.runner.execute(LayoutBatch(layout)).clone()
+    return engine.runner.execute(LayoutBatch(layout), argmax_only=argmax_only).clone()
+
+
+# Plain greedy requests (no logprobs, no processors): their steps take the argmax-only path; the same
+# requests with logprobs take the full logits through the sampler.
+PLAIN = [(0, f"p{i}", prompt(_rng, 5 + 4 * i), SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+         for i in range(3)]
 
 
 def engine_at(model_dir, tp, device="cpu", **kw):
@@ -84,7 +91,10 @@ def invariant_runs(model_dir):
         try:
             batched = run(engine, REQUESTS)
             alone = {rid: run(engine, [(0, rid, p, params)])[rid] for _, rid, p, params in REQUESTS}
-            runs[tp] = (batched, alone, forward_logits(engine))
+            plain = run(engine, PLAIN)
+            with_logprobs = run(engine, [(t, rid, p, greedy(5)) for t, rid, p, _ in PLAIN])
+            runs[tp] = (batched, alone, forward_logits(engine), forward_logits(engine, argmax_only=True),
+                        plain, with_logprobs)
         finally:
             engine.close()
     return runs
@@ -98,17 +108,28 @@ def test_model_shapes_exercise_the_edge_cases(model_dir):
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_alone_equals_batched_at_each_tp_size(invariant_runs, tp):
-    batched, alone, _ = invariant_runs[tp]
+    batched, alone = invariant_runs[tp][:2]
     assert batched == alone
     assert all(sig.error is None and len(sig.completions[0].token_ids) > 0 for sig in batched.values())
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_size_does_not_change_a_bit(invariant_runs, tp):
-    batched, alone, logits = invariant_runs[tp]
-    batched1, _, logits1 = invariant_runs[1]
-    assert batched == batched1
-    assert logits.shape == (15, VOCAB) and torch.equal(logits, logits1)
+    batched, alone, logits, ids, plain = invariant_runs[tp][:5]
+    batched1, _, logits1, ids1, plain1 = invariant_runs[1][:5]
+    assert batched == batched1 and plain == plain1
+    assert logits.shape == (15, VOCAB) and torch.equal(logits, logits1) and torch.equal(ids, ids1)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_argmax_only_steps_give_the_logits_argmax(invariant_runs, tp):
+    """The runner's argmax-only finish (at TP: each rank's best (value, id), the first maximum picked) gives
+    argmax of the full logits, and plain greedy requests get the tokens they get through the sampler."""
+    _, _, logits, ids, plain, with_logprobs = invariant_runs[tp]
+    assert ids.dtype == torch.int64 and torch.equal(ids, torch.argmax(logits, dim=-1))
+    assert {rid: s.completions[0].token_ids for rid, s in plain.items()} == \
+        {rid: s.completions[0].token_ids for rid, s in with_logprobs.items()}
+    assert all(len(s.completions[0].token_ids) == 5 for s in plain.values())
 
 
 def test_tp2_batch_invariant_through_chunks_prefix_cache_and_preemption(model_dir):

@@ -83,7 +83,9 @@ def test_tp2_fast_mode_runs(model_dir, two_gpus):
 def test_tp2_graphs_equal_eager_and_overlap_off(model_dir, two_gpus):
     """CUDA graphs under TP (collectives captured, every rank replaying the same shape; pending ids broadcast
     from rank 0) give the eager steps' bits, with overlapped scheduling on and off; decode and mixed steps
-    both replay graphs."""
+    both replay graphs. Plain greedy requests (their steps finish as argmax ids: each rank's best, picked)
+    get the tokens the same requests get with logprobs (full logits, the sampler), in every variant."""
+    from test_tensor_parallel import PLAIN
     from test_tensor_parallel_graphs import MORE
 
     reqs = REQUESTS + MORE
@@ -102,7 +104,9 @@ def test_tp2_graphs_equal_eager_and_overlap_off(model_dir, two_gpus):
                 return _orig(layout, *args, **kwargs)
 
             local._run_graph = counted
-            results[name] = (run(engine, reqs), forward_logits(engine).cpu())
+            results[name] = (run(engine, reqs), forward_logits(engine).cpu(), run(engine, PLAIN),
+                             run(engine, [(t, rid, p, greedy(5)) for t, rid, p, _ in PLAIN]),
+                             forward_logits(engine, argmax_only=True).cpu())
             replays[name] = set(kinds)
         finally:
             engine.close()
@@ -110,6 +114,11 @@ def test_tp2_graphs_equal_eager_and_overlap_off(model_dir, two_gpus):
     assert results["graphs"][0] == results["eager"][0] == results["graphs_sync"][0]
     assert torch.equal(results["graphs"][1], results["eager"][1])
     assert all(sig.error is None for sig in results["graphs"][0].values())
+    for name, (_, logits, plain, with_logprobs, ids) in results.items():
+        assert torch.equal(ids, torch.argmax(logits, dim=-1)), name
+        assert plain == results["eager"][2], name
+        assert {r: s.completions[0].token_ids for r, s in plain.items()} == \
+            {r: s.completions[0].token_ids for r, s in with_logprobs.items()}, name
 
 
 def _sum_worker(rank, port, cases, queue):

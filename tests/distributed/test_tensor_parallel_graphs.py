@@ -34,13 +34,15 @@ def pad_every_step(runner) -> list:
     (shape kind, pending ids given) of the steps run, filled as they run."""
     seen = []
 
-    def execute(batch, input_ids=None):
+    def execute(batch, input_ids=None, argmax_only=False):
         shape = runner.graph_shape(batch.layout)
         seen.append((None if shape is None else shape.kind, input_ids is not None))
         if shape is None:
             return runner._step(batch.layout, input_ids, False,
-                                lambda ids: runner.local.execute(batch, input_ids=ids))
-        return runner.run_padded_eager(batch.layout, input_ids)
+                                lambda ids: runner.local.execute(batch, input_ids=ids, argmax_only=argmax_only),
+                                argmax_only)
+        logits = runner.run_padded_eager(batch.layout, input_ids)  # (full rows on every rank)
+        return torch.argmax(logits, dim=-1) if argmax_only else logits
 
     runner.execute = execute
     return seen

@@ -55,9 +55,12 @@ def make(model_dir, **kw):
     return LLMEngine(model_dir, EngineConfig(**cfg), device="cuda")
 
 
-def workload(seed, n_other=12):
+def workload(seed, n_other=12, plain=False):
+    """plain: every request greedy without logprobs (their steps finish as argmax ids, not logits)."""
     rng = random.Random(seed)
     def params(i):
+        if plain:
+            return SamplingParams(temperature=0.0, max_tokens=rng.randint(4, 24), ignore_eos=True)
         if i % 2:
             return SamplingParams(temperature=0.0, max_tokens=rng.randint(4, 24), logprobs=2, ignore_eos=True)
         return SamplingParams(temperature=0.9, top_p=0.95, seed=i, max_tokens=rng.randint(4, 24), logprobs=2,
@@ -165,26 +168,54 @@ def graph_vs_eager_every_step(engine):
     def pools():
         return [t.clone() for pair in runner.kv_cache for t in pair]
 
-    def execute(batch, input_ids=None):
+    def restore(saved_pools):
+        for t, saved in zip((t for pair in runner.kv_cache for t in pair), saved_pools):
+            t.copy_(saved)
+
+    def execute(batch, input_ids=None, argmax_only=False):
         layout = batch.layout
         shape = runner.graph_shape(layout)
         if shape is None:
-            return runner._run_eager(layout, input_ids=input_ids)
+            return runner._run_eager(layout, input_ids=input_ids, argmax_only=argmax_only)
         before = pools()
         graph = runner._run_graph(layout, shape, input_ids).clone()
         after_graph = pools()
-        for t, saved in zip((t for pair in runner.kv_cache for t in pair), before):
-            t.copy_(saved)
+        restore(before)
+        if argmax_only:  # the step as the engine asked for it too: its graph's ids
+            ids = runner._run_graph(layout, shape, input_ids, True).clone()
+            restore(before)
         eager = runner._run_eager(layout, input_ids=input_ids)
         if not torch.equal(graph, eager):
             bad.append(f"{shape}: logits differ")
+        if argmax_only and not torch.equal(ids, torch.argmax(eager, dim=-1)):
+            bad.append(f"{shape}: argmax ids differ from the logits' argmax")
         if not all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(after_graph, pools())):
             bad.append(f"{shape}: KV pools differ")
         replayed.append(shape)
-        return eager
+        return ids if argmax_only else eager
 
     runner.execute = execute
     return replayed, bad
+
+
+def test_argmax_only_graph_steps_give_the_eager_logits_argmax(model_dir):
+    """Plain greedy requests: every step asks for argmax ids only; each graph replay's ids equal the argmax
+    of the eager step's logits (and its graph logits equal the eager ones)."""
+    target, others = workload(7, n_other=14, plain=True)
+    engine = make(model_dir, max_num_batched_tokens=128)
+    replayed, bad = graph_vs_eager_every_step(engine)
+    asked, checked = [], engine.runner.execute
+
+    def execute(batch, input_ids=None, argmax_only=False):
+        asked.append(argmax_only)
+        return checked(batch, input_ids, argmax_only)
+
+    engine.runner.execute = execute
+    got = run(engine, [target, *others])
+    assert not bad, bad[:4]
+    assert asked and all(asked), "plain greedy steps should finish as argmax ids"
+    assert {s.kind for s in replayed} == {"mixed", "decode"}
+    assert all(len(sig[1][0][0]) > 0 for sig in got.values())
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -11,7 +11,9 @@ Rank r of P holds:
 - embed_tokens / lm_head (vocab-parallel): rows [r V', (r+1) V') with V' = ceil(V / P) (the last shard
   zero-padded). A token's embedding row comes from exactly one rank: deterministic mode gathers every rank's
   rows and picks the owner's (a copy, so bit-exact; summing "row + exact zeros" would turn -0.0 into +0.0).
-  Logits: each rank's [S, V'] columns are gathered and concatenated (exact).
+  Logits: each rank's [S, V'] columns are gathered and concatenated (exact); a step that needs only each
+  row's argmax (greedy rows, no processors, no logprobs) gathers each rank's best (value, id) and picks
+  the first maximum instead (`pick_greedy`: the same token, exactly).
 - norms, rotary: replicated.
 - mixture-of-experts layers (`ExpertParallelMoE`): expert parallelism. The router is replicated (every rank
   routes every token identically: the hidden states entering the layer are the same on every rank); the
@@ -246,12 +248,43 @@ class TPTransformer(Transformer):
         owner = (input_ids // per)[None, :, None].expand(1, -1, rows.shape[-1])
         return gathered.gather(0, owner)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        local = self.ops.logits(hidden, weight)  # [S, V'] fp32
+    gathers_logits = True
+
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's [S, V'] columns -> the full rows [S, V] (a data move: exact)."""
         gathered = self.tp_group.all_gather(local)  # [P, S, V']
-        full = gathered.permute(1, 0, 2).reshape(hidden.shape[0], -1)
+        full = gathered.permute(1, 0, 2).reshape(local.shape[0], -1)
         return full[:, :self.full_vocab]
+
+    def greedy_ids(self, local: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax over the full vocabulary from the ranks' own argmaxes: bitwise the argmax of
+        `gather_logits(local)`, with P x 16 bytes per row gathered instead of the row (`pick_greedy`)."""
+        g, per = self.tp_group, local.shape[1]
+        valid = max(0, min(per, self.full_vocab - g.rank * per))  # the last shard's zero padding is no token
+        return pick_greedy(g.all_gather(local_argmax(local[:, :valid], g.rank * per)))
+
+
+def local_argmax(local: torch.Tensor, first_id: int) -> torch.Tensor:
+    """local [S, n] fp32 logits columns starting at token `first_id` -> [S, 2] int64: each row's maximum
+    (its fp32 bits) and the token id of its first occurrence. A shard with no columns offers -inf at
+    `first_id`, which never wins: an earlier rank's candidate comes first in any tie."""
+    if local.shape[1] == 0:
+        best = torch.full((local.shape[0],), float("-inf"), dtype=torch.float32, device=local.device)
+        idx = torch.zeros(local.shape[0], dtype=torch.int64, device=local.device)
+    else:
+        idx = torch.argmax(local, dim=-1)  # the first maximum; a NaN counts as the maximum
+        best = local.gather(1, idx[:, None])[:, 0]
+    return torch.stack([best.view(torch.int32).to(torch.int64), idx + first_id], dim=1)
+
+
+def pick_greedy(candidates: torch.Tensor) -> torch.Tensor:
+    """candidates [P, S, 2] (`local_argmax` of each rank's shard, ranks in vocabulary order) -> [S] int64 token
+    ids. argmax over the ranks' maxima returns the first rank holding the row's maximum (or its first NaN);
+    that rank's candidate is its first occurrence, and every earlier rank's columns are lower ids: so this
+    is the first maximum of the whole row, what argmax over the gathered row returns."""
+    values = candidates[..., 0].to(torch.int32).view(torch.float32)  # [P, S]
+    owner = torch.argmax(values, dim=0)
+    return candidates[..., 1].gather(0, owner[None])[0]
 
 
 def _moe_layers(model: Transformer):

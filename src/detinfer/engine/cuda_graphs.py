@@ -206,20 +206,32 @@ class StepInputs:
         return self.views(shape)
 
 
-def padded_logits(runner, meta: StepMetadata, rows: torch.Tensor, attn_out: torch.Tensor | None = None
-                  ) -> torch.Tensor:
-    """The forward a graph captures: the model over a padded step's metadata, logits of the `rows` index
-    (fp32, one per row of the index). `attn_out`: the graph's fixed attention output buffer."""
+def padded_local_logits(runner, meta: StepMetadata, rows: torch.Tensor, attn_out: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+    """The forward a graph captures: the model over a padded step's metadata, this rank's logits columns
+    (`Transformer.local_logits`: all of them without tensor parallelism) of the `rows` index (fp32, one per
+    row of the index). `attn_out`: the graph's fixed attention output buffer."""
     attn = PagedAttention(runner.kv_cache, meta, runner.ops, runner.model_config.softmax_scale, attn_out)
     hidden = runner.model(meta.input_ids, meta.positions, attn)
-    return runner.model.compute_logits(hidden.index_select(0, rows))
+    return runner.model.local_logits(hidden.index_select(0, rows))
+
+
+def padded_logits(runner, meta: StepMetadata, rows: torch.Tensor, attn_out: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """`padded_local_logits` gathered into full rows [R, V] (what a step's graphs compute, run eagerly)."""
+    return runner.model.gather_logits(padded_local_logits(runner, meta, rows, attn_out))
 
 
 class StepGraphs:
     """Static buffers and captured graphs of one model runner (see the module doc).
 
     `run(layout, shape, input_ids)` pads the step, copies it into the buffers, replays, and returns the
-    [R, V] fp32 logits of the real rows: a view of the static logits buffer, valid until the next replay."""
+    [R, V] fp32 logits of the real rows: a view of the static logits buffer, valid until the next replay.
+
+    A tensor-parallel model (`gathers_logits`) finishes its logits after the step's graph, in one of two
+    small graphs per logits row count, both captured: the full rows gathered from every rank, or only each
+    row's argmax (`Transformer.greedy_ids`, for steps that need nothing else). Every rank replays the
+    same one (rank 0 sends `argmax_only` with the step), so their collectives match."""
 
     def __init__(self, runner, shapes: list[GraphShape]):
         self.runner = runner
@@ -231,14 +243,20 @@ class StepGraphs:
         self._attn_out = torch.zeros((t_all, cfg.num_attention_heads, cfg.head_dim), dtype=runner.dtype,
                                      device=dev)
         self._logits = torch.zeros((r_all, cfg.vocab_size), dtype=torch.float32, device=dev)
+        self.local_vocab = local_vocab(runner.model)
+        self._local = self._logits if not self.local_vocab else \
+            torch.zeros((r_all, self.local_vocab), dtype=torch.float32, device=dev)
+        self._ids = torch.zeros(r_all, dtype=torch.int64, device=dev)
         self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        # (logits rows, argmax_only) -> the graph finishing a tensor-parallel model's logits
+        self._finish: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
         self.pool_bytes = 0
 
     def static_bytes(self) -> int:
         cfg = self.runner.model_config
         return static_buffer_bytes(list(self.shapes.values()), self.inputs.width, cfg.q_size, cfg.vocab_size,
-                                   self._attn_out.element_size())
+                                   self._attn_out.element_size(), self.local_vocab)
 
     # -- capture ---------------------------------------------------------------------------------------
     def capture(self) -> None:
@@ -253,14 +271,17 @@ class StepGraphs:
                 meta, rows = self.inputs.views(shape)
 
                 def forward(shape=shape, meta=meta, rows=rows):
-                    logits = padded_logits(runner, meta, rows, self._attn_out[:shape.tokens])
-                    self._logits[:shape.logit_rows].copy_(logits)
+                    local = padded_local_logits(runner, meta, rows, self._attn_out[:shape.tokens])
+                    self._local[:shape.logit_rows].copy_(local)
 
                 # All rows are padding here (slots -1, no sequence has a query): compiles and autotunes
                 # outside the capture (and outside the measured pool), writes nothing into the KV pools.
                 self.inputs.fill(EMPTY_STEP, shape)
                 forward()
                 forwards[shape] = forward
+            if self.local_vocab:
+                for key in self._finish_keys():
+                    self._finish_forward(*key)()  # warm-up (and the collectives' first use) outside capture
             torch.cuda.synchronize(dev)
             # Each capture starts with empty_cache(): measure from the same point, so the difference is the
             # private pool alone.
@@ -283,6 +304,11 @@ class StepGraphs:
                     forward()
                 pool = graph.pool() if pool is None else pool
                 self._graphs[shape.key] = graph
+            for key in self._finish_keys() if self.local_vocab else ():
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=mode):
+                    self._finish_forward(*key)()
+                self._finish[key] = graph
         torch.cuda.synchronize(dev)
         self.capture_seconds = time.perf_counter() - start
         self.pool_bytes = torch.cuda.memory_reserved(dev) - before
@@ -299,11 +325,32 @@ class StepGraphs:
                            "GPU memory use may exceed gpu_memory_utilization", (self.pool_bytes + self.static_bytes())
                            / 2**20, reserve / 2**20)
 
-    def run(self, layout: StepLayout, shape: GraphShape, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Fill the inputs (`StepInputs.fill`) and replay the graph of `shape`: the real rows' logits."""
+    def _finish_keys(self) -> list[tuple[int, bool]]:
+        """(logits rows, argmax_only) of every finishing graph, in one order on every rank (largest first)."""
+        return [(r, a) for r in sorted({s.logit_rows for s in self.shapes.values()}, reverse=True)
+                for a in (False, True)]
+
+    def _finish_forward(self, rows: int, argmax_only: bool):
+        model = self.runner.model
+
+        def finish():
+            if argmax_only:
+                self._ids[:rows].copy_(model.greedy_ids(self._local[:rows]))
+            else:
+                self._logits[:rows].copy_(model.gather_logits(self._local[:rows]))
+        return finish
+
+    def run(self, layout: StepLayout, shape: GraphShape, input_ids: torch.Tensor | None = None,
+            argmax_only: bool = False) -> torch.Tensor:
+        """Fill the inputs (`StepInputs.fill`) and replay the graph of `shape` (and its finishing graph):
+        the real rows' logits, or with `argmax_only` their argmax ids [R] int64."""
         self.inputs.fill(layout, shape, input_ids)
         self._graphs[shape.key].replay()
-        return self._logits[:len(layout.logit_rows)]
+        n = len(layout.logit_rows)
+        if self.local_vocab:
+            self._finish[(shape.logit_rows, argmax_only)].replay()
+            return self._ids[:n] if argmax_only else self._logits[:n]
+        return self.runner.model.greedy_ids(self._logits[:n]) if argmax_only else self._logits[:n]
 
 
 def buffer_sizes(shapes: list[GraphShape], width: int) -> dict[str, int]:
@@ -313,10 +360,16 @@ def buffer_sizes(shapes: list[GraphShape], width: int) -> dict[str, int]:
             "tables": max(s.seqs for s in shapes) * width}
 
 
-def static_buffer_bytes(shapes: list[GraphShape], width: int, hidden_out: int, vocab: int, elem: int) -> int:
+def local_vocab(model) -> int:
+    """A tensor-parallel model's logits columns per rank (0: the model has all of them: no separate buffer)."""
+    return model.output_weight.shape[0] if model.gathers_logits else 0
+
+
+def static_buffer_bytes(shapes: list[GraphShape], width: int, hidden_out: int, vocab: int, elem: int,
+                        local_vocab: int = 0) -> int:
     """Device bytes of the static buffers (`StepGraphs.static_bytes`) before they exist (KV pool sizing)."""
     sizes = buffer_sizes(shapes, width)
     t_all = max(s.tokens for s in shapes)
     r_all = max(s.logit_rows for s in shapes)
     return 8 * sizes["i64"] + 4 * sizes["i32"] + 4 * sizes["tables"] + t_all * hidden_out * elem \
-        + 4 * r_all * vocab
+        + 4 * r_all * (vocab + local_vocab) + 8 * r_all

@@ -153,13 +153,22 @@ def launch_step(runner, batch: ScheduledBatch, pending: SampledIds | None,
     grammars, `GrammarMasks.mask_logits`) before both sampling and logprobs, so a grammar request's logprobs
     are those of its masked distribution (as vLLM's); the sampler's own processors (logit_bias, bad words,
     min_tokens, `token_mask`, ...) work on a copy, and logprobs stay raw for them."""
-    logits = runner.execute(batch, input_ids=_input_ids(batch, pending))
-    dev = logits.device
     items = batch.scheduled
     sample_items = [i for i, item in enumerate(items) if item.sample]
+    lp_rows, dests = _plan_logprobs(batch, sample_items)
+    # Nothing but each sampled row's argmax needed: the runner returns those ids, not the logits (under
+    # tensor parallelism it then gathers P x 16 bytes per row instead of the rows; the same tokens).
+    argmax_only = not dests and logits_mask is None and all(items[i].seq.params.is_plain_greedy
+                                                            for i in sample_items)
+    logits = runner.execute(batch, input_ids=_input_ids(batch, pending), argmax_only=argmax_only)
+    dev = logits.device
     offsets = batch.layout.logits_offsets
     drawn = torch.empty(0, dtype=torch.int64, device=dev)
-    if sample_items:
+    if sample_items and argmax_only:
+        rows = [offsets[i] + items[i].num_logits - 1 for i in sample_items]
+        # (a copy either way: the runner's ids may be a graph's buffer, which the next step overwrites)
+        drawn = logits.clone() if rows == list(range(logits.shape[0])) else logits[upload(rows, torch.int64, dev)]
+    elif sample_items:
         rows = [offsets[i] + items[i].num_logits - 1 for i in sample_items]
         seqs = [items[i].seq for i in sample_items]
         if logits_mask is not None:
@@ -171,7 +180,6 @@ def launch_step(runner, batch: ScheduledBatch, pending: SampledIds | None,
                        [s.prompt_token_ids for s in seqs] if history else None,
                        [s.known_output_token_ids for s in seqs] if history else None, eos_token_ids)
     sampled = SampledIds(drawn, {items[i].seq.seq_id: j for j, i in enumerate(sample_items)})
-    lp_rows, dests = _plan_logprobs(batch, sample_items)
     parts, top_k = [drawn], 0
     if dests:
         top_k = max(d.k for d in dests)

@@ -38,6 +38,7 @@ from detinfer.engine.cuda_graphs import (
     StepInputs,
     decode_batch_sizes,
     graph_shapes,
+    local_vocab,
     mixed_token_sizes,
     padded_logits,
     pick_shape,
@@ -149,9 +150,12 @@ class ModelRunner:
 
     # -- execution -----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def execute(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None,
+                argmax_only: bool = False) -> torch.Tensor:
         """Run one step; returns logits [R, V] fp32 for the R rows of `batch.layout.logit_rows`, in batch
-        order. The tensor may be a view of a graph's static buffer: use it before the next `execute`.
+        order, or with `argmax_only` each row's argmax [R] int64 (`Transformer.greedy_ids`: what argmax of
+        the logits gives, without gathering tensor-parallel logits). The tensor may be a view of a graph's
+        static buffer: use it before the next `execute`.
         `input_ids` ([T] int64 on the device), when given, replaces the layout's token ids (overlapped
         scheduling: some were sampled by the previous step and never came to the host). On CUDA nothing
         here waits for the device: host data goes up through pinned memory with non-blocking copies."""
@@ -165,29 +169,33 @@ class ModelRunner:
         layout = batch.layout
         shape = self.graph_shape(layout) if self.use_graphs else None
         if shape is not None:
-            return self._run_graph(layout, shape, input_ids)
-        return self._run_eager(layout, input_ids)
+            return self._run_graph(layout, shape, input_ids, argmax_only)
+        return self._run_eager(layout, input_ids, argmax_only)
 
     def graph_shape(self, layout: StepLayout) -> GraphShape | None:
         """The captured shape this step replays (None: it runs eagerly), whether or not graphs are on."""
         return pick_shape(layout, self._shapes, self.graph_sizes, self.mixed_graph_tokens, self.kv_capacity)
 
-    def _run_eager(self, layout: StepLayout, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def _run_eager(self, layout: StepLayout, input_ids: torch.Tensor | None = None,
+                   argmax_only: bool = False) -> torch.Tensor:
         dev = self.device
         meta = step_tensors(layout, dev)
         if input_ids is not None:
             meta = dataclasses.replace(meta, input_ids=input_ids)
         attn = PagedAttention(self.kv_cache, meta, self.ops, self.model_config.softmax_scale, None)
         hidden = self.model(meta.input_ids, meta.positions, attn)
-        if not layout.logit_rows:
+        if not layout.logit_rows:  # (the same on every tensor-parallel rank: none calls a collective)
+            if argmax_only:
+                return torch.empty(0, dtype=torch.int64, device=dev)
             return torch.empty((0, self.model_config.vocab_size), dtype=torch.float32, device=dev)
         if len(layout.logit_rows) != hidden.shape[0]:
             hidden = hidden[upload(layout.logit_rows, torch.int64, dev)]
-        return self.model.compute_logits(hidden)
+        local = self.model.local_logits(hidden)
+        return self.model.greedy_ids(local) if argmax_only else self.model.gather_logits(local)
 
-    def _run_graph(self, layout: StepLayout, shape: GraphShape,
-                   input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.graphs.run(layout, shape, input_ids)
+    def _run_graph(self, layout: StepLayout, shape: GraphShape, input_ids: torch.Tensor | None = None,
+                   argmax_only: bool = False) -> torch.Tensor:
+        return self.graphs.run(layout, shape, input_ids, argmax_only)
 
     @torch.inference_mode()
     def run_padded_eager(self, layout: StepLayout, input_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -245,7 +253,8 @@ class ModelRunner:
             self._profile_peak_bytes(tokens, sample_rows=False)
         elem = torch.empty((), dtype=self.dtype).element_size()
         return int(GRAPH_POOL_FACTOR * self.graph_step_peak_bytes) + GRAPH_RESERVE_SLACK_BYTES \
-            + static_buffer_bytes(shapes, self.max_blocks_per_seq, cfg.q_size, cfg.vocab_size, elem)
+            + static_buffer_bytes(shapes, self.max_blocks_per_seq, cfg.q_size, cfg.vocab_size, elem,
+                                  local_vocab(self.model))
 
     @torch.inference_mode()
     def _profile_peak_bytes(self, total: int | None = None, sample_rows: bool = True) -> int:

@@ -211,6 +211,11 @@ class SamplingParams:
                 or bool(self.bad_words_token_ids) or self.token_mask is not None)
 
     @property
+    def is_plain_greedy(self) -> bool:
+        """Greedy with nothing changing its logits: its token is the argmax of the raw logits row."""
+        return self.is_greedy and not self.has_processors and not self.has_penalties
+
+    @property
     def needs_history(self) -> bool:
         """The sampler needs this request's generated token ids on the host (penalties, bad words, a
         token mask), so the engine resolves them before the next step instead of overlapping it."""

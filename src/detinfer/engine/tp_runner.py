@@ -182,20 +182,22 @@ class TensorParallelRunner:
         return getattr(self.local, name)
 
     # -- steps -----------------------------------------------------------------------------------------
-    def execute(self, batch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self._step(batch.layout, input_ids, False, lambda ids: self.local.execute(batch, input_ids=ids))
+    def execute(self, batch, input_ids: torch.Tensor | None = None, argmax_only: bool = False) -> torch.Tensor:
+        return self._step(batch.layout, input_ids, False,
+                          lambda ids: self.local.execute(batch, input_ids=ids, argmax_only=argmax_only), argmax_only)
 
     def run_padded_eager(self, layout, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Test hook: `ModelRunner.run_padded_eager` on every rank (the step padded as its graph pads it)."""
         return self._step(layout, input_ids, True, lambda ids: self.local.run_padded_eager(layout, ids))
 
-    def _step(self, layout, input_ids: torch.Tensor | None, padded: bool, run_local) -> torch.Tensor:
+    def _step(self, layout, input_ids: torch.Tensor | None, padded: bool, run_local,
+              argmax_only: bool = False) -> torch.Tensor:
         if self._failure is None:
             self._failure = self._worker_failure()
         if self._failure is not None:
             raise RuntimeError(self._failure)
         try:
-            msg = step_message(self.local, layout, input_ids is not None, padded)
+            msg = step_message(self.local, layout, input_ids is not None, padded, argmax_only)
             for conn in self._conns:
                 conn.send(msg)
             if input_ids is not None:

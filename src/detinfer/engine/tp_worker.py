@@ -65,11 +65,13 @@ class LayoutBatch:
     is_empty: bool = False
 
 
-def step_message(runner, layout: StepLayout, ids_follow: bool, padded: bool = False) -> tuple:
+def step_message(runner, layout: StepLayout, ids_follow: bool, padded: bool = False,
+                 argmax_only: bool = False) -> tuple:
     """Rank 0's per-step message: the layout, the graph shape it replays (its key; None: eager), whether
-    the step's token ids follow by broadcast (`ids_follow`: some are pending on rank 0's device), and
-    `padded` (test hook: run it as `ModelRunner.run_padded_eager`)."""
-    return ("step", layout, _shape_key(runner, layout), ids_follow, padded)
+    the step's token ids follow by broadcast (`ids_follow`: some are pending on rank 0's device), `padded`
+    (test hook: run it as `ModelRunner.run_padded_eager`), and `argmax_only` (the logits are finished as
+    argmax ids, not gathered: every rank must take part in the same collective)."""
+    return ("step", layout, _shape_key(runner, layout), ids_follow, padded, argmax_only)
 
 
 def _shape_key(runner, layout: StepLayout):
@@ -77,7 +79,8 @@ def _shape_key(runner, layout: StepLayout):
     return None if shape is None else shape.key
 
 
-def run_step(runner, group, layout: StepLayout, shape_key, ids_follow: bool, padded: bool = False) -> None:
+def run_step(runner, group, layout: StepLayout, shape_key, ids_follow: bool, padded: bool = False,
+             argmax_only: bool = False) -> None:
     """A worker's share of one step (its logits are discarded: rank 0 samples)."""
     mine = _shape_key(runner, layout)
     if mine != shape_key:
@@ -89,7 +92,7 @@ def run_step(runner, group, layout: StepLayout, shape_key, ids_follow: bool, pad
     if padded:
         runner.run_padded_eager(layout, input_ids=ids)
     else:
-        runner.execute(LayoutBatch(layout), input_ids=ids)
+        runner.execute(LayoutBatch(layout), input_ids=ids, argmax_only=argmax_only)
 
 
 def worker_main(spec: WorkerSpec, conn) -> None:

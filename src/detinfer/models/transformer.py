@@ -244,4 +244,22 @@ class Transformer(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] (the rows that need a next token) -> logits [S, vocab] fp32."""
+        return self.gather_logits(self.local_logits(hidden))
+
+    # The logits in two halves, so that a tensor-parallel model (distributed/layers.py `TPTransformer`) can
+    # finish its shard of them two ways: the full rows, or only each row's argmax (a greedy step without
+    # processors or logprobs), which moves 16 bytes per row across the GPUs instead of the row.
+    gathers_logits = False  # True where gather_logits / greedy_ids run collectives (every rank must call them)
+
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden] -> this model's logits columns [S, V'] fp32 (all of them here)."""
         return self.ops.logits(hidden, self.output_weight)
+
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
+        """`local_logits`' output -> the full logits [S, vocab]."""
+        return local
+
+    def greedy_ids(self, local: torch.Tensor) -> torch.Tensor:
+        """`local_logits`' output -> [S] int64: each row's argmax over the full vocabulary, bitwise what
+        `torch.argmax(gather_logits(local), -1)` gives (first maximum; a NaN counts as the maximum)."""
+        return torch.argmax(local, dim=-1)
