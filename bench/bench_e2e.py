@@ -100,10 +100,9 @@ def warm_up(engine: LLMEngine, vocab: int) -> None:
 
 def count_graph_steps(engine: LLMEngine) -> dict:
     """Counts graph / eager steps, and times every step (host wall time of `step()`, which ends with the
-    logits on the host) by kind: "mixed" (a prefill chunk in the step) or "decode". While
-    counts["argmax_only"] is False, steps that could finish as argmax ids get the full logits instead."""
+    logits on the host) by kind: "mixed" (a prefill chunk in the step) or "decode"."""
     counts = {"graph": 0, "eager": 0, "mixed_graph": 0, "step_ms": {"mixed": [], "decode": []},
-              "mixed_tokens": [], "argmax_only": True}
+              "mixed_tokens": []}
     # Under tensor parallelism the engine's runner sends each step to the workers and runs rank 0's
     # ModelRunner (`.local`): that one picks graph or eager.
     local = getattr(engine.runner, "local", engine.runner)
@@ -123,7 +122,7 @@ def count_graph_steps(engine: LLMEngine) -> dict:
         kind.append("decode" if batch.layout.all_single_token else "mixed")
         if kind[-1] == "mixed":
             counts["mixed_tokens"].append(batch.layout.num_tokens)
-        return _orig(batch, input_ids, argmax_only and counts["argmax_only"])
+        return _orig(batch, input_ids, argmax_only)
 
     def step():
         kind.clear()
@@ -135,6 +134,15 @@ def count_graph_steps(engine: LLMEngine) -> dict:
 
     local._run_graph, local._run_eager, runner.execute, engine.step = graph, eager, execute, step
     return counts
+
+
+_PLAIN_GREEDY = SamplingParams.__dict__["is_plain_greedy"]
+
+
+def set_argmax_only(on: bool) -> None:
+    """--argmax-only off: no request counts as plain greedy, so every step finishes as full logits and goes
+    through the sampler (the engine's path before argmax-only steps existed)."""
+    SamplingParams.is_plain_greedy = _PLAIN_GREEDY if on else property(lambda self: False)
 
 
 def step_summary(ms: list[float]) -> str:
@@ -309,13 +317,13 @@ def main(argv=None) -> int:
             # run's objects lands inside the timed region.
             gc.collect()
             kind, argmax = variants[i % len(variants)]
-            counts["argmax_only"] = argmax == "on"
+            set_argmax_only(argmax == "on")
             n_decode = len(counts["step_ms"]["decode"])
             runs.append(run_e2e(engine, reqs if i == 0 else workload(
                 args.num_requests, cfg.vocab_size, seed=100 + i, prompt_len=args.prompt_len, output_kind=kind)))
             runs[-1]["variant"] = f"{kind}, argmax-only {argmax}"
             runs[-1]["decode_median_ms"] = statistics.median(counts["step_ms"]["decode"][n_decode:] or [0.0])
-        counts["argmax_only"] = True
+        set_argmax_only(True)
         res = sorted(runs, key=lambda r: r["wall_s"])[(len(runs) - 1) // 2] | {"tokens": runs[0]["tokens"]}
         res["all_wall_s"] = [r["wall_s"] for r in runs]
         res["graph_steps"], res["eager_steps"] = counts["graph"] // len(runs), counts["eager"] // len(runs)

@@ -36,10 +36,10 @@ def build_engine(seqs: int, steps: int, vocab: int, output_kind: str = "cumulati
     config = EngineConfig(mode="fast", max_num_seqs=seqs, max_model_len=1024, max_num_batched_tokens=8192,
                           enforce_eager=True)
     engine = LLMEngine.from_model(model, cfg, config)
-    logits = torch.zeros(seqs, vocab)
+    logits, ids = torch.zeros(seqs, vocab), torch.zeros(seqs, dtype=torch.int64)
 
-    def stub_execute(batch, input_ids=None):
-        return logits[:len(batch.layout.logit_rows)]
+    def stub_execute(batch, input_ids=None, argmax_only=False):
+        return (ids if argmax_only else logits)[:len(batch.layout.logit_rows)]
 
     engine.runner.execute = stub_execute
     warm = 4 + seqs * 100 // config.max_num_batched_tokens

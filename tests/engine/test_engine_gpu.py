@@ -287,9 +287,9 @@ def pending_input_steps(engine):
     """Count the steps whose input ids were (partly) gathered on the device from the previous step."""
     calls, orig = [0], engine.runner.execute
 
-    def counting(batch, input_ids=None):
+    def counting(batch, input_ids=None, argmax_only=False):
         calls[0] += input_ids is not None
-        return orig(batch, input_ids=input_ids)
+        return orig(batch, input_ids=input_ids, argmax_only=argmax_only)
 
     engine.runner.execute = counting
     return calls
