@@ -1,7 +1,10 @@
 """What the engine hands back: per-request outputs (vLLM's shape) and engine statistics.
 
-Outputs are cumulative: each `RequestOutput` a step returns holds everything generated so far for that
-request (not a delta), so a caller may keep only the latest one. Logprobs are the model's raw
+Outputs are cumulative by default: each `RequestOutput` a step returns holds everything generated so far
+for that request, so a caller may keep only the latest one. A request's `SamplingParams.output_kind` may ask
+for "delta" outputs instead (each holds what is new since the request's last output: new token ids, text
+and logprobs; `cumulative_logprob` stays the running total; prompt logprobs come once, in the first) or
+"final_only" (one output, when the request finishes; what `LLM.generate` asks for). Logprobs are the model's raw
 distribution (log_softmax of the logits, before the logits processors (logit_bias, allowed_token_ids, bad
 words, min_tokens, token_mask), penalties, temperature or top-k/p filtering), as vLLM reports them by
 default (`logprobs_mode="raw_logprobs"`). The exception is structured output: its grammar masks the logits
