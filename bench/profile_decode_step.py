@@ -8,7 +8,8 @@ a tenth into the trace (one layer's order and each launch's grid). Under PDL (ke
 launches early and waits for its predecessor, so with graphs its duration includes that wait: read the
 counts and the order there, or set DETINFER_PDL=0 for durations that do not overlap. `--critical-path` adds
 a table that PDL does not blur: each kernel is charged the time from the previous kernel's end to its own
-end (what removing it would save at most), summed per kernel name. `--tp N` profiles rank 0 of a
+end (what removing it would save at most), summed per kernel name, then the largest idle gaps in trace order
+(spread over every step, or a few long pauses?). `--tp N` profiles rank 0 of a
 tensor-parallel engine (the other ranks run the same step in their own processes).
 
     python bench/profile_decode_step.py --layers 36 --batches 1,64 --mode deterministic
@@ -56,6 +57,7 @@ def print_critical_path(events: list[dict], steps: int, top: int) -> None:
     """Charge each kernel (end - the latest earlier end): under PDL kernels overlap, so durations double count,
     while these charges add up to the busy span and say what each kernel adds to it."""
     charged: dict[str, list[float]] = {}
+    gaps: list[tuple[float, float, str]] = []  # (idle us, at us from the first kernel, the kernel after it)
     last_end = None
     for e in events:
         end = e["ts"] + e["dur"]
@@ -63,8 +65,11 @@ def print_critical_path(events: list[dict], steps: int, top: int) -> None:
         name = re.sub(r"_(\d+)$", "", e["name"])[:70]
         entry = charged.setdefault(name, [0.0, 0.0, 0])
         entry[0] += max(0.0, end - start)
-        entry[1] += max(0.0, e["ts"] - last_end) if last_end is not None else 0.0  # idle before it
+        idle = max(0.0, e["ts"] - last_end) if last_end is not None else 0.0  # idle before it
+        entry[1] += idle
         entry[2] += 1
+        if idle > 0:
+            gaps.append((idle, e["ts"] - events[0]["ts"], name))
         last_end = end if last_end is None else max(last_end, end)
     span = (last_end - events[0]["ts"]) / steps
     busy = sum(v[0] for v in charged.values()) / steps
@@ -72,6 +77,13 @@ def print_critical_path(events: list[dict], steps: int, top: int) -> None:
           f"{sum(v[1] for v in charged.values()) / steps / 1e3:.3f} ms")
     for name, (c, idle, n) in sorted(charged.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"  {c / steps:9.1f} us  idle before {idle / steps:7.1f} us  x{n / steps:<6.1f} {name}")
+    # Spread over every step, or a few long pauses (a GC, the profiler)? The largest gaps, in trace order.
+    total = sum(g[0] for g in gaps)
+    largest = sorted(gaps, reverse=True)[:8]
+    print(f"  idle: {len(gaps)} gaps, {sum(g[0] > 10 for g in gaps)} over 10 us; the {len(largest)} largest hold "
+          f"{sum(g[0] for g in largest) / max(total, 1e-9):.0%} of it:")
+    for idle, at, name in sorted(largest, key=lambda g: g[1]):
+        print(f"    {idle:8.1f} us at {at / 1e3:8.3f} ms, before {name}")
 
 
 PROMPT_LEN = 100
