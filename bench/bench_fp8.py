@@ -5,6 +5,8 @@ paths a serving stack has on this GPU, Qwen3-8B shapes, side by side in one proc
 
 Columns (microseconds per call, CUDA-graph timer of bench_ops.py, weights rotated past L2):
   ours       linear_fp8: activations quantized per token per 128-group + the block-scaled GEMM
+  gemm       ours without the quantization (linear_fp8_quantized on activations quantized beforehand)
+  quant      the activation quantization's launch alone (ours - gemm: what fusing it elsewhere could save)
   old        (--old DIR: a module `old_fp8_linear` with the previous `linear_fp8`, for an A/B in one run)
   blockwise  torch's block-scaled scaled_mm (cuBLASLt, 1x128 activation and 128x128 weight scales) plus
              the same activation quantization: the stock path of the same numerics, where it runs
@@ -57,18 +59,25 @@ def probe_blockwise() -> str | None:
 
 
 def candidates(layout: str | None, old) -> dict:
-    from detinfer.kernels.fp8_linear import linear_fp8, linear_fp8_stock
+    from detinfer.kernels.fp8_linear import (
+        linear_fp8,
+        linear_fp8_quantized,
+        linear_fp8_stock,
+        quantize_activations_gpu,
+    )
     from detinfer.kernels.fp8_quant import dequantize_weight
 
     def blockwise(x, q, s, *_):
         return linear_fp8_stock(x, q, s)  # fast mode's call: quantization + torch's blockwise scaled_mm
 
     out = {"ours": lambda x, q, s, *_: linear_fp8(x, q, s)}
+    out["gemm"] = lambda x, q, s, *rest: linear_fp8_quantized(rest[-2], rest[-1], q, s, None, x.dtype)
+    out["quant"] = lambda x, *_: quantize_activations_gpu(x)
     if old is not None:
         out["old"] = lambda x, q, s, *_: old.linear_fp8(x, q, s)
     if layout is not None:
         out["blockwise"] = blockwise
-    out["rowwise"] = lambda x, q, s, sw_blocks, w, qx, sxr, swr: torch._scaled_mm(
+    out["rowwise"] = lambda x, q, s, sw_blocks, w, qx, sxr, swr, *_: torch._scaled_mm(
         qx, q.t(), scale_a=sxr, scale_b=swr, out_dtype=torch.bfloat16)
     out["bf16"] = lambda x, q, s, sw_blocks, w, *_: F.linear(x, w)
     out["dequant"] = lambda x, q, s, *_: F.linear(x, dequantize_weight(q, s).to(x.dtype))
@@ -85,7 +94,9 @@ def operand_set(m: int, n: int, k: int, layout: str | None):
     amax = x.float().abs().amax(1, keepdim=True).clamp(min=1e-12)
     qx = (x.float() * (448.0 / amax)).clamp(-448, 448).to(FP8_DTYPE)
     swr = torch.ones(1, n, device="cuda")
-    return (x, q, s, sw_blocks, w, qx, (amax / 448.0).float(), swr)
+    from detinfer.kernels.fp8_quant import quantize_activations
+
+    return (x, q, s, sw_blocks, w, qx, (amax / 448.0).float(), swr, *quantize_activations(x))
 
 
 def warm_caches(sets) -> None:

@@ -86,3 +86,24 @@ def test_fp8_tp2_equals_tp1_with_invariant_reduction(model_dir):
     one = _run(model_dir, reqs, tp_invariant_reduction=True)
     two = _run(model_dir, reqs, tp_invariant_reduction=True, tensor_parallel_size=2)
     assert one == two
+
+
+def test_fp8_quantized_hand_offs_change_no_bit(model_dir, monkeypatch):
+    """The RMSNorm and SiLU*mul kernels quantizing the rows they hand to FP8 linears (kernels/fp8_act_quant.py,
+    counted) vs every FP8 linear quantizing its own input: the same tokens and logprobs, graphs on."""
+    from detinfer.kernels import fp8_act_quant
+    from detinfer.models.transformer import DecoderLayer
+    from detinfer.ops import Ops
+
+    reqs, calls = _requests(6), []
+    norm, silu_q, silu = fp8_act_quant.rms_norm_quantized, fp8_act_quant.silu_mul_quantized, Ops.linear_fp8_silu_mul
+    monkeypatch.setattr(fp8_act_quant, "rms_norm_quantized", lambda *a: calls.append("norm") or norm(*a))
+    monkeypatch.setattr(fp8_act_quant, "silu_mul_quantized", lambda *a: calls.append("silu") or silu_q(*a))
+    fused = _run(model_dir, reqs)
+    assert "norm" in calls and ("silu" in calls or "moe" in model_dir.name)  # an MoE layer has no SiLU*mul hand-off
+    monkeypatch.setattr(DecoderLayer, "fp8_inputs", lambda self: (False, False))
+    monkeypatch.setattr(Ops, "linear_fp8_silu_mul",
+                        lambda self, x, w, s, b=None, quantized=False: silu(self, x, w, s, b))
+    calls.clear()
+    assert _run(model_dir, reqs) == fused
+    assert not calls

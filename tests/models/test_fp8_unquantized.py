@@ -11,7 +11,7 @@ import torch
 
 from detinfer.engine import EngineConfig, LLMEngine
 from detinfer.engine.testing import drive, mixed_requests
-from detinfer.kernels.fp8_quant import BLOCK, FP8_DTYPE, dequantize_weight, quantize_activations
+from detinfer.kernels.fp8_quant import BLOCK, FP8_DTYPE, QuantizedRows, dequantize_weight, quantize_activations
 from detinfer.models import ReferenceAttention, fp8
 from detinfer.models.config import ModelConfig
 from detinfer.models.loader import load_model, model_from_state
@@ -92,8 +92,8 @@ class _Float64Fp8Ops(Ops):
     quantized per token per 128-group, as the FP8 linear does): the model's FP8 arithmetic without roundings."""
 
     def linear_fp8(self, x, weight, weight_scale, bias=None):
-        k = x.shape[-1]
-        x_q, sx = quantize_activations(x.reshape(-1, k))
+        k = x.shape[-1]  # x may come quantized (a norm or SiLU*mul feeding only FP8 linears: ops.rms_norm_fp8)
+        x_q, sx = (x.q, x.scale) if isinstance(x, QuantizedRows) else quantize_activations(x.reshape(-1, k))
         xd = x_q.double() * sx.double().repeat_interleave(BLOCK, -1)[:, :k]
         y = xd @ dequantize_weight(weight, weight_scale).double().t() + (0 if bias is None else bias.double())
         return y.reshape(*x.shape[:-1], -1)

@@ -41,7 +41,14 @@ import torch
 import torch.nn.functional as F
 
 from detinfer.kernels._launch import interpreting
-from detinfer.kernels.fp8_quant import BLOCK, FP8_DTYPE, dequantize_weight, num_blocks, quantize_activations
+from detinfer.kernels.fp8_quant import (
+    BLOCK,
+    FP8_DTYPE,
+    QuantizedRows,
+    dequantize_weight,
+    num_blocks,
+    quantize_activations,
+)
 
 __all__ = ["linear_fp8", "linear_fp8_ref", "linear_fp8_stock", "linear_fp8_tree", "check_fp8_linear",
            "kernel_config", "quantize_activations_gpu", "uniform_block_rows"]
@@ -83,9 +90,8 @@ def linear_fp8_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bi
     hint, taken for a common signature: the products are the same either way."""
     check_fp8_linear("linear_fp8_ref", x, w_q, w_scale, bias)
     n, k = w_q.shape
-    x2 = _flat(x)
-    x_q, sx = quantize_activations(x2)
-    acc = torch.zeros((x2.shape[0], n), dtype=torch.float32, device=x.device)
+    x_q, sx = (x.q, x.scale) if isinstance(x, QuantizedRows) else quantize_activations(_flat(x))
+    acc = torch.zeros((x_q.shape[0], n), dtype=torch.float32, device=x.device)
     for kb in range(num_blocks(k)):
         k0, k1 = kb * BLOCK, min(k, (kb + 1) * BLOCK)
         part = (x_q[:, k0:k1].double() @ w_q[:, k0:k1].double().t()).float()  # no rounding until here
@@ -111,8 +117,9 @@ def linear_fp8_tree(linear, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.T
                          f"{BLOCK}-column scale blocks")
     kc, bc = k // num_chunks, k // num_chunks // BLOCK
     uniform = uniform_block_rows(w_scale) if w_scale.is_cuda else None
+    cols = x.columns if isinstance(x, QuantizedRows) else lambda k0, k1: x[..., k0:k1]
     return pairwise_tree_sum(torch.stack([
-        linear(x[..., c * kc:(c + 1) * kc], w_q[:, c * kc:(c + 1) * kc], w_scale[:, c * bc:(c + 1) * bc],
+        linear(cols(c * kc, (c + 1) * kc), w_q[:, c * kc:(c + 1) * kc], w_scale[:, c * bc:(c + 1) * bc],
                out_dtype=torch.float32, uniform=uniform) for c in range(num_chunks)]))
 
 
@@ -121,6 +128,9 @@ def linear_fp8_stock(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     """Fast mode: torch's block-scaled fp8 GEMM where this torch and GPU take it (`blockwise_layout`), else
     the weight dequantized to x's dtype and F.linear (activations unquantized)."""
     check_fp8_linear("linear_fp8_stock", x, w_q, w_scale, bias)
+    if isinstance(x, QuantizedRows):  # the backend quantizes ahead only in deterministic mode
+        raise TypeError("linear_fp8_stock: takes the 16-bit rows (it quantizes them into cuBLASLt's layout), "
+                        "got QuantizedRows")
     n, k = w_q.shape
     layout = blockwise_layout(x.device) if x.is_cuda and n % BLOCK == 0 and k % BLOCK == 0 else None
     if layout is not None:
@@ -309,11 +319,27 @@ def linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: 
                out_dtype: torch.dtype | None = None, config: dict | None = None,
                uniform: bool | None = None) -> torch.Tensor:
     """The Triton path (CUDA, fp8 tensor cores: Hopper or newer; CPU tensors under TRITON_INTERPRET=1):
-    x [..., K] -> [..., N] in `out_dtype` (default x's). `config` overrides `kernel_config` (tests and
+    x [..., K] (or `QuantizedRows`: its quantization done) -> [..., N] in `out_dtype` (default x's). `config`
+    overrides `kernel_config` (tests and
     benchmark sweeps: every config gives the same bits); `uniform` overrides `uniform_block_rows(w_scale)`
     (the caller knows it, e.g. of the whole tensor a K slice comes from; False is always allowed)."""
     check_fp8_linear("linear_fp8", x, w_q, w_scale, bias)
-    check_fp8_kernel_device("linear_fp8", x, w_q, w_scale, bias)
+    quantized = isinstance(x, QuantizedRows)
+    check_fp8_kernel_device("linear_fp8", x.q if quantized else x, w_q, w_scale, bias)
+    n = w_q.shape[0]
+    x2 = x.q if quantized else _flat(x)
+    if not (x2.shape[0] and n):
+        return torch.empty(tuple(x.shape[:-1]) + (n,), dtype=out_dtype or x.dtype, device=x.device)
+    a, sa = (x.q, x.scale) if quantized else quantize_activations_gpu(x2)
+    y = linear_fp8_quantized(a, sa, w_q, w_scale, bias, out_dtype or x.dtype, config, uniform)
+    return y.reshape(tuple(x.shape[:-1]) + (n,))
+
+
+def linear_fp8_quantized(a: torch.Tensor, sa: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                         bias: torch.Tensor | None, out_dtype: torch.dtype, config: dict | None = None,
+                         uniform: bool | None = None) -> torch.Tensor:
+    """`linear_fp8`'s GEMM on activations already quantized (fp8 a [M, K] with fp32 scales sa [M, KB], as
+    `quantize_activations` makes them: by a kernel that produced x, say) -> [M, N] in out_dtype."""
     import triton
 
     from detinfer.kernels._pdl import launch_options, use_pdl
@@ -321,16 +347,19 @@ def linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: 
     from detinfer.kernels.matmul import PREFETCH_MAX_M
 
     n, k = w_q.shape
-    x2 = _flat(x)
-    m = x2.shape[0]
-    y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    m = a.shape[0]
+    if a.dtype != FP8_DTYPE or a.shape != (m, k) or sa.shape != (m, num_blocks(k)) or sa.dtype != torch.float32:
+        raise ValueError(f"linear_fp8_quantized: expected fp8 activations [M, {k}] and fp32 scales [M, "
+                         f"{num_blocks(k)}], got {a.dtype} {tuple(a.shape)} and {sa.dtype} {tuple(sa.shape)}")
+    y = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if not (m and n):
-        return y.reshape(tuple(x.shape[:-1]) + (n,))
+        return y
     uniform = uniform_block_rows(w_scale) if uniform is None else uniform
-    a, sa = quantize_activations_gpu(x2)
+    a = a if a.stride(1) == 1 else a.contiguous()
+    sa = sa if sa.stride(1) == 1 else sa.contiguous()
     w_q = w_q if w_q.stride(1) == 1 else w_q.contiguous()  # a K slice keeps its row stride
     w_scale = w_scale if w_scale.stride(1) == 1 else w_scale.contiguous()
-    cfg, pdl = dict(config or kernel_config(m)), use_pdl(x.device)
+    cfg, pdl = dict(config or kernel_config(m)), use_pdl(a.device)
     block = dict(BLOCK_M=cfg.pop("BLOCK_M"), BLOCK_N=cfg.pop("BLOCK_N"), BLOCK_K=cfg.pop("BLOCK_K", BLOCK))
     tma = cfg.pop("TMA") and _tma_ok(a, w_q)
     uniform = uniform and BLOCK % block["BLOCK_N"] == 0  # a tile inside one 128-row group of scales
@@ -343,4 +372,4 @@ def linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: 
                  HAS_BIAS=bias is not None, TMA=tma, UNIFORM=uniform, PAIRED=cfg.get("PAIRED", False),
                  USE_PDL=pdl, PREFETCH_K=prefetch, STAGES=cfg["STAGES"], num_warps=cfg["num_warps"], **block,
                  **launch_options(pdl))
-    return y.reshape(tuple(x.shape[:-1]) + (n,))
+    return y

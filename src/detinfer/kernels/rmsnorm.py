@@ -64,6 +64,16 @@ def rms_norm_tile(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, tile, n_rows, D, eps,
     """Rows [tile ROWS, (tile + 1) ROWS): the whole norm, from x in memory. Shared with the kernel that first
     sums x across two GPUs (`kernels.peer_sum_norm`): the same code and constexprs give the same layouts,
     hence the same reduction tree and bits."""
+    rows, cols, mask, y = rms_norm_values(x_ptr, res_ptr, w_ptr, h_ptr, tile, n_rows, D, eps, x_stride,
+                                          res_stride, h_stride, HAS_RES, HAS_W, ROWS, BLOCK_D)
+    tl.store(y_ptr + rows[:, None] * y_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rms_norm_values(x_ptr, res_ptr, w_ptr, h_ptr, tile, n_rows, D, eps, x_stride, res_stride, h_stride,
+                    HAS_RES: tl.constexpr, HAS_W: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """`rms_norm_tile` up to the store of y: (rows, cols, mask, y before its cast to the output dtype); h is
+    stored. Also the front of the norm that quantizes its output for an FP8 linear (kernels/fp8_act_quant.py)."""
     rows = tile.to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < n_rows
@@ -84,7 +94,7 @@ def rms_norm_tile(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, tile, n_rows, D, eps,
     if HAS_W:
         w = tl.load(w_ptr + cols, mask=col_ok, other=0.0)
         y = w.to(tl.float32)[None, :] * y.to(tl.float32)
-    tl.store(y_ptr + rows[:, None] * y_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    return rows, cols, mask, y
 
 
 _LAUNCHES = LaunchCache(_rms_norm_kernel)

@@ -71,12 +71,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, ops: Ops, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, ops: Ops, residual: torch.Tensor | None = None, fp8_out: bool = False):
         # x may be a row-parallel output whose cross-rank sum is still pending (tensor parallelism on two GPUs,
         # distributed.layers.PendingSum): it sums and normalizes in one kernel, with the bits of the two steps.
         fused = getattr(x, "rms_norm_fused", None)
         if fused is not None:
             return fused(self.weight, self.eps, residual)
+        if fp8_out and not self._forward_hooks:  # only FP8 linears read it (a hook, e.g. repro's audit, reads it too)
+            return ops.rms_norm_fp8(x, self.weight, self.eps, residual=residual)
         return ops.rms_norm(x, self.weight, self.eps, residual=residual)
 
 
@@ -131,8 +133,10 @@ class MLP(nn.Module):
         if proj._forward_hooks or proj._forward_pre_hooks:  # someone records gate_up's output (repro audit)
             gate, up = proj(x, ops).split(self.intermediate_size, dim=-1)  # [T, I] each
             return self.down_proj(ops.silu_mul(gate, up), ops)
-        if proj.weight_scale is not None:  # FP8: one launch on CUDA in deterministic mode (docs/fp8.md)
-            return self.down_proj(ops.linear_fp8_silu_mul(x, proj.weight, proj.weight_scale, proj.bias), ops)
+        if proj.weight_scale is not None:  # FP8 (docs/fp8.md); an FP8 down_proj takes the rows quantized
+            down = self.down_proj
+            quantized = getattr(down, "weight_scale", None) is not None and not down._forward_pre_hooks
+            return down(ops.linear_fp8_silu_mul(x, proj.weight, proj.weight_scale, proj.bias, quantized), ops)
         # One backend op: gate_up_proj, split into [T, I] halves, silu_mul (via ops: stock CPU SiLU rounds
         # differently in a tensor's SIMD tail); on decode batches one fused launch with the same bits.
         return self.down_proj(ops.linear_silu_mul(x, proj.weight, proj.bias), ops)  # [T, hidden]
@@ -174,13 +178,23 @@ class DecoderLayer(nn.Module):
     def forward(self, h, residual, positions, rotary, attn, ops: Ops):
         """Pre-norm block with the residual carried separately (so the add fuses into the norm):
         returns (h, residual) with h + residual == this layer's output stream."""
+        qkv_fp8, mlp_fp8 = self.fp8_inputs()
         if residual is None:
-            h, residual = self.input_layernorm(h, ops), h
+            h, residual = self.input_layernorm(h, ops, fp8_out=qkv_fp8), h
         else:
-            h, residual = self.input_layernorm(h, ops, residual)
+            h, residual = self.input_layernorm(h, ops, residual, fp8_out=qkv_fp8)
         h = self.self_attn(h, positions, rotary, attn, ops)
-        h, residual = self.post_attention_layernorm(h, ops, residual)
+        h, residual = self.post_attention_layernorm(h, ops, residual, fp8_out=mlp_fp8)
         return self.mlp(h, ops), residual
+
+    def fp8_inputs(self) -> tuple[bool, bool]:
+        """Whether the two norms' outputs go only to FP8 linears (the fused q/k/v; a dense MLP's gate_up), so
+        they may come back quantized (ops.rms_norm_fp8). Read per call: FP8 checkpoints may leave linears in
+        16 bits (`Transformer._keep_unquantized_linears`), and hooks (repro's audit) read the inputs."""
+        qkv = self.self_attn.qkv_proj
+        gate_up = getattr(self.mlp, "gate_up_proj", None)
+        return (qkv.weight_scale is not None and not qkv._forward_pre_hooks,
+                isinstance(gate_up, Linear) and gate_up.weight_scale is not None and not gate_up._forward_pre_hooks)
 
 
 class Transformer(nn.Module):

@@ -5,7 +5,11 @@
   batch-invariant); fast mode runs torch's blockwise scaled_mm where it runs, else dequantize + F.linear.
 - `linear_fp8_tree`: row-parallel layers' fixed K-chunk tree over `linear_fp8`'s fp32 partials.
 - `linear_fp8_silu_mul` (the dense SwiGLU MLP's gate_up + SiLU*mul): `linear_fp8` then `silu_mul` (a fused
-  launch was measured slower than the two on an H100 at every batch size, docs/performance.md).
+  launch was measured slower than the two on an H100 at every batch size, docs/performance.md); with
+  `quantized=True` (down_proj is FP8 too) the SiLU*mul rows come back as `QuantizedRows` for it.
+- `rms_norm_fp8`: an RMSNorm whose output feeds only FP8 linears; deterministic mode returns `QuantizedRows`
+  (quantized by the norm kernel itself on CUDA: kernels/fp8_act_quant.py), fast mode the 16-bit rows. The
+  deterministic linears take either: the same bits, one launch fewer.
 - `moe_fp8` / `moe_expert_outputs_fp8`: the backend's routing and combine around the grouped FP8 expert
   GEMMs (CUDA, both modes) or per-expert `linear_fp8` + `silu_mul` calls (elsewhere; kernels/fp8_moe.py).
 """
@@ -18,7 +22,8 @@ from detinfer.ops._kernel_modules import kernel_module as _kernels
 
 
 class Fp8Ops:
-    """Mixed into `Ops`: reads its `deterministic`, `device`, `silu_mul`, `moe_route` and `moe_combine`."""
+    """Mixed into `Ops`: reads its `deterministic`, `device`, `silu_mul`, `rms_norm`, `_kernel`,
+    `_fused_kernel`, `moe_route` and `moe_combine`."""
 
     def linear_fp8(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -43,14 +48,34 @@ class Fp8Ops:
         return _kernels("fp8_linear").linear_fp8_tree(self._linear_fp8_det, x, weight, weight_scale, num_chunks)
 
     def linear_fp8_silu_mul(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                            bias: torch.Tensor | None = None) -> torch.Tensor:
+                            bias: torch.Tensor | None = None, quantized: bool = False):
         """The SwiGLU MLP up to down_proj over a block-scaled fp8 gate_up weight [2I, K] (gate rows, then up
-        rows): silu_mul of the two halves of `linear_fp8(x, weight, weight_scale, bias)` -> [..., I]."""
+        rows): silu_mul of the two halves of `linear_fp8(x, weight, weight_scale, bias)` -> [..., I].
+        `quantized` (the caller's down_proj is FP8): deterministic mode returns those rows as `QuantizedRows`
+        (x 2-D), quantized by the SiLU*mul kernel on CUDA (the same bits as quantizing its output)."""
         if weight.shape[0] % 2:
             raise ValueError(f"linear_fp8_silu_mul: weight must be the fused [2I, K] gate_up weight (gate rows, "
                              f"then up rows), got an odd row count {weight.shape[0]}")
         gate, up = self.linear_fp8(x, weight, weight_scale, bias).split(weight.shape[0] // 2, dim=-1)
-        return self.silu_mul(gate, up)
+        if not (quantized and self.deterministic and gate.dim() == 2):
+            return self.silu_mul(gate, up)
+        if self.device.type == "cuda" and self._fused_kernel(gate, up):
+            return _kernels("fp8_act_quant").silu_mul_quantized(gate, up)
+        return _kernels("fp8_quant").QuantizedRows.of(self.silu_mul(gate, up))
+
+    def rms_norm_fp8(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                     residual: torch.Tensor | None = None):
+        """`rms_norm` for a norm whose output feeds only FP8 linears: deterministic mode returns the normed
+        rows as `QuantizedRows` (x 2-D; quantized by the norm kernel on CUDA, kernels/fp8_act_quant.py: the
+        same bits as quantizing rms_norm's output); fast mode (which quantizes in cuBLASLt's layout) and
+        other shapes get `rms_norm`'s output."""
+        if not self.deterministic or x.dim() != 2:
+            return self.rms_norm(x, weight, eps, residual=residual)
+        if self.device.type == "cuda" and self._kernel(x, weight, residual):
+            return _kernels("fp8_act_quant").rms_norm_quantized(x, weight, eps, residual)
+        out = self.rms_norm(x, weight, eps, residual=residual)
+        of = _kernels("fp8_quant").QuantizedRows.of
+        return of(out) if residual is None else (of(out[0]), out[1])
 
     def moe_fp8(self, x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor, s_gate_up: torch.Tensor,
                 w_down: torch.Tensor, s_down: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
