@@ -21,7 +21,8 @@ batch it is in.
   multiply-add's one rounding only where the float64 sum lands exactly on a midpoint between two fp32
   values: rare, and a function of the element's own values either way).
 - `linear_fp8` (Hopper, Triton): fp8 `tl.dot` per K block into a fresh fp32 tile, then the same fma in the same
-  order; the activations quantized by one Triton launch before it (torch's bits, kernels/fp8_tiles.py). The
+  order; the activations quantized by one Triton launch before it (torch's bits, kernels/fp8_tiles.py), or
+  handed over already quantized (`QuantizedRows`, by the norm or SiLU*mul before: kernels/fp8_act_quant.py). The
   tensor cores' internal fp8 accumulation is not documented to be exact, so the kernel matches the ref within
   a tolerance, not bitwise; it is batch-invariant on its own: BLOCK_K is the scale block whatever the config,
   and the tile config (picked from M for speed, `kernel_config`) changes no element's operations (asserted
@@ -50,8 +51,8 @@ from detinfer.kernels.fp8_quant import (
     quantize_activations,
 )
 
-__all__ = ["linear_fp8", "linear_fp8_ref", "linear_fp8_stock", "linear_fp8_tree", "check_fp8_linear",
-           "kernel_config", "quantize_activations_gpu", "uniform_block_rows"]
+__all__ = ["linear_fp8", "linear_fp8_quantized", "linear_fp8_ref", "linear_fp8_stock", "linear_fp8_tree",
+           "check_fp8_linear", "kernel_config", "quantize_activations_gpu", "uniform_block_rows"]
 
 
 def check_fp8_linear(op: str, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
@@ -319,10 +320,10 @@ def linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: 
                out_dtype: torch.dtype | None = None, config: dict | None = None,
                uniform: bool | None = None) -> torch.Tensor:
     """The Triton path (CUDA, fp8 tensor cores: Hopper or newer; CPU tensors under TRITON_INTERPRET=1):
-    x [..., K] (or `QuantizedRows`: its quantization done) -> [..., N] in `out_dtype` (default x's). `config`
-    overrides `kernel_config` (tests and
-    benchmark sweeps: every config gives the same bits); `uniform` overrides `uniform_block_rows(w_scale)`
-    (the caller knows it, e.g. of the whole tensor a K slice comes from; False is always allowed)."""
+    x [..., K] (or `QuantizedRows`: its quantization done) -> [..., N] in `out_dtype` (default x's).
+    `config` overrides `kernel_config` (tests and benchmark sweeps: every config gives the same bits);
+    `uniform` overrides `uniform_block_rows(w_scale)` (the caller knows it, e.g. of the whole tensor a K
+    slice comes from; False is always allowed)."""
     check_fp8_linear("linear_fp8", x, w_q, w_scale, bias)
     quantized = isinstance(x, QuantizedRows)
     check_fp8_kernel_device("linear_fp8", x.q if quantized else x, w_q, w_scale, bias)
