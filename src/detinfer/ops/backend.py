@@ -38,10 +38,11 @@ Selection rule (`Ops.__post_init__`, from mode, device, dtype, head_dim and two 
 - The SwiGLU MLP's gate_up projection + SiLU*mul (`linear_silu_mul`), deterministic mode: one launch with
   the same bits as the two (kernels/linear_silu_mul.py) for 16-bit decode-sized batches where the kernels
   run; otherwise (and in fast mode) `linear` then `silu_mul` as above.
-- Block-scaled FP8 linears (`linear_fp8`, `linear_fp8_silu_mul`, `moe_fp8`; ops/fp8_ops.py, docs/fp8.md):
-  deterministic mode runs the Triton fp8 kernels on CUDA (the dense MLP's gate_up + SiLU*mul as one launch
-  for any batch) and the exact-block-dot ref elsewhere (the same numerics up to the tensor cores'
-  accumulation; each batch-invariant); fast mode runs torch's blockwise scaled_mm where it runs, else
+- Block-scaled FP8 linears (`linear_fp8`, `linear_fp8_silu_mul`, `rms_norm_fp8`, `moe_fp8`; ops/fp8_ops.py,
+  docs/fp8.md): deterministic mode runs the Triton fp8 kernels on CUDA and the exact-block-dot ref elsewhere
+  (the same numerics up to the tensor cores' accumulation; each batch-invariant), and the norms and SiLU*mul
+  that only FP8 linears read hand them their rows already quantized (`QuantizedRows`: the same bits, one
+  launch fewer per linear on CUDA); fast mode runs torch's blockwise scaled_mm where it runs, else
   dequantize + F.linear. The FP8 MoE is this backend's routing and combine around the grouped FP8 expert
   GEMMs (CUDA, both modes) or per-expert `linear_fp8` calls (elsewhere).
 - RoPE (kernels/rope.py), and the sampler's reductions (`fold_sum`, `cumsum`), are the same in both modes:
