@@ -2,6 +2,7 @@
 paths a serving stack has on this GPU, Qwen3-8B shapes, side by side in one process.
 
     PYTHONUNBUFFERED=1 python bench/bench_fp8.py [--ms 1,16,64,256,1024,4096] [--json FILE] [--old DIR]
+    python bench/bench_fp8.py --sweep 1,64,4096 --configs 64x64p_r1,64x64p_r2 --sweep-only   # tile configs
 
 Columns (microseconds per call, CUDA-graph timer of bench_ops.py, weights rotated past L2):
   ours       linear_fp8: activations quantized per token per 128-group + the block-scaled GEMM
@@ -137,46 +138,53 @@ def bench_gemm(ms: list[int], layout: str | None, old, rows: list) -> None:
             del sets
 
 
-SWEEP = {  # name: kernel_config overrides (BLOCK_K is always the 128-column scale block); p = PAIRED, sN = stages
-    "64x32p": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, STAGES=4, TMA=False, PAIRED=True),
-    "64x32p_s8": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, STAGES=8, TMA=False, PAIRED=True),
+SWEEP = {  # name: kernel_config overrides (BLOCK_K is always the 128-column scale block); p = PAIRED, sN = stages,
+    # rN = the two K runs in N programs (1: one program walks both; 2: a program each + the summing launch;
+    # unset: the launcher's choice). Only K >= 64 blocks has two runs: down_proj here.
     "64x64p": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=4, TMA=False, PAIRED=True),
-    "64x64p_s6": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=6, TMA=False, PAIRED=True),
-    "64x64p_w8": dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, STAGES=4, TMA=False, PAIRED=True),
+    "64x64p_r1": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=4, TMA=False, PAIRED=True, SPLIT=1),
+    "64x64p_r2": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=4, TMA=False, PAIRED=True, SPLIT=2),
+    "64x64_r2": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=4, TMA=False, PAIRED=False, SPLIT=2),
     "64x128tma": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=4, TMA=True),
     "64x128tma_s3": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=3, TMA=True),
-    "64x128tma_s2": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2, TMA=True),
-    "64x256tma_w8": dict(BLOCK_M=64, BLOCK_N=256, num_warps=8, STAGES=3, TMA=True),
+    "64x128tma_w8": dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, STAGES=4, TMA=True),
+    "64x128tmap_w8": dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, STAGES=3, TMA=True, PAIRED=True),
     "128x128tma_w8": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, STAGES=4, TMA=True),
-    "128x256tma_w8": dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, STAGES=3, TMA=True),
-    "64x128tmap_s2": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2, TMA=True, PAIRED=True),
-    "128x128tmap_w8_s2": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, STAGES=2, TMA=True, PAIRED=True),
-    "128x64tmap_s2": dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, STAGES=2, TMA=True, PAIRED=True),
+    "128x128tma_w8_s3": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, STAGES=3, TMA=True),
+    "128x128tma_w8_s2": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, STAGES=2, TMA=True),
+    "128x64tma_w8": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, STAGES=4, TMA=True),
+    "64x256tma_w8_s2": dict(BLOCK_M=64, BLOCK_N=256, num_warps=8, STAGES=2, TMA=True),
 }
 
 
-def bench_sweep(ms: list[int], rows: list) -> None:
-    """linear_fp8 under each SWEEP config, to choose kernel_config's table (every config gives the same bits:
-    asserted here too, against the first)."""
+def bench_sweep(ms: list[int], rows: list, names: list[str]) -> None:
+    """linear_fp8 under each named SWEEP config, to choose kernel_config's table (every config gives the same
+    bits: asserted here too, against the first)."""
     from detinfer.kernels.fp8_linear import linear_fp8
 
-    print("\nsweep (us, activation quantization included): " + "  ".join(SWEEP))
+    sweep = {name: SWEEP[name] for name in names}
+    print("\nsweep (us, activation quantization included): " + "  ".join(sweep))
     for m in ms:
         for shape, (n, k) in SHAPES.items():
             sets = [operand_set(m, n, k, None) for _ in range(copies_for(n * k * 3 + m * k * 2))]
             warm_caches(sets)
             times, first = [], None
-            for cfg in SWEEP.values():
+            for cfg in sweep.values():
                 cfg = dict(cfg, BLOCK_K=128)
-                y = linear_fp8(*sets[0][:3], config=cfg)
+                try:
+                    y = linear_fp8(*sets[0][:3], config=cfg)
+                except Exception as e:  # noqa: BLE001 - e.g. a config whose stages do not fit shared memory
+                    print(f"  {shape} M={m} {cfg}: {type(e).__name__}: {str(e)[:200]}")
+                    times.append(float("inf"))
+                    continue
                 first = y if first is None else first
                 if not torch.equal(y, first):
                     raise AssertionError(f"{shape} M={m}: config {cfg} changed the bits")
                 fn = rotated(lambda x, q, s, *_, c=cfg: linear_fp8(x, q, s, config=c), sets)
                 times.append(graph_ms(fn) * 1e3)
-            rows.append({"sweep": True, "shape": shape, "M": m, "us": dict(zip(SWEEP, times))})
+            rows.append({"sweep": True, "shape": shape, "M": m, "us": dict(zip(sweep, times))})
             best = min(range(len(times)), key=times.__getitem__)
-            print(f"{shape:8s} {m:5d} " + " ".join(f"{t:8.1f}" for t in times) + f"   best {list(SWEEP)[best]}",
+            print(f"{shape:8s} {m:5d} " + " ".join(f"{t:8.1f}" for t in times) + f"   best {list(sweep)[best]}",
                   flush=True)
             del sets
 
@@ -187,7 +195,13 @@ def main() -> int:
     ap.add_argument("--old", default=None, help="directory holding old_fp8_linear.py (A/B against it)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--sweep", default=None, help="M values for a tile-config sweep of ours (e.g. 1,16,256,4096)")
+    ap.add_argument("--configs", default=",".join(SWEEP), help="the SWEEP configs to sweep (comma list)")
+    ap.add_argument("--sweep-only", action="store_true", help="skip the table against the stock paths")
     args = ap.parse_args()
+    unknown = [c for c in args.configs.split(",") if c not in SWEEP]
+    if unknown:
+        print(f"--configs: unknown {unknown}; known: {', '.join(SWEEP)}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench_fp8 needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -199,8 +213,9 @@ def main() -> int:
         old = importlib.import_module("old_fp8_linear")
     rows: list = []
     if args.sweep:
-        bench_sweep([int(v) for v in args.sweep.split(",")], rows)
-    bench_gemm([int(v) for v in args.ms.split(",")], layout, old, rows)
+        bench_sweep([int(v) for v in args.sweep.split(",")], rows, args.configs.split(","))
+    if not args.sweep_only:
+        bench_gemm([int(v) for v in args.ms.split(",")], layout, old, rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"blockwise_layout": layout, "rows": rows}, f, indent=1)

@@ -16,6 +16,7 @@ tensor-parallel engine (the other ranks run the same step in their own processes
     python bench/profile_decode_step.py --preset qwen3-30b-a3b --batches 1,64 --mode fast   # a full-size preset
     python bench/profile_decode_step.py --preset qwen3-30b-a3b --batches 1 --graphs --steps 5 --sequence 60
     python bench/profile_decode_step.py --tp 2 --graphs --steps 10 --critical-path
+    python bench/profile_decode_step.py --quantization fp8 --graphs --steps 5 --critical-path
     python bench/profile_decode_step.py --tp 2 --graphs --steps 20 --batches 256 --host   # rank 0's host side
 """
 
@@ -178,6 +179,8 @@ def main(argv=None) -> int:
                     "wall time per step first)")
     ap.add_argument("--preset", default=None, help="a random-model preset at full size (e.g. qwen3-30b-a3b) "
                     "instead of qwen3-8b shapes with --layers")
+    ap.add_argument("--quantization", choices=["fp8"], default=None,
+                    help="qwen3-8b shapes in block-scaled FP8 (weights quantized at load)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_decode_step needs a CUDA GPU", file=sys.stderr)
@@ -189,7 +192,7 @@ def main(argv=None) -> int:
         print(f"{torch.cuda.get_device_name()}  {args.preset}  mode {args.mode}")
         engine = LLMEngine.from_weights(RandomWeights(0, torch.bfloat16), cfg, config, torch.device("cuda", 0))
     else:
-        cfg = qwen3_8b_config(args.layers, 1024)
+        cfg = qwen3_8b_config(args.layers, 1024, args.quantization)
         model = model_in_mode(random_model(cfg, torch.device("cuda"), seed=0), cfg, args.mode)
         roof = matmul_weight_bytes(model) / HBM_BYTES_PER_S
         print(f"{torch.cuda.get_device_name()}  layers {args.layers}  mode {args.mode}  roofline {roof * 1e3:.2f} ms")

@@ -313,6 +313,33 @@ def test_ref_is_one_fma_per_k_block_in_order():
     assert torch.equal(linear_fp8_ref(x, q, s, out_dtype=torch.float32), acc)
 
 
+def test_ref_long_k_is_two_runs_each_a_chain_then_added(monkeypatch):
+    """From SPLIT_MIN_BLOCKS K blocks on, blocks [0, H) and [H, KB) (H = ceil(KB / 2)) are two fma chains from
+    0.0, added in fp32; a function of K alone (fp8_linear's module doc). The threshold is lowered to 16 here
+    to keep the operands small; the GPU tests run the real one."""
+    from detinfer.kernels import fp8_linear
+    from detinfer.kernels.fp8_linear import second_run_start
+
+    assert fp8_linear.SPLIT_MIN_BLOCKS == 64
+    assert [second_run_start(kb) for kb in (1, 63, 64, 65, 96)] == [1, 63, 32, 33, 48]
+    monkeypatch.setattr(fp8_linear, "SPLIT_MIN_BLOCKS", 16)
+    k = 17 * BLOCK - 50  # 17 blocks, the last one partial: runs of 9 and 8
+    x, _, q, s = _operands(5, 24, k, seed=4)
+    x_q, sx = quantize_activations(x)
+
+    def chain(blocks):
+        acc = torch.zeros(5, 24)
+        for kb in blocks:
+            c = slice(kb * BLOCK, (kb + 1) * BLOCK)
+            part = (x_q[:, c].double() @ q[:, c].double().t()).float()
+            acc = (part.double() * (sx[:, kb:kb + 1] * s[:, kb][None, :]).double() + acc.double()).float()
+        return acc
+
+    runs = chain(range(9)) + chain(range(9, 17))
+    assert torch.equal(linear_fp8_ref(x, q, s, out_dtype=torch.float32), runs)
+    assert not torch.equal(runs, chain(range(17)))  # the runs are part of the numerics
+
+
 def test_uniform_block_rows_is_true_for_whole_blocks_and_cached_per_tensor():
     from detinfer.kernels.fp8_linear import uniform_block_rows
 
@@ -342,6 +369,25 @@ def test_interpreter_every_tile_config_and_scale_path_gives_the_same_bits(m, mon
     assert torch.allclose(outs[0], linear_fp8_ref(x, q, s, bias), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("m", [1, 9])
+def test_interpreter_the_two_k_runs_in_one_program_or_two_give_the_same_bits(m, monkeypatch):
+    """17 K blocks (the threshold lowered to 16): runs of 9 and 8 (a pair loop's odd tail in the first), in one
+    program (SPLIT 1) or a program each plus the summing launch (SPLIT 2), under each tile config (Triton's
+    interpreter: the indexing; the GPU test checks the bits at the real threshold)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from detinfer.kernels import fp8_linear
+    from detinfer.kernels.fp8_linear import _LARGE, _SMALL, linear_fp8
+
+    monkeypatch.setattr(fp8_linear, "SPLIT_MIN_BLOCKS", 16)
+    x, _, q, s = _operands(m, 192, 17 * BLOCK, seed=m, dtype=torch.float32)
+    bias = torch.randn(192)
+    outs = [linear_fp8(x, q, s, bias, config=dict(cfg, BLOCK_K=BLOCK, PAIRED=paired, SPLIT=split))
+            for cfg in (_SMALL, _LARGE) for paired in (True, False) for split in (1, 2)]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    ref = linear_fp8_ref(x, q, s, bias)
+    assert torch.allclose(outs[0], ref, rtol=1e-5, atol=1e-4)
+
+
 def test_interpreter_a_tile_wider_than_a_scale_group_takes_the_per_element_path(monkeypatch):
     """uniform=True says each 128-row group shares its scales; a 256-wide tile spans two groups, so the
     launcher must not read one scale for it (caught by the GPU sweep's bit check)."""
@@ -357,12 +403,14 @@ def test_interpreter_a_tile_wider_than_a_scale_group_takes_the_per_element_path(
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("m", [1, 7, 33, 64, 65, 300, 2049])
-@pytest.mark.parametrize("n,k", [(512, 2048), (4096, 4096), (1000, 700), (320, 384)])
+@pytest.mark.parametrize("n,k", [(512, 2048), (4096, 4096), (1000, 700), (320, 384), (384, 8320)])
 def test_every_tile_config_load_path_and_scale_path_gives_the_same_bits_on_gpu(m, n, k):
     """Small / large tiles, one or two K blocks per iteration, TMA or pointer loads, the per-tile or per-element
-    scale product: where the work goes, never what an element computes (kernel_config may therefore follow
-    M). (320, 384): fused parts of 64 rows, so the scales are not uniform per 128 rows and only the
-    per-element path is right, and 3 K blocks (a pair loop's leftover one); (1000, 700): a partial last block."""
+    scale product, the two K runs (K >= 16 blocks) in one program or two: where the work goes, never what an
+    element computes (kernel_config and the run placement may therefore follow M). (320, 384): fused parts of
+    64 rows, so the scales are not uniform per 128 rows and only the per-element path is right, and 3 K
+    blocks (a pair loop's leftover one); (1000, 700): a partial last block; (384, 8320): 65 blocks, two K runs
+    (33 and 32 blocks)."""
     if not _fp8_gpu():
         pytest.skip("fp8 tl.dot needs sm89+")
     from detinfer.kernels.fp8_linear import _LARGE, _SMALL, linear_fp8, uniform_block_rows
@@ -372,8 +420,11 @@ def test_every_tile_config_load_path_and_scale_path_gives_the_same_bits_on_gpu(m
         s = torch.cat([s[i * 64:(i + 1) * 64] * (i + 1) for i in range(5)])
     x, q, s, bias = x.cuda(), q.cuda(), s.cuda(), torch.randn(n, device="cuda").to(torch.bfloat16)
     paths = [True, False] if uniform_block_rows(s) else [False]
-    outs = [linear_fp8(x, q, s, bias, config=dict(cfg, BLOCK_K=BLOCK, TMA=tma, PAIRED=paired), uniform=u)
-            for cfg in (_SMALL, _LARGE) for tma in (True, False) for paired in (True, False) for u in paths]
+    splits = (1, 2) if k >= 64 * BLOCK else (None,)
+    outs = [linear_fp8(x, q, s, bias, config=dict(cfg, BLOCK_K=BLOCK, TMA=tma, PAIRED=paired, SPLIT=sp),
+                       uniform=u)
+            for cfg in (_SMALL, _LARGE) for tma in (True, False) for paired in (True, False) for u in paths
+            for sp in splits]
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     assert torch.equal(outs[0], linear_fp8(x, q, s, bias))
     ref = linear_fp8_ref(x.cpu(), q.cpu(), s.cpu(), bias.cpu()).float()

@@ -1,14 +1,17 @@
 """Block-scaled FP8 linear (W8A8): y = x @ W^T with W fp8 in 128 x 128 blocks (kernels/fp8_quant.py) and x
 quantized per token per 128-wide group along K at call time ("dynamic" activations).
 
-Numerics (both paths): with one fp32 accumulator starting at 0.0, for each K block kb in ascending order,
+Numerics (both paths): a K run is an fp32 accumulator starting at 0.0 and, for each of its K blocks kb in
+ascending order,
 
     acc = fma(dot(x_q[:, kb], W_q[:, kb]), sx[:, kb] * sw[n, kb], acc)
 
-(the scale product rounded to fp32, then one fused multiply-add), then bias (fp32), then a cast to x's
-dtype. Each row's activation scales depend on that row only, and each output element reduces the same K
-blocks in the same order with the same operations whatever M is, so a row's result does not depend on the
-batch it is in.
+(the scale product rounded to fp32, then one fused multiply-add). A K of fewer than SPLIT_MIN_BLOCKS (64)
+blocks is one run; a longer one is two, blocks [0, H) and [H, KB) with H = ceil(KB / 2) (`second_run_start`),
+and their two fp32 accumulators are added (one IEEE addition). Then bias (fp32), then a cast to x's dtype.
+Each row's activation scales depend on that row only, the runs depend on K only, and each output element
+reduces the same K blocks in the same order with the same operations whatever M (or N) is, so a row's result
+does not depend on the batch it is in.
 
 - `linear_fp8_ref` (CPU, and anywhere the kernel does not run): a block's dot of 128 fp8 x fp8 products is
   computed EXACTLY, then rounded once to fp32. Why exact: an e4m3 value has 4 significant bits and
@@ -21,9 +24,10 @@ batch it is in.
   multiply-add's one rounding only where the float64 sum lands exactly on a midpoint between two fp32
   values: rare, and a function of the element's own values either way).
 - `linear_fp8` (Hopper, Triton): fp8 `tl.dot` per K block into a fresh fp32 tile, then the same fma in the same
-  order; the activations quantized by one Triton launch before it (torch's bits, kernels/fp8_tiles.py), or
-  handed over already quantized (`QuantizedRows`, by the norm or SiLU*mul before: kernels/fp8_act_quant.py). The
-  tensor cores' internal fp8 accumulation is not documented to be exact, so the kernel matches the ref within
+  order, the two runs in one program or in two (added by a second launch: `_split_mode`); the activations
+  quantized by one Triton launch before it (torch's bits, kernels/fp8_tiles.py), or handed over already
+  quantized (`QuantizedRows`, by the norm or SiLU*mul before: kernels/fp8_act_quant.py). The tensor cores'
+  internal fp8 accumulation is not documented to be exact, so the kernel matches the ref within
   a tolerance, not bitwise; it is batch-invariant on its own: BLOCK_K is the scale block whatever the config,
   and the tile config (picked from M for speed, `kernel_config`) changes no element's operations (asserted
   bitwise across every config on the GPU). A GPU kernel; Triton's CPU interpreter also runs it on CPU tensors
@@ -52,7 +56,26 @@ from detinfer.kernels.fp8_quant import (
 )
 
 __all__ = ["linear_fp8", "linear_fp8_quantized", "linear_fp8_ref", "linear_fp8_stock", "linear_fp8_tree",
-           "check_fp8_linear", "kernel_config", "quantize_activations_gpu", "uniform_block_rows"]
+           "check_fp8_linear", "kernel_config", "quantize_activations_gpu", "second_run_start",
+           "uniform_block_rows"]
+
+
+# The K runs (numerics, module doc). A K of at least SPLIT_MIN_BLOCKS scale blocks is reduced as two runs of
+# blocks, [0, H) and [H, KB) with H = ceil(KB / 2), each its own fma chain from 0.0, the two fp32 chains then
+# added. Why: a decode GEMM's program is paced by its walk over the K blocks (docs/performance.md, "FP8, sixth
+# pass": ~0.27 us per block on an H100 whatever the tile's width or warps), and an output of few tiles (down_proj,
+# N = 4096: 64 tiles of 64 columns) leaves half the SMs idle: two runs let two programs share a tile's walk.
+# Where one program holds both (more rows, or many tiles), it walks them one after the other, and the second
+# start of the load pipeline is what the split costs: measured nothing on K = 12288 at M = 256-4096, but 4-11%
+# on K = 4096 (and two interleaved runs, the even and the odd blocks, cost ~30% there: two accumulators beside
+# the dot tile). Hence 64 blocks (K >= 8192). A function of K only: never of M (batch invariance), nor of N (a
+# column-parallel shard under tensor parallelism keeps each column's bits), nor of the GPU.
+SPLIT_MIN_BLOCKS = 64
+
+
+def second_run_start(kb: int) -> int:
+    """H, the first K block of the second run, for KB = `kb` blocks (`kb` itself: one run)."""
+    return (kb + 1) // 2 if kb >= SPLIT_MIN_BLOCKS else kb
 
 
 def check_fp8_linear(op: str, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
@@ -92,15 +115,27 @@ def linear_fp8_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bi
     check_fp8_linear("linear_fp8_ref", x, w_q, w_scale, bias)
     n, k = w_q.shape
     x_q, sx = (x.q, x.scale) if isinstance(x, QuantizedRows) else quantize_activations(_flat(x))
-    acc = torch.zeros((x_q.shape[0], n), dtype=torch.float32, device=x.device)
-    for kb in range(num_blocks(k)):
+    kb = num_blocks(k)
+    h = second_run_start(kb)
+    acc = _chain_ref(x_q, sx, w_q, w_scale, range(h))
+    if h < kb:  # the second run's chain, added: one fp32 addition (module doc)
+        acc = acc + _chain_ref(x_q, sx, w_q, w_scale, range(h, kb))
+    if bias is not None:
+        acc += bias.float()
+    return acc.to(out_dtype or x.dtype).reshape(tuple(x.shape[:-1]) + (n,))
+
+
+def _chain_ref(x_q: torch.Tensor, sx: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+               blocks: range) -> torch.Tensor:
+    """One K run of `linear_fp8_ref`: the fma chain over `blocks` in order from 0.0 (fp32 [M, N])."""
+    k = w_q.shape[1]
+    acc = torch.zeros((x_q.shape[0], w_q.shape[0]), dtype=torch.float32, device=x_q.device)
+    for kb in blocks:
         k0, k1 = kb * BLOCK, min(k, (kb + 1) * BLOCK)
         part = (x_q[:, k0:k1].double() @ w_q[:, k0:k1].double().t()).float()  # no rounding until here
         scale = sx[:, kb:kb + 1] * w_scale[:, kb][None, :]  # fp32
         acc = (part.double() * scale.double() + acc.double()).float()  # the fma (module doc)
-    if bias is not None:
-        acc += bias.float()
-    return acc.to(out_dtype or x.dtype).reshape(tuple(x.shape[:-1]) + (n,))
+    return acc
 
 
 def linear_fp8_tree(linear, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
@@ -345,6 +380,7 @@ def linear_fp8_quantized(a: torch.Tensor, sa: torch.Tensor, w_q: torch.Tensor, w
 
     from detinfer.kernels._pdl import launch_options, use_pdl
     from detinfer.kernels.fp8_tiles import linear_fp8_kernel as kernel
+    from detinfer.kernels.fp8_tiles import sum_runs_kernel
     from detinfer.kernels.matmul import PREFETCH_MAX_M
 
     n, k = w_q.shape
@@ -367,10 +403,34 @@ def linear_fp8_quantized(a: torch.Tensor, sa: torch.Tensor, w_q: torch.Tensor, w
     descs = (_tensor_descriptor().from_tensor(a, [block["BLOCK_M"], BLOCK]),
              _tensor_descriptor().from_tensor(w_q, [block["BLOCK_N"], BLOCK])) if tma else (a, w_q)
     grid = (triton.cdiv(m, block["BLOCK_M"]), triton.cdiv(n, block["BLOCK_N"]))
+    kb = num_blocks(k)
+    h = second_run_start(kb)
+    split = (cfg.get("SPLIT") or _split_mode(m, n, grid, a.device)) if h < kb else 0
+    ws = torch.empty((2, m, n), dtype=torch.float32, device=a.device) if split == 2 else y
     prefetch = PREFETCH_COLS if pdl and m <= PREFETCH_MAX_M and k >= PREFETCH_COLS and k % BLOCK == 0 else 0
-    kernel[grid](*descs, a, sa, w_q, w_scale, bias if bias is not None else w_scale, y, m, n, k, num_blocks(k),
-                 a.stride(0), sa.stride(0), w_q.stride(0), w_scale.stride(0), y.stride(0),
-                 HAS_BIAS=bias is not None, TMA=tma, UNIFORM=uniform, PAIRED=cfg.get("PAIRED", False),
-                 USE_PDL=pdl, PREFETCH_K=prefetch, STAGES=cfg["STAGES"], num_warps=cfg["num_warps"], **block,
-                 **launch_options(pdl))
+    bias_arg = bias if bias is not None else w_scale
+    kernel[grid + ((2,) if split == 2 else ())](
+        *descs, a, sa, w_q, w_scale, bias_arg, y, ws, m, n, k, kb, h,
+        a.stride(0), sa.stride(0), w_q.stride(0), w_scale.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, TMA=tma, UNIFORM=uniform, PAIRED=cfg.get("PAIRED", False), SPLIT=split,
+        USE_PDL=pdl, PREFETCH_K=prefetch, STAGES=cfg["STAGES"], num_warps=cfg["num_warps"], **block,
+        **launch_options(pdl))
+    if split == 2:
+        sum_runs_kernel[(triton.cdiv(m * n, _SUM_BLOCK),)](ws, bias_arg, y, m, n, HAS_BIAS=bias is not None,
+                                                           USE_PDL=pdl, BLOCK=_SUM_BLOCK, num_warps=4,
+                                                           **launch_options(pdl))
     return y
+
+
+_SUM_BLOCK = 1024  # elements per program of sum_runs_kernel (elementwise: any size gives the same bits)
+
+
+def _split_mode(m: int, n: int, grid: tuple, device: torch.device) -> int:
+    """Where the two K runs go (the kernel's SPLIT; the same bits either way, asserted on the GPU): a program
+    each (2) for up to SMALL_TILES_MAX_M rows when the output's tiles fill at most half the SMs (a walk over the
+    K blocks paces these launches: docs/performance.md, "FP8, sixth pass"), else one program (1). The choice
+    may follow M and the GPU because it changes no element's operations."""
+    from detinfer.kernels.matmul import _num_sms
+
+    few = 2 * grid[0] * grid[1] <= _num_sms(device)
+    return 2 if m <= SMALL_TILES_MAX_M and few and m * n < 2 ** 31 else 1

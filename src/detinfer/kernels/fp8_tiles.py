@@ -8,9 +8,10 @@ operation (`div_rn`: correctly rounded, as torch's tensor division is), the cast
 tests/kernels/test_fp8_linear.py). One launch for all of a GEMM's N tiles: quantizing inside the GEMM, on
 each program's A tiles, was measured 2-5x slower at M <= 64 on an H100 (the divisions in the K loop).
 
-The GEMM: one program per output tile walks the K blocks in ascending order, one fp8 `tl.dot` per 128-wide
-block into a fresh fp32 tile, folded into the accumulator by one fused multiply-add per element with the
-product of the two scales (fp8_linear's module doc). What a tile's shape, its warps, its pipeline depth and
+The GEMM: a program per output tile (or per tile and K run) walks the K blocks of its run in ascending order,
+one fp8 `tl.dot` per 128-wide block into a fresh fp32 tile, folded into the accumulator by one fused
+multiply-add per element with the product of the two scales (fp8_linear's module doc: a long K is two runs,
+its first and second halves, their chains added). What a tile's shape, its warps, its pipeline depth and
 its load path (pointers or TMA descriptors) change is which elements a program computes and how its operands
 arrive, never an element's operations: so the config may follow M (fp8_linear.kernel_config; asserted
 bitwise across configs on the GPU). UNIFORM: every aligned group of 128 weight rows shares its block scales
@@ -86,28 +87,15 @@ def scaled_block(a_desc, w_desc, x_ptr, sx_ptr, w_ptr, sw_ptr, rm, rn, m_ok, n_o
 
 
 @triton.jit
-def linear_fp8_kernel(a_desc, w_desc, x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, M, N, K, KB,
-                      stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym,
-                      HAS_BIAS: tl.constexpr, TMA: tl.constexpr, UNIFORM: tl.constexpr, PAIRED: tl.constexpr,
-                      USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr, STAGES: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One BLOCK_M x BLOCK_N tile of y = x_q @ w_q^T: acc = fma(dot_kb, sx[m, kb] * sw[n, kb], acc) over the K
-    blocks in order from acc = 0, then + bias, cast to y's dtype. TMA: the operands come through the tensor
-    descriptors a_desc / w_desc (out-of-bounds reads are zeros, as the masked loads' are). PAIRED: two K
+def k_run(acc, a_desc, w_desc, x_ptr, sx_ptr, w_ptr, sw_ptr, rm, rn, m_ok, n_ok, pid_m, pid_n, kb_lo, kb_hi, K,
+          stride_xm, stride_sxm, stride_wn, stride_swn, TMA: tl.constexpr, UNIFORM: tl.constexpr,
+          PAIRED: tl.constexpr, STAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr):
+    """acc = fma(dot_kb, sx[m, kb] * sw[n, kb], acc) for the K blocks kb_lo..kb_hi-1 in order. PAIRED: two K
     blocks per iteration, both dots issued before the two fmas (in block order): a small tile's one long
-    chain of dependent steps gets two MMAs in flight. PREFETCH_K > 0: the first PREFETCH_K weight columns of
-    the tile's rows are asked of the L2 before the PDL wait (kernels/_pdl.py: a cache hint, never stale)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok, n_ok = rm < M, rn < N
-    if PREFETCH_K > 0:
-        prefetch_rows_l2(w_ptr, rn, n_ok, stride_wn, PREFETCH_K, 128)
-    pdl_start(USE_PDL)  # kernels/_pdl.py: nothing is read before the previous kernel is done
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    chain of dependent steps gets two MMAs in flight."""
     if PAIRED:
-        for kb in tl.range(0, KB - 1, 2, num_stages=STAGES):
+        for kb in tl.range(kb_lo, kb_hi - 1, 2, num_stages=STAGES):
             p0, s0 = scaled_block(a_desc, w_desc, x_ptr, sx_ptr, w_ptr, sw_ptr, rm, rn, m_ok, n_ok, pid_m, pid_n,
                                   kb, K, stride_xm, stride_sxm, stride_wn, stride_swn, TMA, UNIFORM,
                                   BLOCK_M, BLOCK_N, BLOCK_K)
@@ -116,18 +104,73 @@ def linear_fp8_kernel(a_desc, w_desc, x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr
                                   BLOCK_M, BLOCK_N, BLOCK_K)
             acc = tl.fma(p0, s0, acc)
             acc = tl.fma(p1, s1, acc)
-        if KB % 2 == 1:
+        if (kb_hi - kb_lo) % 2 == 1:
             p, s = scaled_block(a_desc, w_desc, x_ptr, sx_ptr, w_ptr, sw_ptr, rm, rn, m_ok, n_ok, pid_m, pid_n,
-                                KB - 1, K, stride_xm, stride_sxm, stride_wn, stride_swn, TMA, UNIFORM,
+                                kb_hi - 1, K, stride_xm, stride_sxm, stride_wn, stride_swn, TMA, UNIFORM,
                                 BLOCK_M, BLOCK_N, BLOCK_K)
             acc = tl.fma(p, s, acc)
     else:
-        for kb in tl.range(0, KB, num_stages=STAGES):
+        for kb in tl.range(kb_lo, kb_hi, num_stages=STAGES):
             p, s = scaled_block(a_desc, w_desc, x_ptr, sx_ptr, w_ptr, sw_ptr, rm, rn, m_ok, n_ok, pid_m, pid_n,
                                 kb, K, stride_xm, stride_sxm, stride_wn, stride_swn, TMA, UNIFORM,
                                 BLOCK_M, BLOCK_N, BLOCK_K)
             acc = tl.fma(p, s, acc)
+    return acc
+
+
+@triton.jit
+def linear_fp8_kernel(a_desc, w_desc, x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, KB, H,
+                      stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym,
+                      HAS_BIAS: tl.constexpr, TMA: tl.constexpr, UNIFORM: tl.constexpr, PAIRED: tl.constexpr,
+                      SPLIT: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
+                      STAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One BLOCK_M x BLOCK_N tile of y = x_q @ w_q^T (fp8_linear's module doc): the fma chain of each K run from
+    acc = 0, the two runs' sum, + bias, cast to y's dtype. SPLIT 0: one run, [0, KB); 1: two runs, [0, H) and
+    [H, KB), one after the other in this program; 2: program_id(2) is the run, its fp32 chain stored to ws[run]
+    (M x N) for `sum_runs_kernel` (more programs where the output has few tiles). TMA: the operands come
+    through the tensor descriptors a_desc / w_desc (out-of-bounds reads are zeros, as the masked loads' are).
+    PREFETCH_K > 0: the first PREFETCH_K weight columns of the run's rows are asked of the L2 before the PDL
+    wait (kernels/_pdl.py: a cache hint, never stale)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = rm < M, rn < N
+    kb_lo, kb_hi = 0, KB
+    if SPLIT == 1:
+        kb_hi = H
+    if SPLIT == 2:
+        run = tl.program_id(2)
+        kb_lo = run * H
+        kb_hi = H + run * (KB - H)
+    if PREFETCH_K > 0:
+        prefetch_rows_l2(w_ptr + kb_lo * BLOCK_K, rn, n_ok, stride_wn, PREFETCH_K, 128)
+    pdl_start(USE_PDL)  # kernels/_pdl.py: nothing is read before the previous kernel is done
+    acc = k_run(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a_desc, w_desc, x_ptr, sx_ptr, w_ptr, sw_ptr,
+                rm, rn, m_ok, n_ok, pid_m, pid_n, kb_lo, kb_hi, K, stride_xm, stride_sxm, stride_wn, stride_swn,
+                TMA, UNIFORM, PAIRED, STAGES, BLOCK_M, BLOCK_N, BLOCK_K)
+    ok = m_ok[:, None] & n_ok[None, :]
+    if SPLIT == 2:
+        tl.store(ws_ptr + run * M * N + rm[:, None] * N + rn[None, :], acc, mask=ok)  # launcher: M * N < 2^31
+    else:
+        if SPLIT == 1:
+            acc = acc + k_run(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a_desc, w_desc, x_ptr, sx_ptr,
+                              w_ptr, sw_ptr, rm, rn, m_ok, n_ok, pid_m, pid_n, H, KB, K, stride_xm, stride_sxm,
+                              stride_wn, stride_swn, TMA, UNIFORM, PAIRED, STAGES, BLOCK_M, BLOCK_N, BLOCK_K)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=ok)
+
+
+@triton.jit
+def sum_runs_kernel(ws_ptr, b_ptr, y_ptr, M, N, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """y = ws[0] + ws[1] (+ bias), cast: the two K runs' chains of SPLIT 2 (y and ws contiguous [M, N])."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < M * N
+    pdl_start(USE_PDL)
+    acc = tl.load(ws_ptr + offs, mask=ok, other=0.0) + tl.load(ws_ptr + M * N + offs, mask=ok, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out = rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-    tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        acc += tl.load(b_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
