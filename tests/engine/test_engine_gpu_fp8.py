@@ -26,10 +26,11 @@ def model_dir(request, tmp_path_factory):
                   num_key_value_heads=2, head_dim=128, max_position_embeddings=1024, dtype="bfloat16")
     root = tmp_path_factory.mktemp("engine_gpu_fp8")
     if request.param == "dense":
-        # 2048 / 8 tp_invariant chunks = 256 columns: whole 128-column FP8 scale blocks
-        return write_tiny_checkpoint(root / "qwen3", "Qwen3ForCausalLM", intermediate_size=2048, **common)
+        # down_proj's K of 64 scale blocks: two K runs (kernels/fp8_linear.py), in two programs at decode and one
+        # at prefill; 8192 / 8 tp_invariant chunks = 1024 columns: whole 128-column FP8 scale blocks
+        return write_tiny_checkpoint(root / "qwen3", "Qwen3ForCausalLM", intermediate_size=8192, **common)
     if request.param == "dense-partly-16bit":  # an FP8 checkpoint: layer 1's MLP and layer 0's attention 16-bit
-        src = write_tiny_checkpoint(root / "qwen3-src", "Qwen3ForCausalLM", intermediate_size=2048, **common)
+        src = write_tiny_checkpoint(root / "qwen3-src", "Qwen3ForCausalLM", intermediate_size=8192, **common)
         listed = ["lm_head", "model.layers.1.mlp", "model.layers.0.self_attn"]
         return write_fp8_checkpoint(src, root / "qwen3-partial",
                                     quantization_config=dict(fp8.quantization_config_json(),
