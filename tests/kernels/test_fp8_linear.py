@@ -388,6 +388,17 @@ def test_interpreter_the_two_k_runs_in_one_program_or_two_give_the_same_bits(m, 
     assert torch.allclose(outs[0], ref, rtol=1e-5, atol=1e-4)
 
 
+def test_a_run_placement_that_does_not_exist_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from detinfer.kernels import fp8_linear
+    from detinfer.kernels.fp8_linear import _SMALL, linear_fp8
+
+    monkeypatch.setattr(fp8_linear, "SPLIT_MIN_BLOCKS", 2)
+    x, _, q, s = _operands(2, 64, 2 * BLOCK, seed=1, dtype=torch.float32)
+    with pytest.raises(ValueError, match="SPLIT=3"):
+        linear_fp8(x, q, s, config=dict(_SMALL, BLOCK_K=BLOCK, SPLIT=3))
+
+
 def test_interpreter_a_tile_wider_than_a_scale_group_takes_the_per_element_path(monkeypatch):
     """uniform=True says each 128-row group shares its scales; a 256-wide tile spans two groups, so the
     launcher must not read one scale for it (caught by the GPU sweep's bit check)."""

@@ -406,6 +406,9 @@ def linear_fp8_quantized(a: torch.Tensor, sa: torch.Tensor, w_q: torch.Tensor, w
     kb = num_blocks(k)
     h = second_run_start(kb)
     split = (cfg.get("SPLIT") or _split_mode(m, n, grid, a.device)) if h < kb else 0
+    if split not in (0, 1, 2) or (split == 2 and m * n >= 2 ** 31):
+        raise ValueError(f"linear_fp8: config SPLIT={split} is not 1 or 2, or a program per K run at M x N = "
+                         f"{m} x {n} would overflow the workspace's 32-bit offsets")
     ws = torch.empty((2, m, n), dtype=torch.float32, device=a.device) if split == 2 else y
     prefetch = PREFETCH_COLS if pdl and m <= PREFETCH_MAX_M and k >= PREFETCH_COLS and k % BLOCK == 0 else 0
     bias_arg = bias if bias is not None else w_scale
