@@ -100,13 +100,16 @@ def operand_set(m: int, n: int, k: int, layout: str | None):
     return (x, q, s, sw_blocks, w, qx, (amax / 448.0).float(), swr, *quantize_activations(x))
 
 
-def warm_caches(sets) -> None:
-    """What linear_fp8 derives once per weight-scale tensor, for every rotated set: a set first seen inside
-    the timer's graph capture (no host sync allowed there) would run the per-element scale path."""
+def warm_caches(sets, old=None) -> None:
+    """What linear_fp8 derives once per weight-scale tensor, for every rotated set (and, with --old, what the
+    previous module derives: its own cache): a set first seen inside the timer's graph capture (no host sync
+    allowed there) would run the per-element scale path."""
     from detinfer.kernels.fp8_linear import uniform_block_rows
 
     for st in sets:
         uniform_block_rows(st[2])
+        if old is not None and hasattr(old, "uniform_block_rows"):
+            old.uniform_block_rows(st[2])
 
 
 def bench_gemm(ms: list[int], layout: str | None, old, rows: list) -> None:
@@ -117,7 +120,7 @@ def bench_gemm(ms: list[int], layout: str | None, old, rows: list) -> None:
         for shape, (n, k) in SHAPES.items():
             nbytes = n * k * 3 + m * k * 2  # fp8 weight + bf16 copy (rotated together)
             sets = [operand_set(m, n, k, layout) for _ in range(copies_for(nbytes))]
-            warm_caches(sets)
+            warm_caches(sets, old)
             row = {"shape": shape, "M": m, "N": n, "K": k}
             for name, fn in cands.items():
                 try:
