@@ -5,8 +5,10 @@ paths a serving stack has on this GPU, Qwen3-8B shapes, side by side in one proc
     python bench/bench_fp8.py --sweep 1,64,4096 --configs 64x64p_r1,64x64p_r2 --sweep-only   # tile configs
 
 Columns (microseconds per call, CUDA-graph timer of bench_ops.py, weights rotated past L2):
-  ours       linear_fp8: activations quantized per token per 128-group + the block-scaled GEMM
+  ours       linear_fp8 on the tiled weight (what a deterministic CUDA engine holds: fp8_quant.tile_weight):
+             activations quantized per token per 128-group + the block-scaled GEMM
   gemm       ours without the quantization (linear_fp8_quantized on activations quantized beforehand)
+  nk         ours on the weight in the [N, K] layout (shapes that do not tile; the previous layout)
   quant      the activation quantization's launch alone (ours - gemm: what fusing it elsewhere could save)
   old        (--old DIR: a module `old_fp8_linear` with the previous `linear_fp8`, for an A/B in one run)
   blockwise  torch's block-scaled scaled_mm (cuBLASLt, 1x128 activation and 128x128 weight scales) plus
@@ -71,8 +73,9 @@ def candidates(layout: str | None, old) -> dict:
     def blockwise(x, q, s, *_):
         return linear_fp8_stock(x, q, s)  # fast mode's call: quantization + torch's blockwise scaled_mm
 
-    out = {"ours": lambda x, q, s, *_: linear_fp8(x, q, s)}
-    out["gemm"] = lambda x, q, s, *rest: linear_fp8_quantized(rest[-2], rest[-1], q, s, None, x.dtype)
+    out = {"ours": lambda x, q, s, *rest: linear_fp8(x, rest[-3], s)}
+    out["gemm"] = lambda x, q, s, *rest: linear_fp8_quantized(rest[-2], rest[-1], rest[-3], s, None, x.dtype)
+    out["nk"] = lambda x, q, s, *_: linear_fp8(x, q, s)
     out["quant"] = lambda x, *_: quantize_activations_gpu(x)
     if old is not None:
         out["old"] = lambda x, q, s, *_: old.linear_fp8(x, q, s)
@@ -86,7 +89,7 @@ def candidates(layout: str | None, old) -> dict:
 
 
 def operand_set(m: int, n: int, k: int, layout: str | None):
-    from detinfer.kernels.fp8_quant import FP8_DTYPE, dequantize_weight, quantize_weight_rows
+    from detinfer.kernels.fp8_quant import FP8_DTYPE, dequantize_weight, quantize_weight_rows, tile_weight
 
     x = torch.randn(m, k, device="cuda").bfloat16()
     q, s = quantize_weight_rows(torch.randn(n, k, device="cuda") / math.sqrt(k))
@@ -97,7 +100,7 @@ def operand_set(m: int, n: int, k: int, layout: str | None):
     swr = torch.ones(1, n, device="cuda")
     from detinfer.kernels.fp8_quant import quantize_activations
 
-    return (x, q, s, sw_blocks, w, qx, (amax / 448.0).float(), swr, *quantize_activations(x))
+    return (x, q, s, sw_blocks, w, qx, (amax / 448.0).float(), swr, tile_weight(q), *quantize_activations(x))
 
 
 def warm_caches(sets, old=None) -> None:
@@ -118,7 +121,7 @@ def bench_gemm(ms: list[int], layout: str | None, old, rows: list) -> None:
     print(f"\n{'shape':8s} {'M':>5s} " + " ".join(f"{c:>10s}" for c in names) + "  ratio   HBM  TF/s (ours)")
     for m in ms:
         for shape, (n, k) in SHAPES.items():
-            nbytes = n * k * 3 + m * k * 2  # fp8 weight + bf16 copy (rotated together)
+            nbytes = n * k * 4 + m * k * 2  # fp8 weight, tiled copy, bf16 copy (rotated together)
             sets = [operand_set(m, n, k, layout) for _ in range(copies_for(nbytes))]
             warm_caches(sets, old)
             row = {"shape": shape, "M": m, "N": n, "K": k}
@@ -143,7 +146,12 @@ def bench_gemm(ms: list[int], layout: str | None, old, rows: list) -> None:
 
 SWEEP = {  # name: kernel_config overrides (BLOCK_K is always the 128-column scale block); p = PAIRED, sN = stages,
     # rN = the two K runs in N programs (1: one program walks both; 2: a program each + the summing launch;
-    # unset: the launcher's choice). Only K >= 64 blocks has two runs: down_proj here.
+    # unset: the launcher's choice), swap = SWAP (the tile transposed: weight rows x tokens). Only K >= 64 blocks
+    # has two runs: down_proj here. Swept on the tiled weight (what the engine holds).
+    "16x64p_swap": dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, STAGES=4, TMA=False, PAIRED=True, SWAP=True),
+    "16x64_s6_swap": dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, STAGES=6, TMA=False, PAIRED=False, SWAP=True),
+    "16x128_swap": dict(BLOCK_M=16, BLOCK_N=128, num_warps=4, STAGES=4, TMA=False, PAIRED=False, SWAP=True),
+    "64x128_s3": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=3, TMA=False),
     "64x64p": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=4, TMA=False, PAIRED=True),
     "64x64p_r1": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=4, TMA=False, PAIRED=True, SPLIT=1),
     "64x64p_r2": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=4, TMA=False, PAIRED=True, SPLIT=2),
@@ -169,13 +177,13 @@ def bench_sweep(ms: list[int], rows: list, names: list[str]) -> None:
     print("\nsweep (us, activation quantization included): " + "  ".join(sweep))
     for m in ms:
         for shape, (n, k) in SHAPES.items():
-            sets = [operand_set(m, n, k, None) for _ in range(copies_for(n * k * 3 + m * k * 2))]
+            sets = [operand_set(m, n, k, None) for _ in range(copies_for(n * k * 4 + m * k * 2))]
             warm_caches(sets)
             times, first = [], None
             for cfg in sweep.values():
                 cfg = dict(cfg, BLOCK_K=128)
                 try:
-                    y = linear_fp8(*sets[0][:3], config=cfg)
+                    y = linear_fp8(sets[0][0], sets[0][8], sets[0][2], config=cfg)
                 except Exception as e:  # noqa: BLE001 - e.g. a config whose stages do not fit shared memory
                     print(f"  {shape} M={m} {cfg}: {type(e).__name__}: {str(e)[:200]}")
                     times.append(float("inf"))
@@ -183,7 +191,7 @@ def bench_sweep(ms: list[int], rows: list, names: list[str]) -> None:
                 first = y if first is None else first
                 if not torch.equal(y, first):
                     raise AssertionError(f"{shape} M={m}: config {cfg} changed the bits")
-                fn = rotated(lambda x, q, s, *_, c=cfg: linear_fp8(x, q, s, config=c), sets)
+                fn = rotated(lambda x, q, s, *rest, c=cfg: linear_fp8(x, rest[-3], s, config=c), sets)
                 times.append(graph_ms(fn) * 1e3)
             rows.append({"sweep": True, "shape": shape, "M": m, "us": dict(zip(sweep, times))})
             best = min(range(len(times)), key=times.__getitem__)

@@ -108,3 +108,21 @@ def test_fp8_quantized_hand_offs_change_no_bit(model_dir, monkeypatch):
     calls.clear()
     assert _run(model_dir, reqs) == fused
     assert not calls
+
+
+def test_fp8_tiled_weights_change_no_bit(model_dir, monkeypatch):
+    """A deterministic CUDA engine holds its dense FP8 linears tiled (models/fp8.py; the kernel's decode tiles
+    read them faster): the same tokens and logprobs as the [N, K] layout, graphs on."""
+    from detinfer.kernels.fp8_quant import is_tiled
+    from detinfer.ops import Ops
+
+    reqs = _requests(6)
+    engine = LLMEngine(model_dir, EngineConfig(**ENGINE), device="cuda")
+    try:
+        tiled = [n for n, p in engine.runner.model.named_parameters() if is_tiled(p)]
+        tiled_out = drive(engine, reqs, max_steps=5000)
+    finally:
+        engine.close()
+    assert tiled and all(n.split(".")[-2] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") for n in tiled)
+    monkeypatch.setattr(Ops, "fp8_weight_layout", lambda self, w: w)
+    assert _run(model_dir, reqs) == tiled_out

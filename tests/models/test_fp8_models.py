@@ -242,3 +242,26 @@ def test_row_parallel_scale_shards_must_hold_whole_blocks():
     cfg = dataclasses.replace(ModelConfig.from_dict(tiny_config_dict("LlamaForCausalLM")), quantization="fp8")
     with pytest.raises(ValueError, match=r"whole 128-column scale blocks"):
         shard_spec("layers.0.mlp.down_proj.weight_scale", (64, 1), cfg, 0, 2)
+
+
+def test_engine_with_tiled_fp8_weights_gives_the_same_bits(tmp_path, monkeypatch):
+    """The engine lays its FP8 linears out for the backend's kernel (models/fp8.py `lay_out_fp8_linears`: tiled
+    for the deterministic CUDA kernel); on CPU the reference reads [N, K], so tiling is forced here: every dense
+    FP8 linear tiled, the same tokens and logprobs, the same weights digest."""
+    from detinfer.engine.admin import weights_sha256
+    from detinfer.kernels.fp8_quant import can_tile, is_tiled, tile_weight
+    from detinfer.ops import Ops
+
+    src = write_tiny_checkpoint(tmp_path / "q3", "Qwen3ForCausalLM", seed=3, dtype="bfloat16", hidden_size=128,
+                                intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    reqs = mixed_requests(4, max_tokens=6)
+    config = EngineConfig(quantization="fp8", **ENGINE)
+    plain_engine = LLMEngine(src, config, device="cpu")
+    assert not any(is_tiled(p) for p in plain_engine.runner.model.parameters())  # CPU: [N, K]
+    plain = drive(plain_engine, reqs, max_steps=300)
+    monkeypatch.setattr(Ops, "fp8_weight_layout", lambda self, w: tile_weight(w) if can_tile(w) else w)
+    tiled_engine = LLMEngine(src, config, device="cpu")
+    tiled = [n for n, p in tiled_engine.runner.model.named_parameters() if is_tiled(p)]
+    assert {n.split(".")[-2] for n in tiled} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    assert drive(tiled_engine, reqs, max_steps=300) == plain
+    assert weights_sha256(tiled_engine.runner.model) == weights_sha256(plain_engine.runner.model)

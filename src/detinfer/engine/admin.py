@@ -70,8 +70,11 @@ def run_admin(engine: Any, op: str, arg: Any = None) -> dict[str, Any]:
 
 
 def weights_sha256(model: Any) -> str:
-    """sha256 over every parameter's name, dtype, shape and bytes, in name order: equal digests, equal weights."""
-    return state_sha256(dict(model.named_parameters()))
+    """sha256 over every parameter's name, dtype, shape and bytes, in name order: equal digests, equal weights.
+    FP8 weights the engine stores tiled (models/fp8.py) are hashed as [N, K], as every other engine holds them."""
+    from detinfer.kernels.fp8_quant import is_tiled, untile_weight
+
+    return state_sha256({name: untile_weight(p) if is_tiled(p) else p for name, p in model.named_parameters()})
 
 
 def state_sha256(state: dict[str, Any]) -> str:

@@ -49,6 +49,7 @@ from detinfer.engine.sampler import sample
 from detinfer.engine.sampling_params import SamplingParams
 from detinfer.engine.scheduler import ScheduledBatch
 from detinfer.models.config import ModelConfig
+from detinfer.models.fp8 import lay_out_fp8_linears
 from detinfer.models.transformer import Transformer
 
 # KV pool on CPU when num_kv_blocks is not given: CPU runs are tests and small models, so a fixed budget
@@ -87,6 +88,7 @@ class ModelRunner:
                              f"{config.mode!r}; switch it with model.set_ops(model.ops.replace(mode=...))")
         self.model, self.model_config, self.config, self.ops = model, model_config, config, ops
         self.device, self.dtype = model.embed_tokens.device, model.embed_tokens.dtype
+        lay_out_fp8_linears(model, ops)  # FP8 weights in the layout ops' kernel reads fastest (models/fp8.py)
         if (ops.device.type, ops.dtype, ops.head_dim) != (self.device.type, self.dtype, model_config.head_dim):
             raise ValueError(f"the model's Ops were chosen for {ops.device.type} {ops.dtype} head_dim "
                              f"{ops.head_dim}, but its weights are {self.device.type} {self.dtype} and its "

@@ -51,8 +51,12 @@ from detinfer.kernels.fp8_quant import (
     FP8_DTYPE,
     QuantizedRows,
     dequantize_weight,
+    fp8_weight_shape,
+    is_tiled,
     num_blocks,
     quantize_activations,
+    untile_weight,
+    weight_k_blocks,
 )
 
 __all__ = ["linear_fp8", "linear_fp8_quantized", "linear_fp8_ref", "linear_fp8_stock", "linear_fp8_tree",
@@ -80,11 +84,15 @@ def second_run_start(kb: int) -> int:
 
 def check_fp8_linear(op: str, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                      bias: torch.Tensor | None) -> None:
-    """Shapes and dtypes both paths need; errors name the operand and what is allowed."""
-    if w_q.dim() != 2 or w_q.dtype != FP8_DTYPE:
-        raise ValueError(f"{op}: weight must be a 2-D float8_e4m3fn [N, K] tensor, got {tuple(w_q.shape)} "
-                         f"{w_q.dtype}")
-    n, k = w_q.shape
+    """Shapes and dtypes both paths need; errors name the operand and what is allowed. The weight is [N, K] or
+    in fp8_quant's tiled layout (the same values)."""
+    try:
+        n, k = fp8_weight_shape(w_q)
+    except ValueError:
+        n = None
+    if n is None or w_q.dtype != FP8_DTYPE:
+        raise ValueError(f"{op}: weight must be a float8_e4m3fn [N, K] tensor (or tiled [N/{BLOCK}, K/{BLOCK}, "
+                         f"{BLOCK}, {BLOCK}]), got {tuple(w_q.shape)} {w_q.dtype}")
     if x.dim() < 1 or x.shape[-1] != k or not x.dtype.is_floating_point:
         raise ValueError(f"{op}: x must be a float tensor [..., K={k}], got {tuple(x.shape)} {x.dtype}")
     if w_scale.shape != (n, num_blocks(k)) or w_scale.dtype != torch.float32:
@@ -113,7 +121,8 @@ def linear_fp8_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bi
     fp32: the accumulator itself, what tensor-parallel partial sums add). `uniform` is `linear_fp8`'s speed
     hint, taken for a common signature: the products are the same either way."""
     check_fp8_linear("linear_fp8_ref", x, w_q, w_scale, bias)
-    n, k = w_q.shape
+    n, k = fp8_weight_shape(w_q)
+    w_q = untile_weight(w_q)
     x_q, sx = (x.q, x.scale) if isinstance(x, QuantizedRows) else quantize_activations(_flat(x))
     kb = num_blocks(k)
     h = second_run_start(kb)
@@ -147,7 +156,7 @@ def linear_fp8_tree(linear, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.T
     per call, would be checked afresh each time)."""
     from detinfer.kernels.chunked_linear import pairwise_tree_sum
 
-    k = w_q.shape[1]
+    k = fp8_weight_shape(w_q)[1]
     if num_chunks < 1 or k % num_chunks or (k // num_chunks) % BLOCK:
         raise ValueError(f"linear_fp8_tree: K={k} must split into {num_chunks} equal chunks of whole "
                          f"{BLOCK}-column scale blocks")
@@ -155,15 +164,17 @@ def linear_fp8_tree(linear, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.T
     uniform = uniform_block_rows(w_scale) if w_scale.is_cuda else None
     cols = x.columns if isinstance(x, QuantizedRows) else lambda k0, k1: x[..., k0:k1]
     return pairwise_tree_sum(torch.stack([
-        linear(cols(c * kc, (c + 1) * kc), w_q[:, c * kc:(c + 1) * kc], w_scale[:, c * bc:(c + 1) * bc],
-               out_dtype=torch.float32, uniform=uniform) for c in range(num_chunks)]))
+        linear(cols(c * kc, (c + 1) * kc), weight_k_blocks(w_q, c * bc, (c + 1) * bc),
+               w_scale[:, c * bc:(c + 1) * bc], out_dtype=torch.float32, uniform=uniform) for c in range(num_chunks)]))
 
 
 def linear_fp8_stock(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """Fast mode: torch's block-scaled fp8 GEMM where this torch and GPU take it (`blockwise_layout`), else
-    the weight dequantized to x's dtype and F.linear (activations unquantized)."""
+    the weight dequantized to x's dtype and F.linear (activations unquantized). A tiled weight is untiled per
+    call (a copy: the engine tiles only where the deterministic kernel reads it, models/fp8.py)."""
     check_fp8_linear("linear_fp8_stock", x, w_q, w_scale, bias)
+    w_q = untile_weight(w_q)
     if isinstance(x, QuantizedRows):  # the backend quantizes ahead only in deterministic mode
         raise TypeError("linear_fp8_stock: takes the 16-bit rows (it quantizes them into cuBLASLt's layout), "
                         "got QuantizedRows")
@@ -275,10 +286,20 @@ PREFETCH_COLS = 512
 SMALL_TILES_MAX_M = 64
 _SMALL = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=4, TMA=False, PAIRED=True)
 _LARGE = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=4, TMA=True, PAIRED=False)
+# A tiled weight (fp8_quant's layout) up to FEW_TOKENS_MAX_M rows: the tile swapped (SWAP), 64 weight rows by
+# 16 tokens, so no 64-row activation tile is staged for a handful of tokens. Measured on an H100 with the
+# tiled layout (docs/performance.md, "FP8, seventh pass"), us at M = 1: o_proj 10.3 -> 8.3, qkv 11.2 -> 9.8,
+# gate_up 37.1 -> 36.1, down 21.4 -> 20.0 against the [N, K] layout's _SMALL; at 17-64 rows _SMALL's tiles
+# (the swapped ones then re-read the weight per 16 tokens), above them _LARGE's, on either layout.
+FEW_TOKENS_MAX_M = 16
+_FEW = dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, STAGES=4, TMA=False, PAIRED=True, SWAP=True)
 
 
-def kernel_config(m: int) -> dict:
-    """The tile config for M rows (the constants above say why M may pick it). BLOCK_K is the scale block."""
+def kernel_config(m: int, tiled: bool = False) -> dict:
+    """The tile config for M rows of a weight in the [N, K] or the tiled layout (the constants above say why M
+    may pick it). BLOCK_K is the scale block."""
+    if tiled and m <= FEW_TOKENS_MAX_M:
+        return dict(_FEW, BLOCK_K=BLOCK)
     return dict(_SMALL if m <= SMALL_TILES_MAX_M else _LARGE, BLOCK_K=BLOCK)
 
 
@@ -300,10 +321,24 @@ def uniform_block_rows(w_scale: torch.Tensor) -> bool:
 
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:
-    """TMA descriptors need 16-byte aligned bases and row strides (and a unit inner stride)."""
-    return _tensor_descriptor() is not None and all(
-        t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
-        for t in tensors)
+    """TMA descriptors need 16-byte aligned bases and row strides (and a unit inner stride); a tiled weight is
+    read as [N / 128, KB * 128, 128], so its tiles must be whole and its K blocks adjacent (a K slice is)."""
+    def ok(t: torch.Tensor) -> bool:
+        if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            return False
+        if is_tiled(t):
+            return t.stride()[1:] == (BLOCK * BLOCK, BLOCK, 1)
+        return t.dim() == 2 and t.stride(1) == 1
+
+    return _tensor_descriptor() is not None and all(ok(t) for t in tensors)
+
+
+def _weight_descriptor(w_q: torch.Tensor, block_n: int):
+    """The TMA descriptor of the weight's [block_n, 128] reads (2-D [N, K], or 3-D over a tiled weight)."""
+    desc = _tensor_descriptor()
+    if not is_tiled(w_q):
+        return desc.from_tensor(w_q, [block_n, BLOCK])
+    return desc(w_q, [w_q.shape[0], w_q.shape[1] * BLOCK, BLOCK], [w_q.stride(0), BLOCK, 1], [1, block_n, BLOCK])
 
 
 @functools.cache
@@ -362,7 +397,7 @@ def linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: 
     check_fp8_linear("linear_fp8", x, w_q, w_scale, bias)
     quantized = isinstance(x, QuantizedRows)
     check_fp8_kernel_device("linear_fp8", x.q if quantized else x, w_q, w_scale, bias)
-    n = w_q.shape[0]
+    n = fp8_weight_shape(w_q)[0]
     x2 = x.q if quantized else _flat(x)
     if not (x2.shape[0] and n):
         return torch.empty(tuple(x.shape[:-1]) + (n,), dtype=out_dtype or x.dtype, device=x.device)
@@ -383,8 +418,8 @@ def linear_fp8_quantized(a: torch.Tensor, sa: torch.Tensor, w_q: torch.Tensor, w
     from detinfer.kernels.fp8_tiles import sum_runs_kernel
     from detinfer.kernels.matmul import PREFETCH_MAX_M
 
-    n, k = w_q.shape
-    m = a.shape[0]
+    n, k = fp8_weight_shape(w_q)
+    m, tiled = a.shape[0], is_tiled(w_q)
     if a.dtype != FP8_DTYPE or a.shape != (m, k) or sa.shape != (m, num_blocks(k)) or sa.dtype != torch.float32:
         raise ValueError(f"linear_fp8_quantized: expected fp8 activations [M, {k}] and fp32 scales [M, "
                          f"{num_blocks(k)}], got {a.dtype} {tuple(a.shape)} and {sa.dtype} {tuple(sa.shape)}")
@@ -394,14 +429,20 @@ def linear_fp8_quantized(a: torch.Tensor, sa: torch.Tensor, w_q: torch.Tensor, w
     uniform = uniform_block_rows(w_scale) if uniform is None else uniform
     a = a if a.stride(1) == 1 else a.contiguous()
     sa = sa if sa.stride(1) == 1 else sa.contiguous()
-    w_q = w_q if w_q.stride(1) == 1 else w_q.contiguous()  # a K slice keeps its row stride
+    if tiled:  # a K slice of a tiled weight keeps its group stride; its tiles must stay whole
+        w_q = w_q if w_q.stride()[1:] == (BLOCK * BLOCK, BLOCK, 1) else w_q.contiguous()
+    else:
+        w_q = w_q if w_q.stride(1) == 1 else w_q.contiguous()  # a K slice keeps its row stride
     w_scale = w_scale if w_scale.stride(1) == 1 else w_scale.contiguous()
-    cfg, pdl = dict(config or kernel_config(m)), use_pdl(a.device)
+    cfg, pdl = dict(config or kernel_config(m, tiled)), use_pdl(a.device)
     block = dict(BLOCK_M=cfg.pop("BLOCK_M"), BLOCK_N=cfg.pop("BLOCK_N"), BLOCK_K=cfg.pop("BLOCK_K", BLOCK))
+    if tiled and BLOCK % block["BLOCK_N"]:
+        raise ValueError(f"linear_fp8: a tiled weight is read in runs of BLOCK_N rows inside its {BLOCK}-row "
+                         f"tiles; config BLOCK_N={block['BLOCK_N']} does not divide {BLOCK}")
     tma = cfg.pop("TMA") and _tma_ok(a, w_q)
     uniform = uniform and BLOCK % block["BLOCK_N"] == 0  # a tile inside one 128-row group of scales
     descs = (_tensor_descriptor().from_tensor(a, [block["BLOCK_M"], BLOCK]),
-             _tensor_descriptor().from_tensor(w_q, [block["BLOCK_N"], BLOCK])) if tma else (a, w_q)
+             _weight_descriptor(w_q, block["BLOCK_N"])) if tma else (a, w_q)
     grid = (triton.cdiv(m, block["BLOCK_M"]), triton.cdiv(n, block["BLOCK_N"]))
     kb = num_blocks(k)
     h = second_run_start(kb)
@@ -414,8 +455,9 @@ def linear_fp8_quantized(a: torch.Tensor, sa: torch.Tensor, w_q: torch.Tensor, w
     bias_arg = bias if bias is not None else w_scale
     kernel[grid + ((2,) if split == 2 else ())](
         *descs, a, sa, w_q, w_scale, bias_arg, y, ws, m, n, k, kb, h,
-        a.stride(0), sa.stride(0), w_q.stride(0), w_scale.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, TMA=tma, UNIFORM=uniform, PAIRED=cfg.get("PAIRED", False), SPLIT=split,
+        a.stride(0), sa.stride(0), w_q.stride(0), w_q.stride(1) if tiled else BLOCK, w_scale.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, TMA=tma, TILED=tiled, SWAP=cfg.get("SWAP", False), UNIFORM=uniform,
+        PAIRED=cfg.get("PAIRED", False), SPLIT=split,
         USE_PDL=pdl, PREFETCH_K=prefetch, STAGES=cfg["STAGES"], num_warps=cfg["num_warps"], **block,
         **launch_options(pdl))
     if split == 2:

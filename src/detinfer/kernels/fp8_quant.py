@@ -145,3 +145,50 @@ def dequantize_weight(w_q: torch.Tensor, row_scales: torch.Tensor) -> torch.Tens
     """fp8 w_q [..., N, K] with per-row block scales [..., N, KB] -> fp32 [..., N, K]."""
     k = w_q.shape[-1]
     return w_q.float() * row_scales.repeat_interleave(BLOCK, dim=-1)[..., :k]
+
+
+# -- the tiled weight layout ------------------------------------------------------------------------------
+# A 2-D fp8 weight [N, K] may be stored tiled, [N / 128, K / 128, 128, 128]: row group g's K block kb is one
+# contiguous 16 KB tile (`tile_weight`). The values are the same; only their order in memory changes, so every
+# op computes the same bits from either layout. Why: a decode GEMM streams each output tile's rows block by
+# block, and 64 rows x 128 bytes at a row stride of K bytes is 64 short reads, where the tiled layout makes it
+# one contiguous 8 KB run (measured: docs/performance.md, "FP8, seventh pass"). Only whole blocks tile (N and
+# K multiples of 128); the engine tiles a deterministic CUDA model's linears at start-up (models/fp8.py).
+def is_tiled(w: torch.Tensor) -> bool:
+    """Whether an fp8 weight is in the tiled layout (4-D) rather than [N, K]."""
+    return w.dim() == 4
+
+
+def fp8_weight_shape(w: torch.Tensor) -> tuple[int, int]:
+    """(N, K) of a 2-D fp8 weight [N, K] or a tiled one [N / 128, K / 128, 128, 128]."""
+    if w.dim() == 2:
+        return tuple(w.shape)
+    if w.dim() == 4 and tuple(w.shape[2:]) == (BLOCK, BLOCK):
+        return w.shape[0] * BLOCK, w.shape[1] * BLOCK
+    raise ValueError(f"an fp8 weight is [N, K] or tiled [N/{BLOCK}, K/{BLOCK}, {BLOCK}, {BLOCK}], got shape "
+                     f"{tuple(w.shape)}")
+
+
+def can_tile(w: torch.Tensor) -> bool:
+    return w.dim() == 2 and w.shape[0] % BLOCK == 0 and w.shape[1] % BLOCK == 0 and w.numel() > 0
+
+
+def tile_weight(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> tiled [N / 128, K / 128, 128, 128] (contiguous; N and K multiples of 128)."""
+    if not can_tile(w):
+        raise ValueError(f"tile_weight: N and K must be non-zero multiples of {BLOCK}, got shape {tuple(w.shape)}")
+    n, k = w.shape
+    return w.reshape(n // BLOCK, BLOCK, k // BLOCK, BLOCK).permute(0, 2, 1, 3).contiguous()
+
+
+def untile_weight(w: torch.Tensor) -> torch.Tensor:
+    """The [N, K] weight of either layout (a copy for a tiled one)."""
+    if not is_tiled(w):
+        return w
+    n, k = fp8_weight_shape(w)
+    return w.permute(0, 2, 1, 3).reshape(n, k)
+
+
+def weight_k_blocks(w: torch.Tensor, b0: int, b1: int) -> torch.Tensor:
+    """K blocks [b0, b1) of either layout, as a view (columns b0*128 .. b1*128 of [N, K])."""
+    return w[:, b0:b1] if is_tiled(w) else w[:, b0 * BLOCK:min(b1 * BLOCK, w.shape[1])]

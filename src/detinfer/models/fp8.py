@@ -168,3 +168,20 @@ def with_quantization(config, quantization: str):
         raise ValueError(f"quantization must be 'auto' or one of {QUANTIZATIONS}, got {quantization!r}")
     return dataclasses.replace(config, quantization=quantization)
 
+
+
+def lay_out_fp8_linears(model, ops) -> int:
+    """Store each FP8 linear's weight (a module with `weight` [N, K] and `weight_scale`; not the MoE expert
+    stacks, which their grouped kernel reads as [E, N, K]) in the layout `ops` reads fastest
+    (`ops.fp8_weight_layout`: tiled for the deterministic CUDA kernel). The same values, so the same bits;
+    the same bytes, so each rank's resident weight bytes are unchanged. Returns how many were laid out anew."""
+    changed = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if getattr(module, "weight_scale", None) is None or weight is None or weight.dim() != 2:
+            continue
+        laid = ops.fp8_weight_layout(weight.data)
+        if laid is not weight.data:
+            weight.data = laid  # the Parameter object stays (hooks and references see the new layout)
+            changed += 1
+    return changed

@@ -4,6 +4,8 @@
   and the exact-block-dot ref elsewhere (the same numerics up to the tensor cores' accumulation; each
   batch-invariant); fast mode runs torch's blockwise scaled_mm where it runs, else dequantize + F.linear.
 - `linear_fp8_tree`: row-parallel layers' fixed K-chunk tree over `linear_fp8`'s fp32 partials.
+- `fp8_weight_layout`: the weight layout `linear_fp8` reads fastest here (tiled for the Triton kernel; the
+  engine lays its FP8 linears out so at start-up, models/fp8.py `lay_out_fp8_linears`).
 - `linear_fp8_silu_mul` (the dense SwiGLU MLP's gate_up + SiLU*mul): `linear_fp8` then `silu_mul` (a fused
   launch was measured slower than the two on an H100 at every batch size, docs/performance.md); with
   `quantized=True` (down_proj is FP8 too) the SiLU*mul rows come back as `QuantizedRows` for it.
@@ -41,6 +43,16 @@ class Fp8Ops:
         fn = fp8.linear_fp8 if self.device.type == "cuda" and x.is_cuda else fp8.linear_fp8_ref
         return fn(x, weight, weight_scale, bias, out_dtype=out_dtype, uniform=uniform)
 
+    def fp8_weight_layout(self, weight: torch.Tensor) -> torch.Tensor:
+        """An FP8 linear's weight [N, K] in the layout this backend's `linear_fp8` reads fastest: the Triton
+        kernel (deterministic mode on CUDA) streams fp8_quant's tiled layout faster at decode (the same
+        values, so the same bits: kernels/fp8_tiles.py); fast mode's cuBLASLt and the CPU reference read
+        [N, K]. Returns the tiled copy, or `weight` itself (also where the shape does not tile)."""
+        quant = _kernels("fp8_quant")
+        if self.deterministic and self.device.type == "cuda" and weight.is_cuda and quant.can_tile(weight):
+            return quant.tile_weight(weight)
+        return weight
+
     def linear_fp8_tree(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                         num_chunks: int) -> torch.Tensor:
         """`linear_tree` for an fp8 weight (deterministic mode; row-parallel layers under tensor parallelism):
@@ -53,10 +65,11 @@ class Fp8Ops:
         rows): silu_mul of the two halves of `linear_fp8(x, weight, weight_scale, bias)` -> [..., I].
         `quantized` (the caller's down_proj is FP8): deterministic mode returns those rows as `QuantizedRows`
         (x 2-D), quantized by the SiLU*mul kernel on CUDA (the same bits as quantizing its output)."""
-        if weight.shape[0] % 2:
+        rows = _kernels("fp8_quant").fp8_weight_shape(weight)[0]
+        if rows % 2:
             raise ValueError(f"linear_fp8_silu_mul: weight must be the fused [2I, K] gate_up weight (gate rows, "
-                             f"then up rows), got an odd row count {weight.shape[0]}")
-        gate, up = self.linear_fp8(x, weight, weight_scale, bias).split(weight.shape[0] // 2, dim=-1)
+                             f"then up rows), got an odd row count {rows}")
+        gate, up = self.linear_fp8(x, weight, weight_scale, bias).split(rows // 2, dim=-1)
         if not (quantized and self.deterministic and gate.dim() == 2):
             return self.silu_mul(gate, up)
         if self.device.type == "cuda" and self._fused_kernel(gate, up):
