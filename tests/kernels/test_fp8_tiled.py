@@ -89,6 +89,31 @@ def test_the_backend_tiles_only_for_the_deterministic_cuda_kernel():
         assert Ops("deterministic", "cuda", torch.bfloat16).fp8_weight_layout(odd) is odd  # no whole tiles
 
 
+def test_laying_out_a_model_leaves_parameters_alone_where_the_backend_reads_n_k():
+    """models/fp8.py `lay_out_fp8_linears`: where ops keep [N, K] (fast mode, CPU) nothing is touched, not even
+    re-assigned (a first version compared `.data` aliases, always new objects, and re-set every weight)."""
+    from torch import nn
+
+    from detinfer.models.fp8 import lay_out_fp8_linears
+
+    _, q, s = _operands(1, 256, 256, seed=3)
+    model = nn.Module()
+    model.proj = nn.Module()
+    model.proj.weight, model.proj.weight_scale = nn.Parameter(q, requires_grad=False), s
+    model.plain = nn.Linear(4, 4)  # no weight_scale: not an FP8 linear
+    before = model.proj.weight.data
+    for mode in ("deterministic", "fast"):
+        assert lay_out_fp8_linears(model, Ops(mode, "cpu", torch.bfloat16)) == 0
+    assert model.proj.weight.data.data_ptr() == before.data_ptr() and model.proj.weight.shape == (256, 256)
+
+    class Tiling(Ops):
+        def fp8_weight_layout(self, weight):
+            return tile_weight(weight)
+
+    assert lay_out_fp8_linears(model, Tiling("deterministic", "cpu", torch.bfloat16)) == 1
+    assert is_tiled(model.proj.weight) and isinstance(model.proj.weight, nn.Parameter)
+
+
 # -- the kernel under Triton's CPU interpreter (indexing; the GPU test checks the bits) -------------------------
 @pytest.mark.parametrize("m", [1, 9, 70])
 def test_interpreter_every_config_reads_either_layout_to_the_same_bits(m, monkeypatch):

@@ -180,8 +180,8 @@ def lay_out_fp8_linears(model, ops) -> int:
         weight = getattr(module, "weight", None)
         if getattr(module, "weight_scale", None) is None or weight is None or weight.dim() != 2:
             continue
-        laid = ops.fp8_weight_layout(weight.data)
-        if laid is not weight.data:
+        laid = ops.fp8_weight_layout(weight)
+        if laid is not weight:  # (a Parameter's .data is a new alias at every access: compare the parameter)
             weight.data = laid  # the Parameter object stays (hooks and references see the new layout)
             changed += 1
     return changed
