@@ -80,6 +80,8 @@ def test_the_backend_tiles_only_for_the_deterministic_cuda_kernel():
     _, q, _ = _operands(1, 256, 256, seed=2)
     for mode in ("deterministic", "fast"):
         assert Ops(mode, "cpu", torch.bfloat16).fp8_weight_layout(q) is q  # CPU: the reference reads [N, K]
+        back = Ops(mode, "cpu", torch.bfloat16).fp8_weight_layout(tile_weight(q))
+        assert torch.equal(back.view(torch.uint8), q.view(torch.uint8))
     if torch.cuda.is_available():
         qc = q.cuda()
         assert Ops("fast", "cuda", torch.bfloat16).fp8_weight_layout(qc) is qc  # cuBLASLt reads [N, K]
@@ -112,6 +114,10 @@ def test_laying_out_a_model_leaves_parameters_alone_where_the_backend_reads_n_k(
 
     assert lay_out_fp8_linears(model, Tiling("deterministic", "cpu", torch.bfloat16)) == 1
     assert is_tiled(model.proj.weight) and isinstance(model.proj.weight, nn.Parameter)
+    # the same model handed to a fast-mode engine next (a benchmark switching modes): back to [N, K]
+    assert lay_out_fp8_linears(model, Ops("fast", "cpu", torch.bfloat16)) == 1
+    back = model.proj.weight
+    assert back.shape == (256, 256) and torch.equal(back.view(torch.uint8), q.view(torch.uint8))
 
 
 # -- the kernel under Triton's CPU interpreter (indexing; the GPU test checks the bits) -------------------------

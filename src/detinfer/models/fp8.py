@@ -171,14 +171,15 @@ def with_quantization(config, quantization: str):
 
 
 def lay_out_fp8_linears(model, ops) -> int:
-    """Store each FP8 linear's weight (a module with `weight` [N, K] and `weight_scale`; not the MoE expert
-    stacks, which their grouped kernel reads as [E, N, K]) in the layout `ops` reads fastest
-    (`ops.fp8_weight_layout`: tiled for the deterministic CUDA kernel). The same values, so the same bits;
-    the same bytes, so each rank's resident weight bytes are unchanged. Returns how many were laid out anew."""
+    """Store each FP8 linear's weight (a module with `weight` [N, K], or tiled, and `weight_scale`; not the MoE
+    expert stacks, which their grouped kernel reads as [E, N, K]) in the layout `ops` reads fastest
+    (`ops.fp8_weight_layout`: tiled for the deterministic CUDA kernel, [N, K] for the others). The same
+    values, so the same bits; the same bytes, so each rank's resident weight bytes are unchanged. Returns how
+    many were laid out anew."""
     changed = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if getattr(module, "weight_scale", None) is None or weight is None or weight.dim() != 2:
+        if getattr(module, "weight_scale", None) is None or weight is None or weight.dim() not in (2, 4):
             continue
         laid = ops.fp8_weight_layout(weight)
         if laid is not weight:  # (a Parameter's .data is a new alias at every access: compare the parameter)

@@ -47,11 +47,12 @@ class Fp8Ops:
         """An FP8 linear's weight [N, K] in the layout this backend's `linear_fp8` reads fastest: the Triton
         kernel (deterministic mode on CUDA) streams fp8_quant's tiled layout faster at decode (the same
         values, so the same bits: kernels/fp8_tiles.py); fast mode's cuBLASLt and the CPU reference read
-        [N, K]. Returns the tiled copy, or `weight` itself (also where the shape does not tile)."""
+        [N, K], so a tiled weight (a model an engine of the other mode held before) comes back untiled.
+        Returns the new copy, or `weight` itself where it is laid out already (or does not tile)."""
         quant = _kernels("fp8_quant")
-        if self.deterministic and self.device.type == "cuda" and weight.is_cuda and quant.can_tile(weight):
-            return quant.tile_weight(weight)
-        return weight
+        if not (self.deterministic and self.device.type == "cuda" and weight.is_cuda):
+            return quant.untile_weight(weight) if quant.is_tiled(weight) else weight
+        return quant.tile_weight(weight) if quant.can_tile(weight) else weight
 
     def linear_fp8_tree(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                         num_chunks: int) -> torch.Tensor:
