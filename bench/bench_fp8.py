@@ -150,7 +150,6 @@ SWEEP = {  # name: kernel_config overrides (BLOCK_K is always the 128-column sca
     # has two runs: down_proj here. Swept on the tiled weight (what the engine holds).
     "16x64p_swap": dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, STAGES=4, TMA=False, PAIRED=True, SWAP=True),
     "16x64_s6_swap": dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, STAGES=6, TMA=False, PAIRED=False, SWAP=True),
-    "16x128_swap": dict(BLOCK_M=16, BLOCK_N=128, num_warps=4, STAGES=4, TMA=False, PAIRED=False, SWAP=True),
     "64x128_s3": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=3, TMA=False),
     "64x64p": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=4, TMA=False, PAIRED=True),
     "64x64p_r1": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=4, TMA=False, PAIRED=True, SPLIT=1),

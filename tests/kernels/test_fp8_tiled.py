@@ -125,14 +125,15 @@ def test_laying_out_a_model_leaves_parameters_alone_where_the_backend_reads_n_k(
 def test_interpreter_every_config_reads_either_layout_to_the_same_bits(m, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from detinfer.kernels import fp8_linear
-    from detinfer.kernels.fp8_linear import _FEW, _LARGE, _SMALL, linear_fp8
+    from detinfer.kernels.fp8_linear import _FEW, _LARGE, _SMALL, _SMALL_WIDE, linear_fp8
 
     monkeypatch.setattr(fp8_linear, "SPLIT_MIN_BLOCKS", 4)  # 5 K blocks: two runs (3 + 2), a pair loop's tail
     x, q, s = _operands(m, 256, 5 * BLOCK, seed=m, dtype=torch.float32)
     bias = torch.randn(256)
     t = tile_weight(q)
     outs = [linear_fp8(x, w, s, bias, config=dict(cfg, BLOCK_K=BLOCK, TMA=tma, SPLIT=split), uniform=u)
-            for w in (q, t) for cfg in (_FEW, _SMALL, _LARGE) for tma in (False, True) for split in (1, 2)
+            for w in (q, t) for cfg in (_FEW, _SMALL, _SMALL_WIDE, _LARGE) for tma in (False, True)
+            for split in (1, 2)
             for u in (True, False)]
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     assert torch.allclose(outs[0], linear_fp8_ref(x, q, s, bias), rtol=1e-5, atol=1e-4)
@@ -173,14 +174,15 @@ def test_gpu_either_layout_every_config_gives_the_same_bits(m, n, k):
     one result. (384, 8448): 66 blocks, two runs of 33."""
     if not _fp8_gpu():
         pytest.skip("fp8 tl.dot needs sm89+")
-    from detinfer.kernels.fp8_linear import _FEW, _LARGE, _SMALL, linear_fp8
+    from detinfer.kernels.fp8_linear import _FEW, _LARGE, _SMALL, _SMALL_WIDE, linear_fp8
 
     x, q, s = _operands(m, n, k, seed=m + n)
     x, q, s, bias = x.cuda(), q.cuda(), s.cuda(), torch.randn(n, device="cuda").to(torch.bfloat16)
     t = tile_weight(q)
     splits = (1, 2) if k >= 64 * BLOCK else (None,)
     outs = [linear_fp8(x, w, s, bias, config=dict(cfg, BLOCK_K=BLOCK, TMA=tma, PAIRED=paired, SPLIT=sp), uniform=u)
-            for w in (q, t) for cfg in (_FEW, _SMALL, _LARGE) for tma in (True, False) for paired in (True, False)
+            for w in (q, t) for cfg in (_FEW, _SMALL, _SMALL_WIDE, _LARGE) for tma in (True, False)
+            for paired in (True, False)
             for u in (True, False) for sp in splits]
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     assert torch.equal(outs[0], linear_fp8(x, t, s, bias)) and torch.equal(outs[0], linear_fp8(x, q, s, bias))

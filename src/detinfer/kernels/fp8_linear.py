@@ -293,13 +293,19 @@ _LARGE = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=4, TMA=True, PAIRED=F
 # (the swapped ones then re-read the weight per 16 tokens), above them _LARGE's, on either layout.
 FEW_TOKENS_MAX_M = 16
 _FEW = dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, STAGES=4, TMA=False, PAIRED=True, SWAP=True)
+# At 17-64 rows, an output of more 64-wide tiles than the GPU has SMs (gate_up: 384) is paced by the weight
+# stream rather than by one program's walk: 128-wide tiles, one block per iteration, serve it better (H100,
+# tiled, `bench_fp8.py --sweep`: gate_up at M = 64 42.1 -> 40.2 us; at M <= 16 no gain, so _FEW stays).
+_SMALL_WIDE = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=3, TMA=False, PAIRED=False)
 
 
-def kernel_config(m: int, tiled: bool = False) -> dict:
+def kernel_config(m: int, tiled: bool = False, many_tiles: bool = False) -> dict:
     """The tile config for M rows of a weight in the [N, K] or the tiled layout (the constants above say why M
-    may pick it). BLOCK_K is the scale block."""
+    may pick it; `many_tiles`: N / 64 exceeds the SM count). BLOCK_K is the scale block."""
     if tiled and m <= FEW_TOKENS_MAX_M:
         return dict(_FEW, BLOCK_K=BLOCK)
+    if tiled and many_tiles and m <= SMALL_TILES_MAX_M:
+        return dict(_SMALL_WIDE, BLOCK_K=BLOCK)
     return dict(_SMALL if m <= SMALL_TILES_MAX_M else _LARGE, BLOCK_K=BLOCK)
 
 
@@ -416,7 +422,7 @@ def linear_fp8_quantized(a: torch.Tensor, sa: torch.Tensor, w_q: torch.Tensor, w
     from detinfer.kernels._pdl import launch_options, use_pdl
     from detinfer.kernels.fp8_tiles import linear_fp8_kernel as kernel
     from detinfer.kernels.fp8_tiles import sum_runs_kernel
-    from detinfer.kernels.matmul import PREFETCH_MAX_M
+    from detinfer.kernels.matmul import PREFETCH_MAX_M, _num_sms
 
     n, k = fp8_weight_shape(w_q)
     m, tiled = a.shape[0], is_tiled(w_q)
@@ -434,7 +440,8 @@ def linear_fp8_quantized(a: torch.Tensor, sa: torch.Tensor, w_q: torch.Tensor, w
     else:
         w_q = w_q if w_q.stride(1) == 1 else w_q.contiguous()  # a K slice keeps its row stride
     w_scale = w_scale if w_scale.stride(1) == 1 else w_scale.contiguous()
-    cfg, pdl = dict(config or kernel_config(m, tiled)), use_pdl(a.device)
+    many = tiled and config is None and -(-n // 64) > _num_sms(a.device)
+    cfg, pdl = dict(config or kernel_config(m, tiled, many)), use_pdl(a.device)
     block = dict(BLOCK_M=cfg.pop("BLOCK_M"), BLOCK_N=cfg.pop("BLOCK_N"), BLOCK_K=cfg.pop("BLOCK_K", BLOCK))
     if tiled and BLOCK % block["BLOCK_N"]:
         raise ValueError(f"linear_fp8: a tiled weight is read in runs of BLOCK_N rows inside its {BLOCK}-row "
