@@ -44,9 +44,9 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "dow
 
 
 def probe_blockwise() -> str | None:
-    """The library's probe (kernels/fp8_linear.blockwise_layout), plus each layout's error where it fails."""
-    from detinfer.kernels.fp8_linear import _scaled_mm_blockwise, blockwise_layout
+    """The library's probe (kernels/fp8_stock.blockwise_layout), plus each layout's error where it fails."""
     from detinfer.kernels.fp8_quant import BLOCK, quantize_weight_rows
+    from detinfer.kernels.fp8_stock import _scaled_mm_blockwise, blockwise_layout
 
     x = torch.randn(2 * BLOCK, 5 * BLOCK, device="cuda").bfloat16()
     q, s = quantize_weight_rows(torch.randn(3 * BLOCK, 5 * BLOCK, device="cuda"))
@@ -62,13 +62,9 @@ def probe_blockwise() -> str | None:
 
 
 def candidates(layout: str | None, old) -> dict:
-    from detinfer.kernels.fp8_linear import (
-        linear_fp8,
-        linear_fp8_quantized,
-        linear_fp8_stock,
-        quantize_activations_gpu,
-    )
+    from detinfer.kernels.fp8_linear import linear_fp8, linear_fp8_quantized, quantize_activations_gpu
     from detinfer.kernels.fp8_quant import dequantize_weight
+    from detinfer.kernels.fp8_stock import linear_fp8_stock
 
     def blockwise(x, q, s, *_):
         return linear_fp8_stock(x, q, s)  # fast mode's call: quantization + torch's blockwise scaled_mm

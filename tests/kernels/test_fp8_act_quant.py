@@ -11,8 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from detinfer.kernels.fp8_linear import linear_fp8_ref, linear_fp8_stock, linear_fp8_tree
+from detinfer.kernels.fp8_linear import linear_fp8_ref, linear_fp8_tree
 from detinfer.kernels.fp8_quant import BLOCK, FP8_DTYPE, QuantizedRows, quantize_activations, quantize_weight_rows
+from detinfer.kernels.fp8_stock import linear_fp8_stock
 from detinfer.ops import Ops
 
 # the kernels' e4m3 casts compile for sm89+ (Hopper in practice), as the FP8 linear's do

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from detinfer.kernels.fp8_linear import check_fp8_linear, linear_fp8_ref, linear_fp8_stock
+from detinfer.kernels.fp8_linear import check_fp8_linear, linear_fp8_ref
 from detinfer.kernels.fp8_quant import (
     BLOCK,
     FP8_DTYPE,
@@ -19,6 +19,7 @@ from detinfer.kernels.fp8_quant import (
     quantize_weight,
     quantize_weight_rows,
 )
+from detinfer.kernels.fp8_stock import linear_fp8_stock
 from detinfer.ops import Ops
 
 E4M3_REL = 2.0 ** -4  # half an ulp of a 4-significant-bit value, relative
@@ -217,17 +218,17 @@ def test_fast_mode_in_an_engine_runs_the_blockwise_gemm_not_the_dequantizing_fal
     cache read a version counter inference tensors lack, the probe failed, and every call dequantized)."""
     if not _fp8_gpu() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the blockwise scaled_mm path is checked on Hopper")
-    from detinfer.kernels import fp8_linear
+    from detinfer.kernels import fp8_stock
 
-    fp8_linear.blockwise_layout.cache_clear()
+    fp8_stock.blockwise_layout.cache_clear()
 
     def no_dequant(*_):
         raise AssertionError("fast mode dequantized the weight")
-    monkeypatch.setattr(fp8_linear, "dequantize_weight", no_dequant)
+    monkeypatch.setattr(fp8_stock, "dequantize_weight", no_dequant)
     with torch.inference_mode():
         x, _, q, s = (t.cuda() if t is not None else t for t in _operands(5, 256, 640, seed=2))
         y = Ops("fast", "cuda", torch.bfloat16).linear_fp8(x, q, s)
-    assert fp8_linear.blockwise_layout(torch.device("cuda")) is not None
+    assert fp8_stock.blockwise_layout(torch.device("cuda")) is not None
     ref = linear_fp8_ref(x.cpu(), q.cpu(), s.cpu()).float().cuda()
     assert float((y.float() - ref).norm() / ref.norm()) < 0.06
 
@@ -282,7 +283,7 @@ def test_padded_outer_major_quantization_off_the_gpu_is_the_zero_padded_one():
 def test_fast_mode_block_scales_are_built_once_per_tensor_and_version():
     """Fast mode lays a weight's block scales out at its first call and reuses them while the same tensor
     is unchanged; an in-place update (a weight push) or another tensor gets its own layout."""
-    from detinfer.kernels.fp8_linear import _block_scales
+    from detinfer.kernels.fp8_stock import _block_scales
 
     _, s = quantize_weight_rows(torch.randn(256, 640, generator=torch.Generator().manual_seed(1)))
     first = _block_scales(s, "cols")

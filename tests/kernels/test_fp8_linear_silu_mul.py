@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from detinfer.kernels.fp8_linear import linear_fp8_stock
 from detinfer.kernels.fp8_quant import dequantize_weight, quantize_weight_rows
+from detinfer.kernels.fp8_stock import linear_fp8_stock
 from detinfer.ops import Ops
 
 

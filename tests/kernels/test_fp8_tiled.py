@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from detinfer.kernels.fp8_linear import check_fp8_linear, linear_fp8_ref, linear_fp8_stock
+from detinfer.kernels.fp8_linear import check_fp8_linear, linear_fp8_ref
 from detinfer.kernels.fp8_quant import (
     BLOCK,
     can_tile,
@@ -22,6 +22,7 @@ from detinfer.kernels.fp8_quant import (
     untile_weight,
     weight_k_blocks,
 )
+from detinfer.kernels.fp8_stock import linear_fp8_stock
 from detinfer.ops import Ops
 
 

@@ -33,9 +33,8 @@ class Fp8Ops:
         [N, ceil(K/128)] (kernels/fp8_linear.py), activations quantized per token per 128-group.
         Deterministic: the Triton kernel on CUDA, else the exact-block-dot ref (CPU); fast: the stock path
         (torch's blockwise scaled_mm where it runs, else dequantize + F.linear)."""
-        fp8 = _kernels("fp8_linear")
         if not self.deterministic:
-            return fp8.linear_fp8_stock(x, weight, weight_scale, bias)
+            return _kernels("fp8_stock").linear_fp8_stock(x, weight, weight_scale, bias)
         return self._linear_fp8_det(x, weight, weight_scale, bias)
 
     def _linear_fp8_det(self, x, weight, weight_scale, bias=None, out_dtype=None, uniform=None) -> torch.Tensor:
