@@ -149,11 +149,13 @@ def test_interpreter_a_tiled_weight_refuses_tiles_wider_than_its_row_groups(monk
         linear_fp8(x, tile_weight(q), s, config=dict(_LARGE, BLOCK_N=256, BLOCK_K=BLOCK, TMA=False))
 
 
-def test_interpreter_chunk_tree_reads_k_slices_of_a_tiled_weight(monkeypatch):
+@pytest.mark.parametrize("m", [5, 70])
+def test_interpreter_chunk_tree_reads_k_slices_of_a_tiled_weight(m, monkeypatch):
+    """K slices of a tiled weight are views; at 70 rows the large tiles read them through TMA descriptors."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from detinfer.kernels.fp8_linear import linear_fp8, linear_fp8_tree
 
-    x, q, s = _operands(5, 128, 4 * BLOCK, seed=6, dtype=torch.float32)
+    x, q, s = _operands(m, 256, 4 * BLOCK, seed=6, dtype=torch.float32)
     assert torch.equal(linear_fp8_tree(linear_fp8, x, tile_weight(q), s, 2), linear_fp8_tree(linear_fp8, x, q, s, 2))
 
 
