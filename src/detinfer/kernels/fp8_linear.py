@@ -32,6 +32,8 @@ does not depend on the batch it is in.
   and the tile config (picked from M for speed, `kernel_config`) changes no element's operations (asserted
   bitwise across every config on the GPU). A GPU kernel; Triton's CPU interpreter also runs it on CPU tensors
   (tests only).
+Every path takes the weight [N, K] or in fp8_quant's tiled layout (the same values: the same bits; the
+kernel reads tiles faster at decode, the reference and fast mode untile).
 - `linear_fp8_stock` (fast mode, kernels/fp8_stock.py): what a serving stack runs: torch's block-scaled
   `scaled_mm` on a GPU that takes it, else dequantize + F.linear.
 """
