@@ -169,7 +169,6 @@ def with_quantization(config, quantization: str):
     return dataclasses.replace(config, quantization=quantization)
 
 
-
 def lay_out_fp8_linears(model, ops) -> int:
     """Store each FP8 linear's weight (a module with `weight` [N, K], or tiled, and `weight_scale`; not the MoE
     expert stacks, which their grouped kernel reads as [E, N, K]) in the layout `ops` reads fastest
