@@ -367,7 +367,7 @@ def linear_fp8_quantized(a: torch.Tensor, sa: torch.Tensor, w_q: torch.Tensor, w
     else:
         w_q = w_q if w_q.stride(1) == 1 else w_q.contiguous()  # a K slice keeps its row stride
     w_scale = w_scale if w_scale.stride(1) == 1 else w_scale.contiguous()
-    many = tiled and config is None and -(-n // 64) > _num_sms(a.device)
+    many = tiled and config is None and -(-n // _SMALL["BLOCK_N"]) > _num_sms(a.device)
     cfg, pdl = dict(config or kernel_config(m, tiled, many)), use_pdl(a.device)
     block = dict(BLOCK_M=cfg.pop("BLOCK_M"), BLOCK_N=cfg.pop("BLOCK_N"), BLOCK_K=cfg.pop("BLOCK_K", BLOCK))
     if tiled and BLOCK % block["BLOCK_N"]:

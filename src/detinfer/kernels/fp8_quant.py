@@ -191,4 +191,4 @@ def untile_weight(w: torch.Tensor) -> torch.Tensor:
 
 def weight_k_blocks(w: torch.Tensor, b0: int, b1: int) -> torch.Tensor:
     """K blocks [b0, b1) of either layout, as a view (columns b0*128 .. b1*128 of [N, K])."""
-    return w[:, b0:b1] if is_tiled(w) else w[:, b0 * BLOCK:min(b1 * BLOCK, w.shape[1])]
+    return w[:, b0:b1] if is_tiled(w) else w[:, b0 * BLOCK:b1 * BLOCK]

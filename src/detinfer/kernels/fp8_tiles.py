@@ -127,7 +127,7 @@ def scaled_block(a_desc, w_desc, x_ptr, sx_ptr, w_ptr, sw_ptr, rm, rn, m_ok, n_o
 def k_run(a_desc, w_desc, x_ptr, sx_ptr, w_ptr, sw_ptr, rm, rn, m_ok, n_ok, pid_m, pid_n, kb_lo, kb_hi, K,
           stride_xm, stride_sxm, stride_wn, stride_wkb, stride_swn, TMA: tl.constexpr, TILED: tl.constexpr,
           SWAP: tl.constexpr, UNIFORM: tl.constexpr, PAIRED: tl.constexpr, STAGES: tl.constexpr,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WS: tl.constexpr = False):
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """From acc = 0: acc = fma(dot_kb, sx[m, kb] * sw[n, kb], acc) for the K blocks kb_lo..kb_hi-1 in order.
     PAIRED: two K blocks per iteration, both dots issued before the two fmas (in block order): a small tile's
     one long chain of dependent steps gets two MMAs in flight."""
@@ -151,7 +151,7 @@ def k_run(a_desc, w_desc, x_ptr, sx_ptr, w_ptr, sw_ptr, rm, rn, m_ok, n_ok, pid_
                                 SWAP, UNIFORM, BLOCK_M, BLOCK_N, BLOCK_K)
             acc = tl.fma(p, s, acc)
     else:
-        for kb in tl.range(kb_lo, kb_hi, num_stages=STAGES, warp_specialize=WS):
+        for kb in tl.range(kb_lo, kb_hi, num_stages=STAGES):
             p, s = scaled_block(a_desc, w_desc, x_ptr, sx_ptr, w_ptr, sw_ptr, rm, rn, m_ok, n_ok, pid_m, pid_n,
                                 kb, K, stride_xm, stride_sxm, stride_wn, stride_wkb, stride_swn, TMA, TILED, SWAP,
                                 UNIFORM, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -165,7 +165,7 @@ def linear_fp8_kernel(a_desc, w_desc, x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr
                       HAS_BIAS: tl.constexpr, TMA: tl.constexpr, TILED: tl.constexpr, SWAP: tl.constexpr,
                       UNIFORM: tl.constexpr, PAIRED: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
                       PREFETCH_K: tl.constexpr, STAGES: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WS: tl.constexpr = False):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One BLOCK_M x BLOCK_N tile of y = x_q @ w_q^T (fp8_linear's module doc): the fma chain of each K run from
     acc = 0, the two runs' sum, + bias, cast to y's dtype. SPLIT 0: one run, [0, KB); 1: two runs, [0, H) and
     [H, KB), one after the other in this program; 2: program_id(2) is the run, its fp32 chain stored to ws[run]
@@ -197,7 +197,7 @@ def linear_fp8_kernel(a_desc, w_desc, x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr
     pdl_start(USE_PDL)  # kernels/_pdl.py: nothing is read before the previous kernel is done
     acc = k_run(a_desc, w_desc, x_ptr, sx_ptr, w_ptr, sw_ptr, rm, rn, m_ok, n_ok, pid_m, pid_n, kb_lo, kb_hi, K,
                 stride_xm, stride_sxm, stride_wn, stride_wkb, stride_swn, TMA, TILED, SWAP, UNIFORM, PAIRED, STAGES,
-                BLOCK_M, BLOCK_N, BLOCK_K, WS)
+                BLOCK_M, BLOCK_N, BLOCK_K)
     if SWAP:  # acc is the tile transposed: [BLOCK_N, BLOCK_M]
         ok = n_ok[:, None] & m_ok[None, :]
         ws_offs = rm[None, :] * N + rn[:, None]
@@ -212,7 +212,7 @@ def linear_fp8_kernel(a_desc, w_desc, x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr
         if SPLIT == 1:
             acc = acc + k_run(a_desc, w_desc, x_ptr, sx_ptr, w_ptr, sw_ptr, rm, rn, m_ok, n_ok, pid_m, pid_n, H,
                               KB, K, stride_xm, stride_sxm, stride_wn, stride_wkb, stride_swn, TMA, TILED, SWAP,
-                              UNIFORM, PAIRED, STAGES, BLOCK_M, BLOCK_N, BLOCK_K, WS)
+                              UNIFORM, PAIRED, STAGES, BLOCK_M, BLOCK_N, BLOCK_K)
         if HAS_BIAS:
             bias = tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
             if SWAP:
