@@ -2,7 +2,9 @@
 vs detinfer's direct communicator (distributed/nccl_comm.py), fp32 all-reduce and all-gather + add, and
 whether each result equals the gather-then-add bits (it must at 2 ranks: one IEEE addition). `peer`: the
 row-parallel layer's whole sum + cast to bf16, through the peer kernel (distributed/peer_sum.py) against
-the direct NCCL all-reduce followed by the cast, side by side in the same processes.
+the direct NCCL all-reduce followed by the cast, side by side in the same processes; then a decode step's
+o_proj matmul and the fused sum + RMSNorm after it, through each transport (values and flags, the matmul's
+pushed partial, tagged words the sum kernel sends).
 
     PYTHONPATH=src python bench/bench_collectives.py [--sizes-kb 8,64,256,1024] [--which ours,torch,peer]
 
@@ -110,6 +112,31 @@ def _peer_rank(rank: int, size: int, port: int, sizes_kb: list[int]) -> None:
         if rank == 0:
             print(f"peer  {kb:6d} KB  peer sum + cast {us_peer:6.1f} us   NCCL all-reduce + cast {us_nccl:6.1f} us   "
                   f"same bits: {same}", flush=True)
+    # A decode step's o_proj (K 2048 per rank, N 4096) and the fused sum + residual + RMSNorm after it: the
+    # matmul, then the sum kernel exchanging values and flags, against the matmul pushing its partial as it
+    # stores it and the sum kernel only receiving (kernels/peer_push.py); and the sum + norm alone per transport.
+    from detinfer.kernels.chunked_linear import linear_parts
+    weight = torch.rand(4096, device="cuda").to(torch.bfloat16) + 0.5
+    w = (torch.randn(4096, 2048, device="cuda") / 32).to(torch.bfloat16)
+    for rows in (1, 2, 4, 8, 16, 32, 64):
+        gen = torch.Generator("cuda").manual_seed(rank)
+        a = torch.randn(rows, 2048, device="cuda", generator=gen).to(torch.bfloat16)
+        res = torch.randn(rows, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+        push = group.peer.push_for(rows, 4096)
+        line, outs = [], []
+        for transport in ("flags", "pushed", "tagged"):
+            def fn(a=a, r=res, t=transport, p=push):
+                parts = linear_parts(a, w, 1, p if t == "pushed" else None)
+                return group.peer.sum_rms_norm(parts, None, torch.bfloat16, weight, 1e-6, r, t)
+            line.append(f"{transport} {_graph_us(fn):6.1f}")
+            outs.append(fn()[0].view(torch.int16))
+        parts = linear_parts(a, w, 1)
+        alone = _graph_us(lambda p=parts, r=res: group.peer.sum_rms_norm(p, None, torch.bfloat16, weight, 1e-6, r))
+        matmul = _graph_us(lambda a=a: linear_parts(a, w, 1))
+        if rank == 0:
+            print(f"o_proj + sum + norm, {rows:3d} rows (us per pair): {'  '.join(line)}  (matmul alone {matmul:5.1f}, "
+                  f"flags sum + norm alone {alone:5.1f})   same bits: {all(torch.equal(o, outs[0]) for o in outs)}",
+                  flush=True)
     faulthandler.cancel_dump_traceback_later()
     os._exit(0)
 

@@ -88,6 +88,7 @@ def print_critical_path(events: list[dict], steps: int, top: int) -> None:
 
 
 PROMPT_LEN = 100
+PROFILE_WARM = 3  # steps run under the profiler before the recorded ones (see profile_batch)
 
 
 def host_profile(engine: LLMEngine, steps: int, top: int) -> None:
@@ -122,7 +123,8 @@ def profile_batch(engine: LLMEngine, batch: int, vocab: int, top: int, steps: in
     warm = 6 + -(-batch * PROMPT_LEN // engine.config.max_num_batched_tokens)
     for i in range(batch):
         engine.add_request(f"p{batch}-{i}", [rng.randrange(vocab) for _ in range(PROMPT_LEN)],
-                           SamplingParams(temperature=0.0, max_tokens=warm + 16 + 2 * steps, ignore_eos=True))
+                           SamplingParams(temperature=0.0, max_tokens=warm + 16 + 3 * steps + PROFILE_WARM,
+                                          ignore_eos=True))
     for _ in range(warm):
         engine.step()
     for s in range(3 if prefill else 0):  # warm the mixed step's shapes too
@@ -134,14 +136,28 @@ def profile_batch(engine: LLMEngine, batch: int, vocab: int, top: int, steps: in
         while engine.has_unfinished_requests():
             engine.step()
         return
+    def one_step(s: int) -> None:
+        if prefill:
+            engine.add_request(f"m{batch}-{s}", [rng.randrange(vocab) for _ in range(prefill)],
+                               SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        engine.step()
+
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for s in range(steps):
-            if prefill:
-                engine.add_request(f"m{batch}-{s}", [rng.randrange(vocab) for _ in range(prefill)],
-                                   SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-            engine.step()
-        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for s in range(steps):
+        one_step(s)
+    torch.cuda.synchronize()
+    print(f"  wall without the profiler: {(time.perf_counter() - start) / steps * 1e3:.3f} ms per step")
+    # The profiled window opens after PROFILE_WARM steps that run under the profiler but are not recorded, and
+    # with no synchronize before it: the queue is as full as in a running engine, so the first recorded step's
+    # eager inputs do not start at the host's pace with an idle GPU.
+    schedule = torch.profiler.schedule(wait=0, warmup=PROFILE_WARM, active=steps, repeat=1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA], schedule=schedule) as prof:
+        for s in range(PROFILE_WARM + steps):
+            one_step(steps + s)
+            if s == PROFILE_WARM + steps - 1:
+                torch.cuda.synchronize()  # the last recorded step's kernels complete inside the window
+            prof.step()
     rows = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     rows.sort(key=lambda e: -e.self_device_time_total)
     total = sum(e.self_device_time_total for e in rows) / steps

@@ -4,6 +4,9 @@
   == all-gather + add, from 1 element to past the kernel's capacity (where it hands over to NCCL), with
   -0.0, infinities and subnormals; eagerly, captured in a CUDA graph, and over hundreds of calls while one
   rank lags the other by random amounts (the mailboxes' reuse two calls later).
+- The sum fused with the norm through each transport (values and flags; tagged words the kernel sends; an
+  fp32 partial the matmul pushed as it stored it): the bits of the rounded sum
+  followed by the standalone norm; the transports interleaved while one rank lags.
 - A peer that never joins a sum: the waiting kernel traps (abort from the host, or its timeout), so the
   caller gets an error instead of a hang.
 Skipped (shown as skipped) without 2 GPUs that can access each other's memory.
@@ -98,16 +101,51 @@ def _sum_checks(rank: int, port: int, queue) -> None:
         fused = group.exact_sum_rounded(parts[rank].to(dev), None, torch.bfloat16).cpu()
         full = pairwise_tree_sum(torch.cat(parts)).to(torch.bfloat16)  # rank 0's chunks, then rank 1's
         out[f"chunk tree {rows}"] = torch.equal(_bits(fused), _bits(full))
-    # The sum fused with the RMSNorm after it == the rounded sum, then the standalone norm kernel.
+    # The sum fused with the RMSNorm after it == the rounded sum, then the standalone norm kernel: values and
+    # flags (any size), tagged words the kernel sends itself, and partials the matmul pushed as it stored them.
+    from detinfer.kernels.chunked_linear import linear_parts
     from detinfer.kernels.rmsnorm import rms_norm
-    for rows, c in ((1, 1), (7, 4), (64, 1), (512, 1), (512, 4), (513, 1), (1100, 4)):  # > 512: row pieces
-        parts = [torch.randn(c, rows, 4096, generator=gen) * 3 for _ in range(2)]
+    for rows, c in ((1, 1), (7, 4), (64, 1), (65, 1), (512, 1), (512, 4), (513, 1), (1100, 4)):  # > 512: pieces
+        parts = [_case(gen, c * rows, 4096, r).view(c, rows, 4096) for r in range(2)]
         weight = (torch.rand(4096, generator=gen) + 0.5).to(torch.bfloat16).to(dev)
         residual = torch.randn(rows, 4096, generator=gen).to(torch.bfloat16).to(dev)
         mine = parts[rank].to(dev)
-        y, h = group.peer.sum_rms_norm(mine, None, torch.bfloat16, weight, 1e-6, residual)
         y2, h2 = rms_norm(group.exact_sum_rounded(mine, None, torch.bfloat16), weight, 1e-6, residual=residual)
-        out[f"sum + norm {rows}x{c}"] = torch.equal(_bits(y), _bits(y2)) and torch.equal(_bits(h), _bits(h2))
+        for transport in ("flags",) + (("tagged",) if group.peer.can_push(rows, 4096) else ()):
+            y, h = group.peer.sum_rms_norm(mine, None, torch.bfloat16, weight, 1e-6, residual, transport)
+            out[f"sum + norm {rows}x{c} {transport}"] = torch.equal(_bits(y), _bits(y2)) and \
+                torch.equal(_bits(h), _bits(h2))
+    out["no push past the tagged channel"] = group.peer.push_for(64, 4096) is None
+    for rows in (1, 7, 16):  # every row count the engine pushes (`PeerSum.can_push`)
+        xs = [(torch.randn(rows, 2048, generator=gen) * 2).to(torch.bfloat16) for _ in range(2)]
+        ws = [(torch.randn(4096, 2048, generator=gen) / 32).to(torch.bfloat16) for _ in range(2)]
+        weight = (torch.rand(4096, generator=gen) + 0.5).to(torch.bfloat16).to(dev)
+        residual = torch.randn(rows, 4096, generator=gen).to(torch.bfloat16).to(dev)
+        x, w = xs[rank].to(dev), ws[rank].to(dev)
+        plain = linear_parts(x, w, 1)
+        y2, h2 = rms_norm(group.exact_sum_rounded(plain.clone(), None, torch.bfloat16), weight, 1e-6, residual=residual)
+        pushed = linear_parts(x, w, 1, group.peer.push_for(rows, 4096))
+        s, y, h = group.peer.sum_rms_norm(pushed, None, torch.bfloat16, weight, 1e-6, residual, "pushed",
+                                          want_sum=True)
+        out[f"pushed {rows}"] = (torch.equal(_bits(pushed), _bits(plain)), torch.equal(_bits(y), _bits(y2))
+                                 and torch.equal(_bits(h), _bits(h2)))
+    # Drift through every transport: pushed (1 and 16 rows), flags (40), tagged (3), while rank 1 lags.
+    weight = (torch.rand(4096, generator=gen) + 0.5).to(torch.bfloat16).to(dev)
+    w = (torch.randn(4096, 1024, device=dev) / 16).to(torch.bfloat16)
+    results, inputs = [], []
+    for i in range(300):
+        rows, transport = ((1, "pushed"), (40, "flags"), (16, "pushed"), (3, "tagged"))[i % 4]
+        x = torch.randn(rows, 1024, device=dev).to(torch.bfloat16)
+        if rank == 1 and torch.rand(1, generator=lag).item() < 0.3:
+            torch.cuda._sleep(int(torch.randint(1000, 2_000_000, (1,), generator=lag)))
+        parts = linear_parts(x, w, 1, group.peer.push_for(rows, 4096) if transport == "pushed" else None)
+        inputs.append(parts.clone())
+        results.append(group.peer.sum_rms_norm(parts, None, torch.float32, weight, 1e-6, None, transport))
+    drift_ok = True
+    for p, r in zip(inputs, results):
+        g = group.all_gather(p[0])
+        drift_ok &= torch.equal(_bits(r), _bits(rms_norm(g[0] + g[1], weight, 1e-6)))
+    out["drift, sum + norm"] = drift_ok
     # Fast mode's bf16 partials through the same kernel: one fp32 addition, one rounding.
     halves = [torch.randn(64, 4096, generator=gen).to(torch.bfloat16) for _ in range(2)]
     fast = group.fast_sum(halves[rank].to(dev)).cpu()
@@ -148,7 +186,7 @@ def test_peer_sum_equals_nccl_and_gather_in_and_out_of_graphs(peer_gpus):
         assert not bad, f"rank {rank}: {bad}"
 
 
-def _lonely_sum(rank: int, port: int, queue, how: str) -> None:
+def _lonely_sum(rank: int, port: int, queue, how: str, what: str) -> None:
     from detinfer.distributed.group import connect
 
     dev = torch.device("cuda", rank)
@@ -158,13 +196,20 @@ def _lonely_sum(rank: int, port: int, queue, how: str) -> None:
         os._exit(0)
     if rank == 1:  # never joins the sum; stays alive until rank 0 reports
         queue.put((1, "idle"))
-        time.sleep(40)
+        time.sleep(15)
         os._exit(0)
     if how == "abort":
         threading.Timer(1.0, group.abort).start()
     start = time.monotonic()
     try:
-        group.exact_sum_rounded(torch.ones(1, 4096, device=dev), None, torch.bfloat16)
+        if what == "sum":
+            group.exact_sum_rounded(torch.ones(1, 4096, device=dev), None, torch.bfloat16)
+        else:  # a pushed matmul's sum + norm: the tagged-words wait
+            from detinfer.kernels.chunked_linear import linear_parts
+            x, w = torch.ones(1, 256, device=dev, dtype=torch.bfloat16), torch.ones(4096, 256, device=dev,
+                                                                                   dtype=torch.bfloat16)
+            parts = linear_parts(x, w, 1, group.peer.push_for(1, 4096))
+            group.peer.sum_rms_norm(parts, None, torch.bfloat16, None, 1e-6, None, "pushed")
         torch.cuda.synchronize(dev)
         result = "returned"
     except RuntimeError as e:
@@ -175,9 +220,10 @@ def _lonely_sum(rank: int, port: int, queue, how: str) -> None:
     os._exit(0)
 
 
-@pytest.mark.parametrize("how", ["abort", "timeout"])
-def test_a_sum_whose_peer_never_comes_fails_instead_of_hanging(peer_gpus, how):
-    procs, queue = _spawn(_lonely_sum, (how,))
+@pytest.mark.parametrize("how, what", [("abort", "sum"), ("timeout", "sum"), ("abort", "pushed sum + norm"),
+                                       ("timeout", "pushed sum + norm")])
+def test_a_sum_whose_peer_never_comes_fails_instead_of_hanging(peer_gpus, how, what):
+    procs, queue = _spawn(_lonely_sum, (how, what))
     got = dict(queue.get(timeout=120) for _ in procs)
     _join(procs, 60)
     result, seconds = got[0]

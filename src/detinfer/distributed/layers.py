@@ -157,34 +157,54 @@ class RowParallelLinear(nn.Module):
             y = g.fast_sum(y)  # fast mode: the peer kernel or the library's all-reduce
             return y if self.bias is None else y + self.bias
         chunks = self.chunks or 1
+        push = self._push_target(x, ops)
         if scale is not None:
             parts = ops.linear_fp8_tree(x, self.weight, scale, chunks)[None]  # this rank's subtree, summed
         elif x.numel() // x.shape[-1] * self.weight.shape[0] * chunks <= TREE_MAX_PARTIAL_ELEMS:
-            parts = ops.linear_parts(x, self.weight, chunks)  # fp32 [C / P, T, N]: the subtree's leaves
+            parts = ops.linear_parts(x, self.weight, chunks) if push is None else \
+                ops.linear_parts(x, self.weight, chunks, push)  # fp32 [C / P, T, N]: the subtree's leaves
         else:  # a long prefill: the tree in row blocks, summed here
             parts = ops.linear_tree(x, self.weight, chunks)[None]
         if g is None:
             return ops.tree_sum_rounded(parts, self.bias, x.dtype)
         if g.peer is not None and g.peer.fits_norm(parts) and x.dim() == 2:
-            return PendingSum(g, ops, parts, self.bias, x.dtype)  # the next RMSNorm sums it in its kernel
+            # The next RMSNorm sums it in its kernel (which only receives when the matmul pushed it).
+            return PendingSum(g, ops, parts, self.bias, x.dtype, pushed=push is not None)
         # The subtree, the tree's top levels in rank order on every rank, + bias, rounded.
         return g.exact_sum_rounded(parts, self.bias, x.dtype)
+
+    def _push_target(self, x: torch.Tensor, ops: Ops):
+        """Where this layer's matmul sends its fp32 partial as it stores it (`kernels.peer_push`): two GPUs with
+        the peer kernel, deterministic 16-bit weights on the Triton path, one chunk (without
+        tp_invariant_reduction), 2-D decode-sized input (`PeerSum.push_for`); else None (the sum kernel
+        sends). Every rank decides alike: it depends on shapes and the engine's config only."""
+        g = self.group
+        if g is None or g.peer is None or self.weight_scale is not None or (self.chunks or 1) != 1 \
+                or x.dim() != 2 or not ops.pushes_parts(x, self.weight):
+            return None
+        return g.peer.push_for(x.shape[0], self.weight.shape[0])
 
 
 class PendingSum:
     """A row-parallel layer's output whose cross-rank sum is not done yet: the RMSNorm that follows it in
     every decoder block (`models.transformer.RMSNorm`) calls `rms_norm_fused`, which sums and normalizes in
-    one kernel (`kernels.peer_sum_norm`: the bits of the sum, then `rms_norm`). Nothing else reads it."""
+    one kernel (`kernels.peer_sum_norm`: the bits of the sum, then `rms_norm`). Nothing else reads it.
+    `pushed`: the matmul already sent this rank's partial to the peer; the sum kernel must consume it (the
+    peer's sum kernel waits for it), so every path below runs that kernel."""
 
     def __init__(self, group: TPGroup, ops: Ops, parts: torch.Tensor, bias: torch.Tensor | None,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, pushed: bool = False):
         self.group, self.ops, self.parts, self.bias, self.dtype = group, ops, parts, bias, dtype
+        self.transport = "pushed" if pushed else "flags"
 
     def rms_norm_fused(self, weight: torch.Tensor, eps: float, residual: torch.Tensor | None):
+        peer = self.group.peer
         if residual is not None and (residual.dtype != self.dtype or not residual.is_contiguous()):
-            y = self.group.exact_sum_rounded(self.parts, self.bias, self.dtype)  # unusual input: unfused
-            return self.ops.rms_norm(y, weight, eps, residual=residual)
-        return self.group.peer.sum_rms_norm(self.parts, self.bias, self.dtype, weight, eps, residual)
+            # Unusual input: the rounded sum, then the norm with that residual (the bits of the unfused path).
+            x, _ = peer.sum_rms_norm(self.parts, self.bias, self.dtype, None, eps, None, self.transport,
+                                     want_sum=True)
+            return self.ops.rms_norm(x, weight, eps, residual=residual)
+        return peer.sum_rms_norm(self.parts, self.bias, self.dtype, weight, eps, residual, self.transport)
 
 
 class ExpertParallelMoE(nn.Module):

@@ -27,6 +27,8 @@ import torch
 from detinfer.kernels import peer_combine as combine_kernel
 from detinfer.kernels import peer_sum as kernel
 from detinfer.kernels import peer_sum_norm as norm_kernel
+from detinfer.kernels.peer_push import PeerPush
+from detinfer.kernels.rmsnorm import _layout_for
 
 _KEY = "detinfer/peer_sum/{}"
 _IPC_LAZY_ENABLE_PEER_ACCESS = 1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
@@ -125,18 +127,21 @@ def connect_pair(rank: int, device: torch.device, store, timeout_s: float, agree
 
 
 def _channel_layout() -> tuple[dict, int]:
-    """Word offsets (int64 words) of each channel's mailboxes [2, G, BOX] fp32, flags [2, G] and epochs [G] in
-    the block, and the abort flag's: "elements" for `kernels.peer_sum`, "rows" for `kernels.peer_sum_norm`."""
+    """Word offsets (int64 words) of each channel's mailboxes [2, G, BOX] fp32 (int64 for tagged words), flags
+    [2, G] and epochs [G] in the block, and the abort flag's: "elements" for `kernels.peer_sum`, "rows" and
+    "rows_tagged" for `kernels.peer_sum_norm`."""
     offsets, at = {}, 0
-    for name, box, g in (("elements", kernel.PER_PROGRAM, kernel.G_MAX), ("rows", norm_kernel.BOX, norm_kernel.G_ROWS)):
-        mail_words = g * box  # two slots of g * box fp32
+    for name, box, g, word_bytes in (("elements", kernel.PER_PROGRAM, kernel.G_MAX, 4),
+                                     ("rows", norm_kernel.BOX, norm_kernel.G_ROWS, 4),
+                                     ("rows_tagged", norm_kernel.BOX, norm_kernel.G_TAGGED, 8)):
+        mail_words = 2 * g * box * word_bytes // 8  # two slots of g * box values
         offsets[name] = (at, at + mail_words, at + mail_words + 2 * g, g)
         at += mail_words + 3 * g
     return offsets, at
 
 
 class PeerSum:
-    """This rank's block (two channels of mailboxes, flags and epochs; an abort flag) and the peer's, mapped
+    """This rank's block (three channels of mailboxes, flags and epochs; an abort flag) and the peer's, mapped
     (`connect_pair`)."""
 
     LAYOUT, ABORT_WORD = _channel_layout()
@@ -156,6 +161,7 @@ class PeerSum:
         self.abort_flag = block[self.ABORT_WORD:].view(torch.int32)[:1]
         self._one = torch.ones(1, dtype=torch.int32).pin_memory()
         self._abort_stream = torch.cuda.Stream(device)
+        self._pushes: dict[int, PeerPush] = {}  # row width -> where a matmul pushes such rows (`push_for`)
 
     @staticmethod
     def fits(parts: torch.Tensor) -> bool:
@@ -189,25 +195,59 @@ class PeerSum:
     def fits_norm(parts: torch.Tensor) -> bool:
         return norm_kernel.fits(parts)
 
+    TRANSPORTS = ("flags", "tagged", "pushed")
+
     def sum_rms_norm(self, parts: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                     weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None):
+                     weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None,
+                     transport: str = "flags", want_sum: bool = False):
         """`rms_norm(sum_rounded(parts, bias, dtype), weight, eps, residual)` in one kernel (the same bits):
-        y, or (y, h) with the residual. parts [C, T, D] fp32, `fits_norm(parts)`."""
+        y, or (y, h) with the residual; with `want_sum` the rounded sum x comes first ((x, y) or (x, y, h)).
+        parts [C, T, D] fp32, `fits_norm(parts)`. `transport`, the same on both ranks: "flags" (values, then a
+        flag per program), "pushed" (the matmul that made `parts` sent them already: `push_for`; receive
+        only), "tagged" (this kernel sends tagged words itself: tests and benchmarks). Same bits every way."""
+        if transport not in self.TRANSPORTS:
+            raise ValueError(f"peer sum: transport must be one of {self.TRANSPORTS}, got {transport!r}")
         parts = parts.contiguous()
         t, d = parts.shape[1:]
         x = torch.empty((t, d), dtype=dtype, device=parts.device)
         y_dtype = dtype if weight is None else torch.promote_types(weight.dtype, dtype)
         y = torch.empty((t, d), dtype=y_dtype, device=parts.device)
         h = torch.empty_like(x) if residual is not None else None
-        addresses, epochs = self.channels["rows"]
+        tagged = transport != "flags"
+        addresses, epochs = self.channels["rows_tagged" if tagged else "rows"]
         step = norm_kernel.rows_per_launch(d)  # larger steps in row pieces: each row's norm is its own
         for r in range(0, t, step):
             piece = slice(r, r + step)
             norm_kernel.launch_peer_sum_rms_norm(
                 parts[:, piece], bias, residual[piece] if residual is not None else None, weight, eps, x[piece],
                 y[piece], h[piece] if h is not None else None, self.rank, addresses, epochs, self.abort_flag,
-                self.timeout_ns)
-        return y if residual is None else (y, h)
+                self.timeout_ns, tagged=tagged, pushed=transport == "pushed")
+        out = (y,) if residual is None else (y, h)
+        out = ((x,) if want_sum else ()) + out
+        return out[0] if len(out) == 1 else out
+
+    @staticmethod
+    def can_push(rows: int, d: int) -> bool:
+        """Whether a sum + norm of `rows` rows of width d fits the tagged channel: a norm tile that fits a
+        mailbox (as `fits_norm`), one launch of at most G_TAGGED programs (decode-sized steps). The same on
+        both ranks (the shape decides). A pushed partial must be consumed by the fused kernel (the peer's
+        waits for it), so this never admits a call that `fits_norm` refuses."""
+        block_d, per_program, _ = _layout_for(d)
+        return rows > 0 and per_program * block_d <= norm_kernel.BOX and \
+            norm_kernel.programs(rows, d) <= norm_kernel.G_TAGGED
+
+    def push_for(self, rows: int, d: int) -> PeerPush | None:
+        """Where a row-parallel matmul of `rows` rows and width d sends its fp32 partial for the fused sum +
+        norm (`kernels.peer_push`), or None when it does not fit (`can_push`): then the sum kernel sends."""
+        if not self.can_push(rows, d):
+            return None
+        push = self._pushes.get(d)
+        if push is None:
+            (mail0, mail1, _, _), epochs = self.channels["rows_tagged"]
+            block_d, norm_rows, _ = _layout_for(d)
+            push = self._pushes[d] = PeerPush(mail0, mail1, epochs, self.rank, norm_rows, block_d, norm_kernel.BOX,
+                                              norm_kernel.G_TAGGED * norm_kernel.BOX)
+        return push
 
     @staticmethod
     def fits_combine(y: torch.Tensor) -> bool:

@@ -146,7 +146,7 @@ CHUNK_LOOP_MAX_M = 64
 
 
 def _run_chunks(x2: torch.Tensor, weight: torch.Tensor, num_chunks: int, r0: int, m: int,
-                parts: torch.Tensor) -> None:
+                parts: torch.Tensor, push=None) -> None:
     """The C chunk partials of rows [r0, r0 + m) into `parts` [C, m, N] fp32, in one batched launch. Batch
     entry c = chunk c: A[c] = x2[r0:r0+m, c kc:(c+1) kc], B[c] = weight[:, c kc:(c+1) kc]^T. The kernel's
     config comes from (m, N, kc) only; batch entries never interact (matmul contract A)."""
@@ -158,20 +158,23 @@ def _run_chunks(x2: torch.Tensor, weight: torch.Tensor, num_chunks: int, r0: int
     # layer's; C short launches' worth of programs would each restart the pipeline). Same bits either way.
     per_program = num_chunks if m <= CHUNK_LOOP_MAX_M else 1
     _mm._run(x2[r0:r0 + m], (kc * sxk, sxm, sxk), weight, (kc * swk, swk, swn), parts, parts.stride(),
-             None, num_chunks, m, n, kc, None, per_program)
+             None, num_chunks, m, n, kc, None, per_program, push)
 
 
-def linear_parts(x: torch.Tensor, weight: torch.Tensor, num_chunks: int) -> torch.Tensor:
+def linear_parts(x: torch.Tensor, weight: torch.Tensor, num_chunks: int, push=None) -> torch.Tensor:
     """Triton: the chunk partials of `linear_tree` before the tree, fp32 [C, ..., N] (`linear_tree` ==
     `pairwise_tree_sum(linear_parts(...))` bit for bit); for callers that fuse the tree into the next step
-    (`kernels.peer_sum`). The whole [C, rows, N] buffer at once: keep rows small (decode-sized)."""
+    (`kernels.peer_sum`). The whole [C, rows, N] buffer at once: keep rows small (decode-sized). `push` (a
+    `kernels.peer_push.PeerPush`, one chunk): the matmul also sends its output to the other GPU's sum kernel."""
     _mm._check_inputs("linear_parts", x, weight)
     check_chunks("linear_parts", x, weight, num_chunks)
+    if push is not None and num_chunks != 1:
+        raise ValueError(f"linear_parts: a pushed partial is one chunk, got num_chunks={num_chunks}")
     n, k = weight.shape
     rows = math.prod(x.shape[:-1])
     parts = torch.empty((num_chunks, rows, n), dtype=torch.float32, device=x.device)
     if rows and n:
-        _run_chunks(x.reshape(rows, k), weight, num_chunks, 0, rows, parts)
+        _run_chunks(x.reshape(rows, k), weight, num_chunks, 0, rows, parts, push)
     return parts.view((num_chunks,) + tuple(x.shape[:-1]) + (n,))
 
 

@@ -40,6 +40,7 @@ from detinfer.kernels.matmul_ref import (  # noqa: F401
     linear_ref,
     matmul_ref,
 )
+from detinfer.kernels.peer_push import PeerPush, push_tile
 
 __all__ = ["matmul", "bmm", "linear", "matmul_ref", "bmm_ref", "linear_ref"]
 
@@ -89,14 +90,21 @@ def _add_bias(acc, bias_ptr, offs_n, n_ok, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
-def _store_tile(acc, c_ptr, bias_ptr, pid_m, pid_n, M, N, stride_cm, stride_cn,
-                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _store_tile(acc, c_ptr, bias_ptr, pid_m, pid_n, M, N, stride_cm, stride_cn, push_epochs_ptr, push_mail0,
+                push_mail1, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                PUSH: tl.constexpr, PUSH_RANK: tl.constexpr, PUSH_ROWS: tl.constexpr, PUSH_BLOCK_D: tl.constexpr,
+                PUSH_BOXN: tl.constexpr, PUSH_SLOT: tl.constexpr):
+    """Store the tile (+ bias); with PUSH also send it to the other GPU's sum kernel (kernels/peer_push.py:
+    a row-parallel layer's fp32 partial, written as it is stored)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     acc = _add_bias(acc, bias_ptr, offs_n, n_ok, HAS_BIAS)
     c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & n_ok[None, :])
+    if PUSH:
+        push_tile(acc, offs_m, offs_n, M, N, push_mail0, push_mail1, push_epochs_ptr, PUSH_RANK, PUSH_ROWS,
+                  PUSH_BLOCK_D, PUSH_BOXN, PUSH_SLOT)
 
 
 # M changes with every batch: not specializing on it (divisibility by 16, == 1) keeps one binary per
@@ -105,21 +113,24 @@ def _store_tile(acc, c_ptr, bias_ptr, pid_m, pid_n, M, N, stride_cm, stride_cn,
 # (measured: 5x slower). Single-matrix launches pass batch strides of 0 for that reason.
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr,
+    a_ptr, b_ptr, c_ptr, bias_ptr, push_epochs_ptr,
     M, N, K,
     stride_az, stride_am, stride_ak,
     stride_bz, stride_bk, stride_bn,
     stride_cz, stride_cm, stride_cn,
+    push_mail0, push_mail1,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE_K: tl.constexpr,
     Z_PER_PROGRAM: tl.constexpr,
+    PUSH: tl.constexpr, PUSH_RANK: tl.constexpr, PUSH_ROWS: tl.constexpr, PUSH_BLOCK_D: tl.constexpr,
+    PUSH_BOXN: tl.constexpr, PUSH_SLOT: tl.constexpr,
 ):
     """C[z] = A[z] @ B[z] (+ bias) for one BLOCK_M x BLOCK_N tile of the batch entries z = program_id(1) *
     Z_PER_PROGRAM + 0 .. Z_PER_PROGRAM - 1, one after the other (each from a zero accumulator, so an entry's
-    bits do not depend on Z_PER_PROGRAM)."""
+    bits do not depend on Z_PER_PROGRAM). PUSH (one batch entry): `_store_tile`."""
     pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -145,7 +156,8 @@ def _matmul_kernel(
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
         _store_tile(acc, c_ptr + z0 * stride_cz, bias_ptr, pid_m, pid_n, M, N, stride_cm, stride_cn,
-                    HAS_BIAS, BLOCK_M, BLOCK_N)
+                    push_epochs_ptr, push_mail0, push_mail1, HAS_BIAS, BLOCK_M, BLOCK_N, PUSH, PUSH_RANK,
+                    PUSH_ROWS, PUSH_BLOCK_D, PUSH_BOXN, PUSH_SLOT)
     else:
         # The entries' K blocks as one flat loop, so the software pipeline runs on across entries (short
         # chunks would otherwise restart it every few blocks); each entry still starts from a zero
@@ -163,7 +175,8 @@ def _matmul_kernel(
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
             if kb == k_blocks - 1:
                 _store_tile(acc, c_ptr + z * stride_cz, bias_ptr, pid_m, pid_n, M, N, stride_cm, stride_cn,
-                            HAS_BIAS, BLOCK_M, BLOCK_N)
+                            push_epochs_ptr, push_mail0, push_mail1, HAS_BIAS, BLOCK_M, BLOCK_N, False, 0, 1, 1,
+                            1, 1)
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
 
@@ -194,7 +207,8 @@ def _matmul_tma_kernel(
                 acc = tl.dot(a, w_desc.load([kb * BLOCK_K, pid_n * BLOCK_N]), acc)
             else:
                 acc = tl.dot(a, w_desc.load([pid_n * BLOCK_N, kb * BLOCK_K]).T, acc)
-        _store_tile(acc, c_ptr, bias_ptr, pid_m, pid_n, M, N, stride_cm, stride_cn, HAS_BIAS, BLOCK_M, BLOCK_N)
+        _store_tile(acc, c_ptr, bias_ptr, pid_m, pid_n, M, N, stride_cm, stride_cn, c_ptr, 0, 0, HAS_BIAS,
+                    BLOCK_M, BLOCK_N, False, 0, 1, 1, 1, 1)
 
 
 try:  # host-side TMA descriptors (triton >= 3.4); without them every config runs the pointer kernel
@@ -297,28 +311,41 @@ def _prefetch(pdl: bool, m: int, k: int, sbk: int, elem: int) -> dict:
     return dict(PREFETCH_K=PREFETCH_COLS, LINE_K=line)
 
 
+def _push_args(push: PeerPush | None) -> tuple[tuple, dict]:
+    """(scalars, constexprs) of a launch's push to the peer (kernels/peer_push.py; none: PUSH off)."""
+    if push is None:
+        return (0, 0), dict(PUSH=False, PUSH_RANK=0, PUSH_ROWS=1, PUSH_BLOCK_D=1, PUSH_BOXN=1, PUSH_SLOT=1)
+    return (push.mail0, push.mail1), dict(PUSH=True, PUSH_RANK=push.rank, PUSH_ROWS=push.rows,
+                                          PUSH_BLOCK_D=push.block_d, PUSH_BOXN=push.boxn, PUSH_SLOT=push.slot)
+
+
 def _run(a, sa, b, sb, c, sc, bias, nb: int, m: int, n: int, k: int, cfg: MatmulConfig | None,
-         z_per_program: int = 1) -> None:
+         z_per_program: int = 1, push: PeerPush | None = None) -> None:
     """c[z] = a[z] @ b[z] (+ bias) for z < nb. a, b, c are base tensors (data_ptr = element [0, 0, 0]) of
     A [nb, M, K], B [nb, K, N], C [nb, M, N], described by element strides sa / sb / sc = (z, row, col):
     the caller passes strides instead of building views. `cfg` overrides the dispatcher (tests use it to
     prove every config gives the same bits). `z_per_program` (a divisor of nb): batch entries one program
     walks in turn (pointer kernel; same bits, see the kernel): nb short-K entries as one long weight stream
-    per tile instead of nb times as many programs each paying a pipeline start."""
+    per tile instead of nb times as many programs each paying a pipeline start. `push` (one fp32 matrix):
+    also send C to the other GPU's sum kernel (kernels/peer_push.py), from the pointer kernel."""
     if nb == 0 or m == 0 or n == 0:
         return
     if nb > 65535:
         raise ValueError(f"batch size {nb} exceeds the kernel's limit of 65535 batch entries per launch")
     if nb % z_per_program:
         raise ValueError(f"z_per_program {z_per_program} must divide the batch size {nb}")
+    if push is not None and (nb != 1 or c.dtype != torch.float32):
+        raise ValueError(f"a pushed matmul writes one fp32 matrix, got {nb} batch entries of {c.dtype}")
     has_bias = bias is not None
-    tensors = (a, b, c, bias if has_bias else c)
+    tensors = (a, b, c, bias if has_bias else c, push.epochs if push is not None else c)
+    push_scalars, push_constexprs = _push_args(push)
     explicit = cfg is not None
     pdl = use_pdl(a.device)
     if not explicit:
         # Everything below is a function of this key (plus the device and the operands' alignment, which
         # the launch cache adds): a repeated shape skips the config lookup and Triton's argument binding.
-        key = (nb, m, n, k, a.dtype, c.dtype, has_bias, sa, sb, sc, pdl, z_per_program)  # c.dtype: fp32 of bf16
+        key = (nb, m, n, k, a.dtype, c.dtype, has_bias, sa, sb, sc, pdl, z_per_program,  # c.dtype: fp32 of bf16
+               push.key if push is not None else None)
         if _POINTER_LAUNCHES.try_launch(key, tensors):
             return
         cfg = fit_to_output(_config(m, n, k, a.dtype, a.device), c.element_size(), a.element_size())
@@ -326,7 +353,8 @@ def _run(a, sa, b, sb, c, sc, bias, nb: int, m: int, n: int, k: int, cfg: Matmul
     tiles = _cdiv(m, bm) * _cdiv(n, bn)
     # W [N, K] is B [K, N] read through its strides: its row stride is B's column stride. A B with unit
     # stride along N instead (a row-major [K, N] matrix) gets a descriptor of that layout (B_KN).
-    tma = cfg.tma and nb == 1 and TensorDescriptor is not None
+    # A push runs on the pointer kernel (the only one with the push epilogue; pushes are decode-sized).
+    tma = cfg.tma and nb == 1 and TensorDescriptor is not None and push is None
     b_nk = tma and _tma_ok(a, sa[1], sa[2], b, sb[2], sb[1], k)
     b_kn = tma and not b_nk and _tma_ok(a, sa[1], sa[2], b, sb[1], sb[2], k)
     if b_nk or b_kn:
@@ -351,8 +379,8 @@ def _run(a, sa, b, sb, c, sc, bias, nb: int, m: int, n: int, k: int, cfg: Matmul
         HAS_BIAS=has_bias, EVEN_K=k % bk == 0,
         PRECISION=dot_precision(a.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, USE_PDL=pdl, Z_PER_PROGRAM=z_per_program,
-        **_prefetch(pdl and nb == z_per_program, m, k, sb[1], b.element_size()))
-    scalars = (m, n, k, *sa, *sb, *sc)
+        **_prefetch(pdl and nb == z_per_program, m, k, sb[1], b.element_size()), **push_constexprs)
+    scalars = (m, n, k, *sa, *sb, *sc, *push_scalars)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl))
     grid = (tiles, nb // z_per_program)
     if explicit:

@@ -49,6 +49,7 @@ from detinfer.kernels._direct import LaunchCache
 from detinfer.kernels._launch import interpreting
 from detinfer.kernels._pdl import launch_options, pdl_start, use_pdl
 from detinfer.kernels.chunked_linear import pairwise_tree_sum
+from detinfer.kernels.peer_push import rank_ptr
 
 # Elements per program: 16 fp32 per thread at 4 warps. A decode step's 4096-wide partial is 2 programs; a
 # batch of 64 is 128 programs reading the peer in parallel (the NVLink round trip is the cost, not bytes).
@@ -112,24 +113,13 @@ def _local_tree(parts_ptr, offs, ok, part_stride, NUM_PARTS: tl.constexpr):
 
 
 @triton.jit
-def _rank_ptr(addr0, addr1, WHICH: tl.constexpr, DTYPE: tl.constexpr):
-    """Rank WHICH's mailboxes or flags as a pointer: they arrive as addresses, since the peer's are a mapping
-    of its GPU's memory that no torch tensor of this process describes."""
-    if WHICH == 0:
-        addr = addr0
-    else:
-        addr = addr1
-    return addr.to(tl.pointer_type(DTYPE), bitcast=True)
-
-
-@triton.jit
 def _send(x, mask, box, mail0_addr, mail1_addr, flags0_addr, flags1_addr, g, ep,
           RANK: tl.constexpr, GMAX: tl.constexpr):
     """Push this program's values into the peer's mailbox (posted stores: the reader's copy is local), then
     raise the peer's flag for program g."""
-    tl.store(_rank_ptr(mail0_addr, mail1_addr, 1 - RANK, tl.float32) + box, x, mask=mask)
+    tl.store(rank_ptr(mail0_addr, mail1_addr, 1 - RANK, tl.float32) + box, x, mask=mask)
     tl.debug_barrier()  # every thread's writes into the peer's mailbox happen before the flag's release
-    peer_flags = _rank_ptr(flags0_addr, flags1_addr, 1 - RANK, tl.int64)
+    peer_flags = rank_ptr(flags0_addr, flags1_addr, 1 - RANK, tl.int64)
     tl.atomic_xchg(peer_flags + RANK * GMAX + g, ep, sem="release", scope="sys")
 
 
@@ -137,10 +127,10 @@ def _send(x, mask, box, mail0_addr, mail1_addr, flags0_addr, flags1_addr, g, ep,
 def _await_mailbox(mail0_addr, mail1_addr, flags0_addr, flags1_addr, g, ep, abort_ptr, timeout_ns,
                    RANK: tl.constexpr, GMAX: tl.constexpr, HW_WAIT: tl.constexpr, HAS_TIMER: tl.constexpr):
     """Wait for the peer's flag for program g; then this rank's mailboxes (which the peer filled), a pointer."""
-    own_flags = _rank_ptr(flags0_addr, flags1_addr, RANK, tl.int64)
+    own_flags = rank_ptr(flags0_addr, flags1_addr, RANK, tl.int64)
     _wait_for_peer(own_flags + (1 - RANK) * GMAX + g, ep, abort_ptr, timeout_ns, HW_WAIT, HAS_TIMER)
     tl.debug_barrier()  # the acquire (one thread) happens before every thread's mailbox reads
-    return _rank_ptr(mail0_addr, mail1_addr, RANK, tl.float32)
+    return rank_ptr(mail0_addr, mail1_addr, RANK, tl.float32)
 
 
 @triton.jit
@@ -150,6 +140,41 @@ def _receive(mask, box, mail0_addr, mail1_addr, flags0_addr, flags1_addr, g, ep,
     own_mail = _await_mailbox(mail0_addr, mail1_addr, flags0_addr, flags1_addr, g, ep, abort_ptr, timeout_ns,
                               RANK, GMAX, HW_WAIT, HAS_TIMER)
     return tl.load(own_mail + box, mask=mask, other=0.0, cache_modifier=".cv")  # never a stale cached line
+
+
+@triton.jit
+def _missing_words(words, mask, tag):
+    """How many of the masked words do not carry `tag` yet (0: all arrived)."""
+    return tl.sum(tl.where(mask & ((words >> 32).to(tl.int32) != tag), 1, 0))
+
+
+@triton.jit
+def _receive_tagged(mask, box, mail0_addr, mail1_addr, ep, abort_ptr, timeout_ns, RANK: tl.constexpr,
+                    HW_WAIT: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """Poll this rank's tagged mailbox until every masked word carries epoch ep's tag; their fp32 values
+    (`kernels.peer_push` sends them). Volatile loads: a line read at an earlier poll is never reused."""
+    own = rank_ptr(mail0_addr, mail1_addr, RANK, tl.int64) + box
+    tag = ep.to(tl.int32)  # the low 32 bits, as `peer_push.send_tagged` wrote them
+    words = tl.load(own, mask=mask, other=0, volatile=True)
+    missing = _missing_words(words, mask, tag)
+    if HW_WAIT:
+        spins = 0
+        if HAS_TIMER:
+            start = tl.extra.cuda.globaltimer()
+        while missing > 0:
+            spins += 1
+            if HAS_TIMER:
+                late = (tl.extra.cuda.globaltimer() - start) > timeout_ns
+            else:  # no clock: count polls (each is at least ~100 ns of an L2 round trip)
+                late = spins > timeout_ns // 100
+            stop = tl.load(abort_ptr, volatile=True) != 0
+            if late | stop:
+                _trap(missing.to(tl.int64))
+            words = tl.load(own, mask=mask, other=0, volatile=True)
+            missing = _missing_words(words, mask, tag)
+    else:
+        tl.device_assert(missing == 0, "peer_sum: the peer has not sent (interpreter: run SEND on both first)")
+    return words.to(tl.int32).to(tl.float32, bitcast=True)  # the low 32 bits
 
 
 @triton.jit

@@ -213,15 +213,26 @@ class Ops(MoeOps, Fp8Ops):
             return cl.pairwise_tree_sum(self.linear_parts(x, weight, num_chunks))
         return (cl.linear_tree if self._kernel(x, weight) else cl.linear_tree_ref)(x, weight, num_chunks)
 
-    def linear_parts(self, x: torch.Tensor, weight: torch.Tensor, num_chunks: int) -> torch.Tensor:
+    def linear_parts(self, x: torch.Tensor, weight: torch.Tensor, num_chunks: int, push=None) -> torch.Tensor:
         """`linear_tree` before its tree: fp32 [num_chunks, ..., N], for a consumer that adds the tree itself
-        (`tree_sum_rounded`, the two-GPU peer sum). Fast mode: stock matmuls per chunk."""
+        (`tree_sum_rounded`, the two-GPU peer sum). Fast mode: stock matmuls per chunk. `push` (a
+        `kernels.peer_push.PeerPush`; the deterministic kernel path only, one chunk): the matmul also sends
+        its output to the other GPU's fused sum + norm, which then only receives."""
         cl = _kernels("chunked_linear")
+        if push is not None:
+            if not self.pushes_parts(x, weight):
+                raise ValueError("linear_parts: only the deterministic Triton matmul pushes its output to a peer")
+            return cl.linear_parts(x, weight, num_chunks, push)
         if not self.deterministic:
             cl.check_chunks("linear_parts", x, weight, num_chunks)
             return torch.stack([F.linear(xc.float(), wc.float()) for xc, wc in
                                 zip(x.chunk(num_chunks, -1), weight.chunk(num_chunks, -1))])
         return (cl.linear_parts if self._kernel(x, weight) else cl.linear_parts_ref)(x, weight, num_chunks)
+
+    def pushes_parts(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether `linear_parts(x, weight, 1, push)` can send its output to a peer as it stores it (the
+        deterministic Triton matmul; `kernels.peer_push`)."""
+        return self.deterministic and self._kernel(x, weight)
 
     def tree_sum_rounded(self, parts: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         """`(tree_sum(parts) [+ bias.float()]).to(dtype)`: a row-parallel layer's epilogue on one GPU (TP=1

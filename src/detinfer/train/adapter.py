@@ -87,6 +87,12 @@ class DifferentiableOps:
             return self.base.linear_parts(x, weight, num_chunks)
         return self.linear_tree(x, weight, num_chunks)[None]
 
+    @staticmethod
+    def pushes_parts(x, weight) -> bool:
+        """Never: a trainer's row-parallel partials are summed by the sum kernel's own exchange (the engine's
+        matmul-side send is an inference path, `kernels.peer_push`)."""
+        return False
+
     def tree_sum_rounded(self, parts, bias, dtype):
         if not _needs_grad(parts, bias):
             return self.base.tree_sum_rounded(parts, bias, dtype)
