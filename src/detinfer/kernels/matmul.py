@@ -311,10 +311,14 @@ def _prefetch(pdl: bool, m: int, k: int, sbk: int, elem: int) -> dict:
     return dict(PREFETCH_K=PREFETCH_COLS, LINE_K=line)
 
 
+_NO_PUSH = ((0, 0), dict(PUSH=False, PUSH_RANK=0, PUSH_ROWS=1, PUSH_BLOCK_D=1, PUSH_BOXN=1, PUSH_SLOT=1))
+
+
 def _push_args(push: PeerPush | None) -> tuple[tuple, dict]:
-    """(scalars, constexprs) of a launch's push to the peer (kernels/peer_push.py; none: PUSH off)."""
+    """(scalars, constexprs) of a launch's push to the peer (kernels/peer_push.py; none: PUSH off). Only a
+    launch that misses the launch cache asks (the cache replays both)."""
     if push is None:
-        return (0, 0), dict(PUSH=False, PUSH_RANK=0, PUSH_ROWS=1, PUSH_BLOCK_D=1, PUSH_BOXN=1, PUSH_SLOT=1)
+        return _NO_PUSH
     return (push.mail0, push.mail1), dict(PUSH=True, PUSH_RANK=push.rank, PUSH_ROWS=push.rows,
                                           PUSH_BLOCK_D=push.block_d, PUSH_BOXN=push.boxn, PUSH_SLOT=push.slot)
 
@@ -338,7 +342,6 @@ def _run(a, sa, b, sb, c, sc, bias, nb: int, m: int, n: int, k: int, cfg: Matmul
         raise ValueError(f"a pushed matmul writes one fp32 matrix, got {nb} batch entries of {c.dtype}")
     has_bias = bias is not None
     tensors = (a, b, c, bias if has_bias else c, push.epochs if push is not None else c)
-    push_scalars, push_constexprs = _push_args(push)
     explicit = cfg is not None
     pdl = use_pdl(a.device)
     if not explicit:
@@ -351,6 +354,7 @@ def _run(a, sa, b, sb, c, sc, bias, nb: int, m: int, n: int, k: int, cfg: Matmul
         cfg = fit_to_output(_config(m, n, k, a.dtype, a.device), c.element_size(), a.element_size())
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     tiles = _cdiv(m, bm) * _cdiv(n, bn)
+    push_scalars, push_constexprs = _push_args(push)
     # W [N, K] is B [K, N] read through its strides: its row stride is B's column stride. A B with unit
     # stride along N instead (a row-major [K, N] matrix) gets a descriptor of that layout (B_KN).
     # A push runs on the pointer kernel (the only one with the push epilogue; pushes are decode-sized).
