@@ -90,19 +90,25 @@ def test_fp8_tp2_equals_tp1_with_invariant_reduction(model_dir):
 
 
 def test_fp8_quantized_hand_offs_change_no_bit(model_dir, monkeypatch):
-    """The RMSNorm and SiLU*mul kernels quantizing the rows they hand to FP8 linears (kernels/fp8_act_quant.py,
-    counted) vs every FP8 linear quantizing its own input: the same tokens and logprobs, graphs on."""
-    from detinfer.kernels import fp8_act_quant
-    from detinfer.models.transformer import DecoderLayer
+    """The RMSNorm, SiLU*mul and attention kernels quantizing the rows they hand to FP8 linears
+    (kernels/fp8_act_quant.py, kernels/attention_quant.py; counted) vs every FP8 linear quantizing its own
+    input: the same tokens and logprobs, graphs on."""
+    from detinfer.kernels import attention_quant, fp8_act_quant
+    from detinfer.models.transformer import Attention, DecoderLayer
     from detinfer.ops import Ops
 
     reqs, calls = _requests(6), []
     norm, silu_q, silu = fp8_act_quant.rms_norm_quantized, fp8_act_quant.silu_mul_quantized, Ops.linear_fp8_silu_mul
+    attend = attention_quant.paged_attention_quantized
     monkeypatch.setattr(fp8_act_quant, "rms_norm_quantized", lambda *a: calls.append("norm") or norm(*a))
     monkeypatch.setattr(fp8_act_quant, "silu_mul_quantized", lambda *a: calls.append("silu") or silu_q(*a))
+    monkeypatch.setattr(attention_quant, "paged_attention_quantized",
+                        lambda *a, **k: calls.append("attention") or attend(*a, **k))
     fused = _run(model_dir, reqs)
     assert "norm" in calls and ("silu" in calls or "moe" in model_dir.name)  # an MoE layer has no SiLU*mul hand-off
+    assert "attention" in calls  # head_dim 128: one head is one activation group
     monkeypatch.setattr(DecoderLayer, "fp8_inputs", lambda self: (False, False))
+    monkeypatch.setattr(Attention, "o_proj_fp8", lambda self: False)
     monkeypatch.setattr(Ops, "linear_fp8_silu_mul",
                         lambda self, x, w, s, b=None, quantized=False: silu(self, x, w, s, b))
     calls.clear()

@@ -57,6 +57,7 @@ from detinfer.cache.layout import StepLayout, padded_tables
 from detinfer.cache.paged_kv import StepMetadata, upload
 from detinfer.constants import SHORT_KV_TOKENS  # kv bound of the short decode graphs: one attention split
 from detinfer.engine.paged_attention import PagedAttention
+from detinfer.kernels.fp8_quant import FP8_DTYPE, QuantizedRows, num_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -206,12 +207,14 @@ class StepInputs:
         return self.views(shape)
 
 
-def padded_local_logits(runner, meta: StepMetadata, rows: torch.Tensor, attn_out: torch.Tensor | None = None
-                        ) -> torch.Tensor:
+def padded_local_logits(runner, meta: StepMetadata, rows: torch.Tensor, attn_out: torch.Tensor | None = None,
+                        quant_out=None) -> torch.Tensor:
     """The forward a graph captures: the model over a padded step's metadata, this rank's logits columns
     (`Transformer.local_logits`: all of them without tensor parallelism) of the `rows` index (fp32, one per
-    row of the index). `attn_out`: the graph's fixed attention output buffer."""
-    attn = PagedAttention(runner.kv_cache, meta, runner.ops, runner.model_config.softmax_scale, attn_out)
+    row of the index). `attn_out` / `quant_out`: the graph's fixed attention output buffers (16-bit rows;
+    `QuantizedRows` for an FP8 o_proj)."""
+    attn = PagedAttention(runner.kv_cache, meta, runner.ops, runner.model_config.softmax_scale, attn_out,
+                          quant_out)
     hidden = runner.model(meta.input_ids, meta.positions, attn)
     return runner.model.local_logits(hidden.index_select(0, rows))
 
@@ -242,6 +245,9 @@ class StepGraphs:
         # Attention rows of padding tokens are never written: zeroed once so they never hold NaN garbage.
         self._attn_out = torch.zeros((t_all, cfg.num_attention_heads, cfg.head_dim), dtype=runner.dtype,
                                      device=dev)
+        # FP8 models: the rows an FP8 o_proj takes quantized from the attention kernel (ops.paged_attention_fp8)
+        self._attn_quant = quantized_rows_buffers(t_all, cfg.q_size, runner.dtype, dev) \
+            if cfg.quantization == "fp8" else None
         self._logits = torch.zeros((r_all, cfg.vocab_size), dtype=torch.float32, device=dev)
         self.local_vocab = local_vocab(runner.model)
         self._local = self._logits if not self.local_vocab else \
@@ -256,7 +262,12 @@ class StepGraphs:
     def static_bytes(self) -> int:
         cfg = self.runner.model_config
         return static_buffer_bytes(list(self.shapes.values()), self.inputs.width, cfg.q_size, cfg.vocab_size,
-                                   self._attn_out.element_size(), self.local_vocab)
+                                   self._attn_out.element_size(), self.local_vocab, self._attn_quant is not None)
+
+    def _quant_rows(self, tokens: int):
+        """The first `tokens` rows of the fixed quantized attention buffers (None: not an FP8 model)."""
+        b = self._attn_quant
+        return None if b is None else QuantizedRows(b.q[:tokens], b.scale[:tokens], b.dtype)
 
     # -- capture ---------------------------------------------------------------------------------------
     def capture(self) -> None:
@@ -271,7 +282,8 @@ class StepGraphs:
                 meta, rows = self.inputs.views(shape)
 
                 def forward(shape=shape, meta=meta, rows=rows):
-                    local = padded_local_logits(runner, meta, rows, self._attn_out[:shape.tokens])
+                    local = padded_local_logits(runner, meta, rows, self._attn_out[:shape.tokens],
+                                                self._quant_rows(shape.tokens))
                     self._local[:shape.logit_rows].copy_(local)
 
                 # All rows are padding here (slots -1, no sequence has a query): compiles and autotunes
@@ -365,11 +377,19 @@ def local_vocab(model) -> int:
     return model.output_weight.shape[0] if model.gathers_logits else 0
 
 
+def quantized_rows_buffers(tokens: int, width: int, dtype: torch.dtype, device):
+    """Zeroed `QuantizedRows` of [tokens, width] standing for `dtype` rows (padding rows hold zeros, never
+    NaN garbage, as the 16-bit attention buffer)."""
+    return QuantizedRows(torch.zeros((tokens, width), dtype=FP8_DTYPE, device=device),
+                         torch.zeros((tokens, num_blocks(width)), dtype=torch.float32, device=device), dtype)
+
+
 def static_buffer_bytes(shapes: list[GraphShape], width: int, hidden_out: int, vocab: int, elem: int,
-                        local_vocab: int = 0) -> int:
+                        local_vocab: int = 0, quantized_attention: bool = False) -> int:
     """Device bytes of the static buffers (`StepGraphs.static_bytes`) before they exist (KV pool sizing)."""
     sizes = buffer_sizes(shapes, width)
     t_all = max(s.tokens for s in shapes)
     r_all = max(s.logit_rows for s in shapes)
+    quant = t_all * (hidden_out + 4 * num_blocks(hidden_out)) if quantized_attention else 0
     return 8 * sizes["i64"] + 4 * sizes["i32"] + 4 * sizes["tables"] + t_all * hidden_out * elem \
-        + 4 * r_all * (vocab + local_vocab) + 8 * r_all
+        + 4 * r_all * (vocab + local_vocab) + 8 * r_all + quant

@@ -256,7 +256,7 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return int(GRAPH_POOL_FACTOR * self.graph_step_peak_bytes) + GRAPH_RESERVE_SLACK_BYTES \
             + static_buffer_bytes(shapes, self.max_blocks_per_seq, cfg.q_size, cfg.vocab_size, elem,
-                                  local_vocab(self.model))
+                                  local_vocab(self.model), cfg.quantization == "fp8")
 
     @torch.inference_mode()
     def _profile_peak_bytes(self, total: int | None = None, sample_rows: bool = True) -> int:

@@ -200,9 +200,12 @@ def _launch(q, k, v, out, *, paged: bool, cu_q, kv_lens, bt, key_start, num_seqs
             fixed_q_len: int, fixed_kv_len: int, block_size: int, num_blocks: int, max_blocks: int,
             split_size: int, num_splits: int, parallel: bool, window, scale: float, group: int,
             max_q_len: int, q_strides, o_strides, k_strides, v_strides, bt_stride: int,
-            lse_out: torch.Tensor | None = None) -> None:
+            lse_out: torch.Tensor | None = None, quant: tuple | None = None) -> None:
     """Run the attention kernel (and the merge kernel when split-parallel) into `out` (and each row's
-    log-sum-exp into `lse_out` [T, Hq], paged launches only)."""
+    log-sum-exp into `lse_out` [T, Hq], paged launches only). `quant` (q8, s8, rows, quantize), paged
+    launches at head_dim 128 only (kernels/attention_quant.py): the rows go quantized into q8 (contiguous
+    [T, Hq, D], as `rows`) and s8 [T, Hq] instead, `out` only names the dtype they are rounded to first, and
+    split-parallel steps merge into the 16-bit `rows`, then call quantize(rows, q8, s8)."""
     hq, d = (q.shape[1], q.shape[2]) if paged else (q.shape[1], q.shape[3])
     hkv = hq // group
     tokens = q.shape[0] if paged else q.shape[0] * q.shape[2]
@@ -226,9 +229,10 @@ def _launch(q, k, v, out, *, paged: bool, cu_q, kv_lens, bt, key_start, num_seqs
     # before it existed; the pointer is then an unused stand-in. Only paged launches pass lse_out.
     store_lse = lse_out is not None
     lse_ptr = lse_out if store_lse else out
+    q8, s8 = quant[:2] if quant is not None else (out, out)  # QUANT is a constexpr too: stand-ins without it
     grid = (n_tiles, hkv, triton.cdiv(num_splits, splits_per_program) if parallel else 1)
     K._attention_kernel[grid](
-        q, k, v, out, ws_o, ws_ml, lse_ptr, dummy_i32, kv_lens if kv_lens is not None else dummy_i32,
+        q, k, v, out, ws_o, ws_ml, lse_ptr, q8, s8, dummy_i32, kv_lens if kv_lens is not None else dummy_i32,
         bt if bt is not None else dummy_i32, key_start if key_start is not None else dummy_i32,
         *q_strides, *o_strides, *k_strides, *v_strides, bt_stride,
         num_seqs, fixed_q_len, fixed_kv_len, max_blocks, num_blocks, block_size, split_size,
@@ -236,6 +240,7 @@ def _launch(q, k, v, out, *, paged: bool, cu_q, kv_lens, bt, key_start, num_seqs
         GROUP=group, GROUP_PAD=gp, BLOCK_T=bt_, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, PAGED=paged,
         SPLIT_PARALLEL=parallel, HAS_WINDOW=has_window, MASK_ALL=_TUNE["mask_all"], FIXED_ORDER_DOT=fixed,
         PRECISION=dot_precision(q.dtype), MULTI_SPLIT=splits_per_program > 1, USE_PDL=pdl, STORE_LSE=store_lse,
+        QUANT=quant is not None,
         # fusion off: see the kernels' module doc.
         num_warps=warps, enable_fp_fusion=False, **launch_options(pdl),
         num_stages=_num_stages(d, parallel, splits_per_program, split_size, num_splits * split_size, bn))
@@ -243,13 +248,16 @@ def _launch(q, k, v, out, *, paged: bool, cu_q, kv_lens, bt, key_start, num_seqs
         # Rows of the merge program: tokens x padded group, ~16 rows on the GPU (16 x 128 fp32 partial
         # rows in flight); more in the interpreter, where each program costs milliseconds.
         tokens_per = max(1, (64 if fixed else 16) // gp)
+        merged = out if quant is None else quant[2]  # quantized below (kernels/attention_quant.py)
         K._merge_splits_kernel[(triton.cdiv(tokens, tokens_per), hkv)](
-            ws_o, ws_ml, out, lse_ptr, dummy_i32, kv_lens if kv_lens is not None else dummy_i32,
+            ws_o, ws_ml, merged, lse_ptr, dummy_i32, kv_lens if kv_lens is not None else dummy_i32,
             key_start if key_start is not None else dummy_i32, *o_strides,
             num_seqs, tokens, fixed_q_len, fixed_kv_len, split_size,
             window if has_window else 0, hq, num_splits,
             GROUP=group, GROUP_PAD=gp, TOKENS=tokens_per, HEAD_DIM=d, PAGED=paged, HAS_WINDOW=has_window,
             USE_PDL=pdl, STORE_LSE=store_lse, num_warps=4, enable_fp_fusion=False, **launch_options(pdl))
+        if quant is not None:
+            quant[3](merged, quant[0], quant[1])
 
 
 def _check_out(op: str, out, shape, q: torch.Tensor) -> torch.Tensor:
@@ -272,7 +280,7 @@ def _pick_parallel(schedule: str, n_programs: int, num_splits: int, device: torc
 
 
 def _paged(op, q, k_cache, v_cache, block_tables, kv_lens, cu_q_lens, scale, sliding_window, max_q_len,
-           max_kv_len, validate, split_size, schedule, fast: bool, out, lse_out=None):
+           max_kv_len, validate, split_size, schedule, fast: bool, out, lse_out=None, quant=None):
     group, scale = _check_paged(op, q, k_cache, v_cache, block_tables, kv_lens, cu_q_lens, scale,
                                 sliding_window, max_q_len, max_kv_len)
     if schedule not in SCHEDULES:
@@ -286,7 +294,8 @@ def _paged(op, q, k_cache, v_cache, block_tables, kv_lens, cu_q_lens, scale, sli
     if validate:
         _check_paged_values(op, q, k_cache, block_tables, kv_lens, cu_q_lens, max_kv_len)
     t, s = q.shape[0], kv_lens.shape[0]
-    out = _check_out(op, out, (t, q.shape[1], d), q)
+    # quantized rows (kernels/attention_quant.py, which checks its buffers): q stands in for `out`'s dtype
+    out = q if quant is not None else _check_out(op, out, (t, q.shape[1], d), q)
     check_lse_out(op, lse_out, q)
     if t == 0 or s == 0:
         return out
@@ -310,9 +319,10 @@ def _paged(op, q, k_cache, v_cache, block_tables, kv_lens, cu_q_lens, scale, sli
             block_size=k_cache.shape[1], num_blocks=k_cache.shape[0], max_blocks=block_tables.shape[1],
             split_size=split_size, num_splits=triton.cdiv(max_kv_len, split_size), parallel=parallel,
             window=sliding_window, scale=scale, group=group, max_q_len=max_q_len,
-            q_strides=(0, q.stride(0), q.stride(1)), o_strides=(0, out.stride(0), out.stride(1)),
+            q_strides=(0, q.stride(0), q.stride(1)),
+            o_strides=(0,) + (quant[0].stride()[:2] if quant is not None else out.stride()[:2]),
             k_strides=k_cache.stride()[:3], v_strides=v_cache.stride()[:3], bt_stride=block_tables.stride(0),
-            lse_out=lse_out)
+            lse_out=lse_out, quant=quant)
     return out
 
 

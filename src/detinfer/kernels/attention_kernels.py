@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from detinfer.kernels._pdl import pdl_start
+from detinfer.kernels.fp8_tiles import quantize_tile
 
 # Columns of the ones-matrix that turns the softmax denominator into a dot. 32, not the minimal 16: with
 # N = 16 the compiler picks another warp layout for this dot than for P @ V and converts P twice
@@ -81,6 +82,22 @@ def _finalize(l, o):
     key or value was read) still propagates."""
     safe_l = tl.where(l == 0.0, 1.0, l)
     return tl.where(l[:, None] == 0.0, 0.0, o / safe_l[:, None])
+
+
+@triton.jit
+def _store_out(out_ptr, q8_ptr, s8_ptr, o_off, s_off, d, row_ok, L, O, QUANT: tl.constexpr):
+    """The sequential programs' normalized rows rounded to the output dtype, stored; or (QUANT, head_dim 128: an
+    FP8 o_proj reads them) quantized as `quantize_activations` quantizes those stored rows, one (token, head)
+    row being one 128-wide activation group: fp8 values at the output's offsets in q8, the row's fp32 scale
+    at s8[s_off]. The same rounding, then the same `quantize_tile`: the bits of quantizing the 16-bit output.
+    (`_merge_splits_kernel` does not quantize: kernels/attention_quant.py says why.)"""
+    out = _finalize(L, O).to(out_ptr.dtype.element_ty)
+    if QUANT:
+        q, scale = quantize_tile(out.to(tl.float32))
+        tl.store(q8_ptr + o_off[:, None] + d[None, :], q, mask=row_ok[:, None])
+        tl.store(s8_ptr + s_off, scale, mask=row_ok)
+    else:
+        tl.store(out_ptr + o_off[:, None] + d[None, :], out, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -226,7 +243,7 @@ def _attend_tiles(q, pos, p_first, p_last, t_start, t_end, split_size, window, q
 @triton.jit(do_not_specialize=["num_seqs", "fixed_q_len", "fixed_kv_len", "max_blocks", "num_blocks",
                                "splits_per_program", "window"])
 def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_ml_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_ml_ptr, lse_ptr, q8_ptr, s8_ptr,
     cu_q_ptr, kv_lens_ptr, bt_ptr, key_start_ptr,
     stride_qs, stride_qt, stride_qh, stride_os, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
@@ -236,6 +253,7 @@ def _attention_kernel(
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, SPLIT_PARALLEL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, MASK_ALL: tl.constexpr, FIXED_ORDER_DOT: tl.constexpr,
     PRECISION: tl.constexpr, MULTI_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, STORE_LSE: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """One program: BLOCK_T query tokens x GROUP query heads sharing kv head `pid(1)`.
 
@@ -312,9 +330,9 @@ def _attention_kernel(
         _store_partial(ws_o_ptr, ws_ml_ptr, w_row + (t_end - 1) // split_size, row_ok, m_i, l_i, acc, HEAD_DIM)
     else:
         M, L, O = _merge(M, L, O, m_i, l_i, acc)
-        out = _finalize(L, O).to(out_ptr.dtype.element_ty)
         o_off = o_base + t.to(tl.int64) * stride_ot + head * stride_oh
-        tl.store(out_ptr + o_off[:, None] + d[None, :], out, mask=row_ok[:, None])
+        _store_out(out_ptr, q8_ptr, s8_ptr, o_off, (q_first + t).to(tl.int64) * num_q_heads + head, d, row_ok,
+                   L, O, QUANT)
         if STORE_LSE:
             _store_lse(lse_ptr, q_first + t, head, num_q_heads, row_ok, M, L)
 

@@ -7,7 +7,8 @@ tokens, and it is supplied by the caller as `attn(layer_idx, q, k, v)`: the engi
 its paged cache and runs paged attention; `attention_ref.ReferenceAttention` is a plain-torch one for tests.
 An `attn` may also offer the fused pair `attn.prologue(layer_idx, positions, q, k, v, inv_freq, q_weight,
 k_weight, eps) -> q'` (the q/k norm + rotary, storing k/v itself: the engine's does it in the same launch)
-and `attn.attend(layer_idx, q') -> out`; the model then calls those instead of `ops.qk_norm_rope` + `attn`.
+and `attn.attend(layer_idx, q', fp8_out) -> out`; the model then calls those instead of `ops.qk_norm_rope` +
+`attn`. With fp8_out (only an FP8 o_proj reads out) out may come back as `QuantizedRows` for that o_proj.
 
 Every numeric op (matmuls, norms, SiLU * up, q/k norm + rotary, the logits) goes through the model's one numerics
 backend `self.ops` (see detinfer.ops.backend), so under a deterministic `Ops` each token's result is
@@ -110,12 +111,20 @@ class Attention(nn.Module):
             (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         prologue = getattr(attn, "prologue", None)
         if prologue is not None:  # the engine's attention: that launch also stores k/v in the paged KV cache
+            # An FP8 o_proj may get the rows quantized by the attention kernel (ops.paged_attention_fp8)
             out = attn.attend(self.layer_idx, prologue(self.layer_idx, positions, q, k, v, rotary.inv_freq, q_w,
-                                                       k_w, eps))
+                                                       k_w, eps), fp8_out=self.o_proj_fp8())
         else:
             q, k = ops.qk_norm_rope(positions, q, k, rotary.inv_freq, q_w, k_w, eps)
             out = attn(self.layer_idx, q, k, v)  # [T, Hq, D]
-        return self.o_proj(out.reshape(T, self.q_size), ops)  # [T, hidden]
+        if isinstance(out, torch.Tensor):
+            out = out.reshape(T, self.q_size)
+        return self.o_proj(out, ops)  # [T, hidden]
+
+    def o_proj_fp8(self) -> bool:
+        """Whether only an FP8 o_proj reads the attention rows (no hook, e.g. repro's audit, reads them too)."""
+        o = self.o_proj
+        return getattr(o, "weight_scale", None) is not None and not o._forward_pre_hooks and not o._forward_hooks
 
 
 class MLP(nn.Module):

@@ -12,6 +12,8 @@
 - `rms_norm_fp8`: an RMSNorm whose output feeds only FP8 linears; deterministic mode returns `QuantizedRows`
   (quantized by the norm kernel itself on CUDA: kernels/fp8_act_quant.py), fast mode the 16-bit rows. The
   deterministic linears take either: the same bits, one launch fewer.
+- `paged_attention_fp8`: the same for an attention whose output feeds only an FP8 o_proj, in decode steps
+  (quantized by the attention kernel's store at head_dim 128: kernels/attention_quant.py).
 - `moe_fp8` / `moe_expert_outputs_fp8`: the backend's routing and combine around the grouped FP8 expert
   GEMMs (CUDA, both modes) or per-expert `linear_fp8` + `silu_mul` calls (elsewhere; kernels/fp8_moe.py).
 """
@@ -24,8 +26,8 @@ from detinfer.ops._kernel_modules import kernel_module as _kernels
 
 
 class Fp8Ops:
-    """Mixed into `Ops`: reads its `deterministic`, `device`, `silu_mul`, `rms_norm`, `_kernel`,
-    `_fused_kernel`, `moe_route` and `moe_combine`."""
+    """Mixed into `Ops`: reads its `deterministic`, `device`, `attention_impl`, `silu_mul`, `rms_norm`,
+    `paged_attention`, `_kernel`, `_fused_kernel`, `moe_route` and `moe_combine`."""
 
     def linear_fp8(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -89,6 +91,23 @@ class Fp8Ops:
         out = self.rms_norm(x, weight, eps, residual=residual)
         of = _kernels("fp8_quant").QuantizedRows.of
         return of(out) if residual is None else (of(out[0]), out[1])
+
+    def paged_attention_fp8(self, q, k_cache, v_cache, block_tables, kv_lens, cu_q_lens, scale, *, max_q_len,
+                            max_kv_len, validate: bool = True, out: torch.Tensor | None = None, quant_out=None):
+        """`paged_attention` for an attention whose output feeds only an FP8 o_proj: in deterministic decode
+        steps (max_q_len 1) on CUDA at head_dim 128, the rows [T, Hq * D] as `QuantizedRows` quantized by the
+        attention kernel's store (kernels/attention_quant.py: the same bits as o_proj quantizing them);
+        elsewhere paged_attention's [T, Hq, D] rows, which o_proj quantizes itself. out / quant_out: a CUDA
+        graph's fixed buffers for the 16-bit rows (also where a split-parallel step merges before quantizing)
+        / the quantized ones."""
+        kw = dict(max_q_len=max_q_len, max_kv_len=max_kv_len, validate=validate)
+        # Not in mixed steps: with prefill tiles they measured ~1% slower (kernels/attention_quant.py); not off
+        # CUDA: the interpreter's fp8 cast is not torch's. Fast mode quantizes in cuBLASLt's layout.
+        if self.deterministic and self.attention_impl == "kernel" and self.device.type == "cuda" and \
+                max_q_len == 1 and _kernels("attention_quant").quantizes(q):
+            return _kernels("attention_quant").paged_attention_quantized(
+                q, k_cache, v_cache, block_tables, kv_lens, cu_q_lens, scale, out=quant_out, rows_out=out, **kw)
+        return self.paged_attention(q, k_cache, v_cache, block_tables, kv_lens, cu_q_lens, scale, out=out, **kw)
 
     def moe_fp8(self, x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor, s_gate_up: torch.Tensor,
                 w_down: torch.Tensor, s_down: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
