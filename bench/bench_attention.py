@@ -11,6 +11,8 @@ Prefill: causal, sequences of 512..8k, 1k..16k tokens per step, vs SDPA's flash 
 tokens (paged K/V already written; write_kv timed separately); CUDA-graph replays too (GPU time), plus
 the invariant kernel timed eagerly (with the host's launch overhead).
 --sweep adds the candidate configs (split size, split grouping) next to the defaults.
+--quant adds, for an FP8 o_proj, the invariant kernel followed by the activation quantization launch o_proj
+would run (`inv+q`) and the kernel quantizing its rows in its own store (`invq`, kernels/attention_quant.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from detinfer.kernels import attention as A
+from detinfer.kernels.attention_quant import paged_attention_quantized
+from detinfer.kernels.fp8_linear import quantize_activations_gpu
 from detinfer.kernels.kv_write import write_kv
 
 HQ, HKV, D, BS = 32, 8, 128, 16
@@ -115,8 +119,16 @@ def decode_cell(bs: int, kv: int, variants: dict) -> dict:
     return row
 
 
-def decode_variants(sweep: bool) -> dict:
+def attention_then_quantize(*args, **kw):
+    """What an FP8 o_proj got before kernels/attention_quant.py: the 16-bit rows, then its own quantization."""
+    out = A.paged_attention(*args, **kw)
+    return quantize_activations_gpu(out.view(out.shape[0], -1))
+
+
+def decode_variants(sweep: bool, quant: bool) -> dict:
     v = {"inv": (A.paged_attention, {}, {}), "fast": (A.paged_attention_fast, {}, {})}
+    if quant:
+        v.update({"inv+q": (attention_then_quantize, {}, {}), "invq": (paged_attention_quantized, {}, {})})
     if sweep:
         v.update({
             "inv512": (A.paged_attention, {"split_size": 512}, {}),
@@ -137,7 +149,7 @@ def print_decode(rows: list[dict], names: list[str]) -> None:
               f"{r['fast'] / r['inv']:.2f} | {r['sdpa'] / r['inv']:.2f} |")
 
 
-def prefill_cell(n: int, length: int, sweep: bool) -> dict:
+def prefill_cell(n: int, length: int, sweep: bool, quant: bool) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(1)
     t = n * length
     k = torch.randn((t, HKV, D), device="cuda", dtype=DTYPE, generator=gen)
@@ -159,6 +171,8 @@ def prefill_cell(n: int, length: int, sweep: bool) -> dict:
     row["inv_eager"] = eager_ms(lambda: inv(0))  # includes host launch overhead
     row["fast"] = graph_ms(lambda i: A.paged_attention_fast(q, k_cache, v_cache, tables, kv_lens, cu, SCALE,
                                                             **kw), 1, 10)
+    for name, fn in (("inv+q", attention_then_quantize), ("invq", paged_attention_quantized)) if quant else ():
+        row[name] = graph_ms(lambda i, fn=fn: fn(q, k_cache, v_cache, tables, kv_lens, cu, SCALE, **kw), 1, 10)
     if sweep:
         row["inv512"] = graph_ms(lambda i: A.paged_attention(q, k_cache, v_cache, tables, kv_lens, cu, SCALE,
                                                              split_size=512, **kw), 1, 10)
@@ -195,6 +209,7 @@ def main() -> None:
     ap.add_argument("--decode", action="store_true")
     ap.add_argument("--prefill", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also time candidate configs")
+    ap.add_argument("--quant", action="store_true", help="also the rows quantized for an FP8 o_proj")
     ap.add_argument("--json", help="write all numbers here")
     args = ap.parse_args()
     both = not (args.decode or args.prefill)
@@ -203,7 +218,7 @@ def main() -> None:
           f"split_size {A.DEFAULT_SPLIT_SIZE}, tune {A._TUNE}")
     out = {}
     if args.decode or both:
-        variants = decode_variants(args.sweep)
+        variants = decode_variants(args.sweep, args.quant)
         rows = []
         for bs in (1, 8, 64, 256):
             for kv in (512, 4096, 32768):
@@ -218,12 +233,13 @@ def main() -> None:
         rows = []
         for n, length in ((2, 512), (8, 512), (1, 1024), (4, 1024), (16, 1024), (2, 2048), (1, 4096),
                           (4, 4096), (2, 8192)):
-            rows.append(prefill_cell(n, length, args.sweep))
+            rows.append(prefill_cell(n, length, args.sweep, args.quant))
             torch.cuda.empty_cache()
             print(f"  prefill {n}x{length}: " + ", ".join(f"{k}={v:.3f}" for k, v in rows[-1].items()
                                                           if isinstance(v, float)), flush=True)
         out["prefill"] = rows
-        names = ["inv", "inv_eager", "fast"] + (["inv512"] if args.sweep else [])
+        names = ["inv", "inv_eager", "fast"] + (["inv+q", "invq"] if args.quant else []) + \
+            (["inv512"] if args.sweep else [])
         print_prefill(rows, names)
     if args.json:
         with open(args.json, "w") as f:
