@@ -183,7 +183,7 @@ def test_kernel_matches_ref(m, n, k):
 @given(m=st.integers(1, 300), a=st.integers(0, 300), b=st.integers(0, 300), seed=st.integers(0, 100),
        nk=st.sampled_from([(1024, 768), (512, 2048)]))
 def test_kernel_slice_invariance_bitwise(m, a, b, seed, nk):
-    """M up to 300 crosses the small / large tile configs' boundary (kernel_config, 64 rows): a slice and the
+    """M up to 300 crosses the small / large tile configs' boundary (kernel_config, 128 rows): a slice and the
     whole batch may run different tiles."""
     if not _fp8_gpu():
         pytest.skip("fp8 tl.dot needs sm89+")
@@ -414,7 +414,7 @@ def test_interpreter_a_tile_wider_than_a_scale_group_takes_the_per_element_path(
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("m", [1, 7, 33, 64, 65, 300, 2049])
+@pytest.mark.parametrize("m", [1, 7, 33, 64, 65, 128, 129, 300, 2049])
 @pytest.mark.parametrize("n,k", [(512, 2048), (4096, 4096), (1000, 700), (320, 384), (384, 8320)])
 def test_every_tile_config_load_path_and_scale_path_gives_the_same_bits_on_gpu(m, n, k):
     """Small / large tiles, one or two K blocks per iteration, TMA or pointer loads, the per-tile or per-element

@@ -206,23 +206,28 @@ PREFETCH_COLS = 512
 # element runs the same block dots, scale products and fmas in the same order whichever tile holds it (the
 # kernel's doc; asserted bitwise across every config on the GPU), so the config is where the work goes, not
 # what a row computes. Measured on an H100 (`bench/bench_fp8.py --sweep`, docs/performance.md "FP8, third
-# pass"): up to 64 rows, 64 x 64 tiles (N = 4096: 64 programs streaming the weight) walking two K blocks per
-# iteration (a long K of dependent steps, e.g. down_proj's 96 blocks, otherwise bounds a program's pace);
+# pass"): up to SMALL_TILES_MAX_M rows, 64 x 64 tiles (N = 4096: 64 programs streaming the weight) walking
+# two K blocks per iteration (a long K of dependent steps, e.g. down_proj's 96 blocks, otherwise bounds a
+# program's pace);
 # above, 64 x 128 tiles read through TMA descriptors (fewer registers than pointer loads, no spills), best
-# at every M from 128 to 4096 of the sweep (128 x 128 tiles with 8 warps were within 5% at 4096, slower below).
-SMALL_TILES_MAX_M = 64
+# at every M from 256 to 4096 of the sweeps (128 x 128 tiles with 8 warps were within 5% at 4096, slower below).
+# The small tiles' bound was 64 rows until a sweep at 96-384 rows (docs/performance.md, "FP8, ninth pass"): at
+# 96 and 128 rows the 64 x 128 TMA grid has 64 programs on o_proj / down_proj (half the SMs idle: 20 and 53 us)
+# where 64 x 64 tiles take 12 and 33 us; at 192+ rows the small tiles' 1-program-per-SM grid runs two waves.
+SMALL_TILES_MAX_M = 128
 _SMALL = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=4, TMA=False, PAIRED=True)
 _LARGE = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=4, TMA=True, PAIRED=False)
 # A tiled weight (fp8_quant's layout) up to FEW_TOKENS_MAX_M rows: the tile swapped (SWAP), 64 weight rows by
 # 16 tokens, so no 64-row activation tile is staged for a handful of tokens. Measured on an H100 with the
 # tiled layout (docs/performance.md, "FP8, seventh pass"), us at M = 1: o_proj 10.3 -> 8.3, qkv 11.2 -> 9.8,
-# gate_up 37.1 -> 36.1, down 21.4 -> 20.0 against the [N, K] layout's _SMALL; at 17-64 rows _SMALL's tiles
+# gate_up 37.1 -> 36.1, down 21.4 -> 20.0 against the [N, K] layout's _SMALL; at 17-128 rows _SMALL's tiles
 # (the swapped ones then re-read the weight per 16 tokens), above them _LARGE's, on either layout.
 FEW_TOKENS_MAX_M = 16
 _FEW = dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, STAGES=4, TMA=False, PAIRED=True, SWAP=True)
-# At 17-64 rows, an output of more 64-wide tiles than the GPU has SMs (gate_up: 384) is paced by the weight
+# At 17-128 rows, an output of more 64-wide tiles than the GPU has SMs (gate_up: 384) is paced by the weight
 # stream rather than by one program's walk: 128-wide tiles, one block per iteration, serve it better (H100,
-# tiled, `bench_fp8.py --sweep`: gate_up at M = 64 42.1 -> 40.2 us; at M <= 16 no gain, so _FEW stays).
+# tiled, `bench_fp8.py --sweep`: gate_up at M = 64 42.1 -> 40.2 us, at 96 / 128 against the TMA tiles 48.9 ->
+# 42.8 / 49.8 -> 44.1; at M <= 16 no gain, so _FEW stays).
 _SMALL_WIDE = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=3, TMA=False, PAIRED=False)
 
 
@@ -406,10 +411,14 @@ _SUM_BLOCK = 1024  # elements per program of sum_runs_kernel (elementwise: any s
 
 def _split_mode(m: int, n: int, grid: tuple, device: torch.device) -> int:
     """Where the two K runs go (the kernel's SPLIT; the same bits either way, asserted on the GPU): a program
-    each (2) for up to SMALL_TILES_MAX_M rows when the output's tiles fill at most half the SMs (a walk over the
-    K blocks paces these launches: docs/performance.md, "FP8, sixth pass"), else one program (1). The choice
-    may follow M and the GPU because it changes no element's operations."""
+    each (2) when the output's tiles leave SMs idle, else one program (1). Small tiles (up to SMALL_TILES_MAX_M
+    rows): when the tiles fill at most half the SMs (a walk over the K blocks paces these launches:
+    docs/performance.md, "FP8, sixth pass"; at 65-128 tiles one program per tile measured 4-6% faster).
+    Large tiles: when there are at most as many tiles as SMs (down_proj at 192 / 256 rows, 96 / 128 tiles:
+    54.8 -> 43.9 and 55.5 -> 45.6 us with the second launch included; at 384 rows, 192 tiles, 63.5 -> 70.6:
+    "FP8, ninth pass"). The choice may follow M and the GPU because it changes no element's operations."""
     from detinfer.kernels.matmul import _num_sms
 
-    few = 2 * grid[0] * grid[1] <= _num_sms(device)
-    return 2 if m <= SMALL_TILES_MAX_M and few and m * n < 2 ** 31 else 1
+    tiles, sms = grid[0] * grid[1], _num_sms(device)
+    few = 2 * tiles <= sms if m <= SMALL_TILES_MAX_M else tiles <= sms
+    return 2 if few and m * n < 2 ** 31 else 1
