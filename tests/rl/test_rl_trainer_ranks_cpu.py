@@ -102,7 +102,10 @@ def test_bad_trainer_rank_combinations_name_the_flags(stories_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_dead_trainer_rank_is_an_error_naming_it_not_a_hang(stories_dir):
+@pytest.mark.parametrize("next_section", ["step", "checkpoint"])
+def test_a_dead_trainer_rank_is_an_error_naming_it_not_a_hang(stories_dir, next_section):
+    """A follower killed between two collective sections: the next one (an update, or the gathered checkpoint
+    a run writes at its end) fails naming the rank and its exit code."""
     config = RLConfig(task="emit-token", steps=3, prompts_per_step=2, n_samples=3, max_tokens=8, lr=3e-2,
                       trainer_ranks=2, train_batch_seqs=3)
     trainer = GRPOTrainer(stories_dir, config, "deterministic", device="cpu", max_model_len=64)
@@ -113,7 +116,7 @@ def test_a_dead_trainer_rank_is_an_error_naming_it_not_a_hang(stories_dir):
         follower.join(timeout=30)
         start = time.monotonic()
         with pytest.raises(RuntimeError, match=r"trainer rank 1 of 2 failed \(exit code -9"):
-            trainer.step()
+            trainer.step() if next_section == "step" else trainer.checkpoint_tensors()
         assert time.monotonic() - start < 60
     finally:
         trainer.close()

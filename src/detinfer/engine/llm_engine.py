@@ -4,8 +4,8 @@ One step: the scheduler picks a batch (decodes, then prefill chunks) -> the mode
 the logits the batch needs -> the sampler draws a token for every sequence whose chunk reached its end
 (a pure function of the logits row, the request's seed, the output position and the sample index) ->
 logprobs if asked (all on the device, read back with one copy) -> the scheduler records the step and
-decides every finish (asking `_text_stop`, which feeds the sequence's incremental detokenizer, for stop
-strings) -> a `RequestOutput` for every request that progressed. The logits rows of each
+decides every finish (asking the request's `RequestState.text_stop`, which feeds the sequence's incremental
+detokenizer, for stop strings) -> a `RequestOutput` for every request that progressed. The logits rows of each
 sequence come from the batch's one layout (`ScheduledBatch.layout`), which the model runner computed the
 logits by.
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -39,7 +38,8 @@ from detinfer.engine.config import EngineConfig
 from detinfer.engine.device_step import LaunchedStep, SampledIds, launch_step
 from detinfer.engine.logits_processors import prepare_processors
 from detinfer.engine.model_runner import ModelRunner
-from detinfer.engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from detinfer.engine.outputs import EngineStats, RequestOutput
+from detinfer.engine.request_state import RequestState
 from detinfer.engine.sampling_params import SamplingParams
 from detinfer.engine.scheduler import ScheduledBatch, ScheduledSequence, Scheduler
 from detinfer.engine.sequence import Sequence
@@ -77,20 +77,6 @@ def out_of_memory_message(config: EngineConfig, device: torch.device, error: Bas
             f"--gpu-memory-utilization (now {config.gpu_memory_utilization}), --max-model-len (now "
             f"{config.max_model_len or 'the model maximum'}), --max-num-seqs (now {config.max_num_seqs}) or "
             f"--num-kv-blocks (now {config.num_kv_blocks or 'auto'}), or pick a smaller --dtype")
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: tuple[int, ...]
-    params: SamplingParams
-    seqs: list[Sequence]
-    detokenizers: list  # one IncrementalDetokenizer per sample, or None without a tokenizer
-    cumulative_logprobs: list[float] = field(default_factory=list)
-    error: str | None = None  # set when the engine aborted this request alone (see _isolate_failure)
-    # output_kind "delta": per sample, (output tokens, text characters, logprobs) already reported
-    reported: list[tuple[int, int, int]] | None = None
 
 
 class LLMEngine:
@@ -176,7 +162,7 @@ class LLMEngine:
             eos = (tokenizer.eos_token_id,)
         self.scheduler = Scheduler(config, num_kv_blocks=self.runner.num_kv_blocks, eos_token_ids=eos,
                                    vocab_size=model_config.vocab_size)
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
         self._grammars = None  # GrammarMasks, made by the first structured request (llguidance is optional)
         self._aborted: list[str] = []  # aborted requests whose final output is still owed
         self._inflight: list[LaunchedStep] = []  # launched, not read back yet (async scheduling)
@@ -233,8 +219,8 @@ class LLMEngine:
                                                          skip_special_tokens=params.skip_special_tokens,
                                                          include_stop_str=params.include_stop_str_in_output,
                                                          min_tokens=params.min_tokens) for _ in seqs]
-        self._requests[request_id] = _Request(request_id, prompt_text, tuple(ids), params, seqs, detoks,
-                                              [0.0] * len(seqs))
+        self._requests[request_id] = RequestState(request_id, prompt_text, tuple(ids), params, seqs, detoks,
+                                                  [0.0] * len(seqs))
 
     def _grammar_masks(self):
         if self._grammars is None:
@@ -326,7 +312,7 @@ class LLMEngine:
         for rid in dict.fromkeys(touched):
             req = self._requests.get(rid)
             # final_only: no output (and no copy of the growing token list) until the request finishes
-            if req is not None and (req.params.output_kind != "final_only" or all(s.is_finished for s in req.seqs)):
+            if req is not None and (req.params.output_kind != "final_only" or req.finished):
                 outputs.append(self._output(req))
         self._last_step_seconds = time.perf_counter() - start
         return outputs
@@ -405,7 +391,7 @@ class LLMEngine:
 
     def _resolve(self, launched: list[LaunchedStep]) -> list[str]:
         """Read launched steps back and process them: grammars, logprobs, then the scheduler's finishes
-        (which ask `_text_stop` for stop strings). Returns the ids of the requests that progressed."""
+        (which ask `RequestState.text_stop` for stop strings). Returns the ids of the requests that progressed."""
         touched: list[str] = []
         for part in launched:
             tokens, entries = part.read()
@@ -426,63 +412,28 @@ class LLMEngine:
                     seq.output_logprobs.append(entry)
                     self._requests[seq.request_id].cumulative_logprobs[seq.sample_index] += entry.logprob
             live = [item.seq.request_id for item in part.batch.scheduled if item.sample and not item.seq.is_finished]
-            finished = self.scheduler.resolve(part.batch, tokens,
-                                              lambda seq, token, done=complete: self._text_stop(seq, token, done))
+            finished = self.scheduler.resolve(
+                part.batch, tokens,
+                lambda seq, token, done=complete: self._requests[seq.request_id].text_stop(seq, token, done))
             self._finish_text(finished)
             self._counters["generation_tokens"] += len(live)
             touched += live + [seq.request_id for seq in finished]
         return touched
 
-    def _text_stop(self, seq: Sequence, token: int, grammar_complete: set[int]) -> str | bool | None:
-        """The scheduler's `TextStop`: feed the token to the sequence's detokenizer and report the stop
-        string it completes, or True when it completed the sequence's grammar (docs/structured-output.md).
-        The scheduler asks only for tokens that do not end their sequence by themselves (a stop token's text
-        is never shown) and only for sequences not finished before the token came back."""
-        detok = self._requests[seq.request_id].detokenizers[seq.sample_index]
-        stop = None
-        if detok is not None:
-            detok.add(token)
-            stop = detok.stopped
-        return stop or seq.seq_id in grammar_complete
-
     def _finish_text(self, seqs: list[Sequence]) -> None:
-        """Release the text the finished sequences' detokenizers held back (a possible stop string's start)."""
         for seq in seqs:
-            detok = self._requests[seq.request_id].detokenizers[seq.sample_index]
-            if detok is not None:
-                detok.finish()
+            self._requests[seq.request_id].finish_text(seq)
 
-    def _output(self, req: _Request) -> RequestOutput:
-        wants = req.params.logprobs is not None
-        delta = req.params.output_kind == "delta"
-        first = req.reported is None
-        if delta and first:
-            req.reported = [(0, 0, 0)] * len(req.seqs)
-        outs = []
-        for seq, detok in zip(req.seqs, req.detokenizers):
-            i = seq.sample_index
-            tokens, chars, lps = req.reported[i] if delta else (0, 0, 0)
-            text = "" if detok is None else detok.text
-            ids = seq.token_ids[seq.num_prompt_tokens + tokens:seq.num_known_tokens]
-            if delta:
-                req.reported[i] = (tokens + len(ids), len(text), len(seq.output_logprobs))
-            outs.append(CompletionOutput(index=i, text=text[chars:], token_ids=tuple(ids),
-                                         cumulative_logprob=req.cumulative_logprobs[i] if wants else None,
-                                         logprobs=tuple(seq.output_logprobs[lps:]) if wants else None,
-                                         finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
-        outs = tuple(outs)
-        prompt_lp = None
-        if req.params.prompt_logprobs is not None and (first or not delta):
-            prompt_lp = (None, *req.seqs[0].prompt_logprobs)
-        finished = all(s.is_finished for s in req.seqs)
-        if finished:
+    def _output(self, req: RequestState) -> RequestOutput:
+        """`req`'s output; a finished request leaves the table (and its grammars) with it."""
+        out = req.output()
+        if out.finished:
             del self._requests[req.request_id]
             for seq in req.seqs:
                 if self._grammars is not None:
                     self._grammars.release(seq.seq_id)
             self._counters["num_finished_requests"] += 1
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, prompt_lp, outs, finished,
-                             req.error if finished else None)
+        return out
 
     # -- monitoring ----------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 
 import torch
 
@@ -54,6 +53,7 @@ from detinfer.kernels.fp8_quant import (
     fp8_weight_shape,
     is_tiled,
     num_blocks,
+    per_weight_cached,
     quantize_activations,
     untile_weight,
     weight_k_blocks,
@@ -168,33 +168,6 @@ def linear_fp8_tree(linear, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.T
                w_scale[:, c * bc:(c + 1) * bc], out_dtype=torch.float32, uniform=uniform) for c in range(num_chunks)]))
 
 
-# What is derived once per weight-scale tensor (fast mode's block-scale layouts, the kernel's UNIFORM flag), by
-# (id of the scale tensor, what), each entry holding a weak reference to that tensor and its version: a
-# serving stack derives these once at load; here they are built at the first call and reused while the same
-# tensor is unchanged (an in-place update bumps the version; a new tensor at a recycled id fails the identity
-# check). Inference tensors (an engine's weights) have no version counter: nothing updates an FP8 engine's
-# weights in place (engine/admin.py refuses weight loads into a quantized engine), so for them the identity
-# check alone decides.
-_PER_TENSOR: dict = {}
-_PER_TENSOR_MAX = 8192  # entries (about eight per layer); cleared when full
-
-
-def _per_tensor(w_scale: torch.Tensor, what: str, build):
-    """The cached value for (w_scale, what), else build() cached (build None: None on a miss)."""
-    key = (id(w_scale), what)
-    version = -1 if w_scale.is_inference() else w_scale._version
-    hit = _PER_TENSOR.get(key)
-    if hit is not None and hit[0]() is w_scale and hit[1] == version:
-        return hit[2]
-    if build is None:
-        return None
-    value = build()
-    if len(_PER_TENSOR) >= _PER_TENSOR_MAX:
-        _PER_TENSOR.clear()
-    _PER_TENSOR[key] = (weakref.ref(w_scale), version, value)
-    return value
-
-
 # -- the Triton kernel (Hopper) ------------------------------------------------------------------------------
 # Decode-class launches (M <= matmul.PREFETCH_MAX_M) under PDL ask the L2 for the first PREFETCH_COLS weight
 # columns of each program's rows before waiting for the previous kernel (kernels/_pdl.py): the bf16 matmul's
@@ -255,7 +228,7 @@ def uniform_block_rows(w_scale: torch.Tensor) -> bool:
     if w_scale.shape[0] == 0:
         return True
     capturing = w_scale.is_cuda and torch.cuda.is_current_stream_capturing()
-    return bool(_per_tensor(w_scale, "uniform", None if capturing else build))
+    return bool(per_weight_cached(w_scale, "uniform", None if capturing else build))
 
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:

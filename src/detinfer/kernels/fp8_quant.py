@@ -8,6 +8,8 @@ DeepSeek-V3) and of `--quantization fp8`, shared by the loader, the random-model
   part's row count is not a multiple of 128 (1/32 of the fp8 weight's bytes).
 - Activations [M, K] ("dynamic" scheme): one scale per token per 128-wide group along K, computed from that
   row alone, so quantizing a row never looks at another row (batch-invariant).
+- `per_weight_cached`: what the linears derive once per weight-scale tensor (the Triton kernel's UNIFORM flag,
+  fast mode's cuBLASLt scale layouts), kept while that tensor is unchanged.
 
 A group's scale is amax * INV_FP8_MAX (448: e4m3's largest finite value; INV_FP8_MAX = 1/448 rounded once
 to fp32) and its values are `fp8(x / scale)`, clamped to +-448 before the cast (a quotient may round a hair
@@ -19,6 +21,7 @@ the same bits on CPU, on GPU and in the Triton kernels (kernels/fp8_tiles.py).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -192,3 +195,30 @@ def untile_weight(w: torch.Tensor) -> torch.Tensor:
 def weight_k_blocks(w: torch.Tensor, b0: int, b1: int) -> torch.Tensor:
     """K blocks [b0, b1) of either layout, as a view (columns b0*128 .. b1*128 of [N, K])."""
     return w[:, b0:b1] if is_tiled(w) else w[:, b0 * BLOCK:b1 * BLOCK]
+
+
+# What is derived once per weight-scale tensor (fast mode's block-scale layouts, the kernel's UNIFORM flag), by
+# (id of the scale tensor, what), each entry holding a weak reference to that tensor and its version: a
+# serving stack derives these once at load; here they are built at the first call and reused while the same
+# tensor is unchanged (an in-place update bumps the version; a new tensor at a recycled id fails the identity
+# check). Inference tensors (an engine's weights) have no version counter: nothing updates an FP8 engine's
+# weights in place (engine/admin.py refuses weight loads into a quantized engine), so for them the identity
+# check alone decides.
+_PER_TENSOR: dict = {}
+_PER_TENSOR_MAX = 8192  # entries (about eight per layer); cleared when full
+
+
+def per_weight_cached(w_scale: torch.Tensor, what: str, build):
+    """The cached value for (w_scale, what), else build() cached (build None: None on a miss)."""
+    key = (id(w_scale), what)
+    version = -1 if w_scale.is_inference() else w_scale._version
+    hit = _PER_TENSOR.get(key)
+    if hit is not None and hit[0]() is w_scale and hit[1] == version:
+        return hit[2]
+    if build is None:
+        return None
+    value = build()
+    if len(_PER_TENSOR) >= _PER_TENSOR_MAX:
+        _PER_TENSOR.clear()
+    _PER_TENSOR[key] = (weakref.ref(w_scale), version, value)
+    return value

@@ -11,12 +11,11 @@ import torch.nn.functional as F
 
 from detinfer.kernels.fp8_linear import (
     _flat,
-    _per_tensor,
     check_fp8_linear,
     linear_fp8_ref,
     quantize_activations_gpu,
 )
-from detinfer.kernels.fp8_quant import BLOCK, QuantizedRows, dequantize_weight, untile_weight
+from detinfer.kernels.fp8_quant import BLOCK, QuantizedRows, dequantize_weight, per_weight_cached, untile_weight
 
 __all__ = ["blockwise_layout", "linear_fp8_stock"]
 
@@ -65,7 +64,7 @@ def _block_scales(w_scale: torch.Tensor, layout: str) -> torch.Tensor:
             blocks = torch.cat((blocks, blocks.new_ones(blocks.shape[0], -kb % 4)), 1).t()
         return blocks
 
-    return _per_tensor(w_scale, layout, build)
+    return per_weight_cached(w_scale, layout, build)
 
 
 @functools.cache

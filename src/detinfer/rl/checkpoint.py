@@ -189,9 +189,13 @@ def load_checkpoint(trainer, directory: str | Path, identity: dict | None = None
     state = read_state(directory)
     check_compatible(state, trainer.config, trainer.arm, trainer.task.name)
     check_identity(state.get("identity"), identity)
-    if getattr(trainer, "_followers", None) is not None:  # the other trainer ranks restore their shards too
-        trainer._followers.send("resume", str(directory))
-    restore_tensors(trainer, directory, state)
+    followers = getattr(trainer, "_followers", None)
+    if followers is None:
+        restore_tensors(trainer, directory, state)
+    else:
+        with followers.guard():  # the other trainer ranks restore their shards too (a dead one is named)
+            followers.send("resume", str(directory))
+            restore_tensors(trainer, directory, state)
     trainer.step_index = int(state["step"])
     trainer.history = list(state["history"])
     if trainer.fingerprint() != state["weights_hash"]:

@@ -429,10 +429,12 @@ class GRPOTrainer:
     def checkpoint_tensors(self) -> tuple[dict, dict]:
         """({name: weight}, {name::key: AdamW state}) on the CPU, full tensors (trainer ranks > 1: gathered
         from the shards, every rank taking part; rank 0 tells the others)."""
-        if self._followers is not None:
+        params = list(self.trainer.named_parameters()) if self.dp_size > 1 else self.named_parameters()
+        if self._followers is None:
+            return gathered_checkpoint(params, self.optimizer)
+        with self._followers.guard():  # a trainer rank that died is named, with its exit code
             self._followers.send("checkpoint")
-        return gathered_checkpoint(list(self.trainer.named_parameters()) if self.dp_size > 1
-                                   else self.named_parameters(), self.optimizer)
+            return gathered_checkpoint(params, self.optimizer)
 
     def close(self) -> None:
         """Release the trainer's hooks and the engine (frees GPU memory for the next arm)."""
