@@ -278,6 +278,13 @@ def test_padded_outer_major_quantization_off_the_gpu_is_the_zero_padded_one():
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     with pytest.raises(ValueError, match="rows=4 is below"):
         quantize_activations_gpu(x, rows=4)
+    q8, s8 = torch.empty(5, 300, dtype=q.dtype), torch.empty(5, 3)  # written in place, returned
+    got = quantize_activations_gpu(x, out=(q8, s8))
+    q_ref, s_ref = quantize_activations(x)
+    assert got[0] is q8 and got[1] is s8 and torch.equal(s8, s_ref)
+    assert torch.equal(q8.view(torch.uint8), q_ref.view(torch.uint8))
+    with pytest.raises(ValueError, match=r"out must be fp8 values \[5, 300\]"):
+        quantize_activations_gpu(x, out=(q8, torch.empty(5, 2)))
 
 
 def test_fast_mode_block_scales_are_built_once_per_tensor_and_version():
@@ -461,3 +468,7 @@ def test_gpu_activation_quantization_equals_torchs_bitwise(m, k, scale, seed):
     q_ref, s_ref = quantize_activations(torch.cat((x, x.new_zeros(pad, k))))
     assert s.stride() == (1, m + pad)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+    q8, s8 = torch.empty_like(q[:m]), torch.full((m, s.shape[1]), -1.0, device=x.device)  # into given buffers
+    quantize_activations_gpu(x, out=(q8, s8))
+    q_ref, s_ref = quantize_activations(x)
+    assert torch.equal(q8.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s8, s_ref)

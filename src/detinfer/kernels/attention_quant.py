@@ -23,13 +23,10 @@ as `paged_attention`. Under Triton's CPU interpreter the fp8 cast is not the GPU
 from __future__ import annotations
 
 import torch
-import triton
 
 from detinfer.kernels import attention
-from detinfer.kernels._launch import interpreting
-from detinfer.kernels._pdl import launch_options, use_pdl
-from detinfer.kernels.fp8_quant import BLOCK, FP8_DTYPE, QuantizedRows, quantize_activations
-from detinfer.kernels.fp8_tiles import quantize_activations_kernel
+from detinfer.kernels.fp8_linear import quantize_activations_gpu
+from detinfer.kernels.fp8_quant import BLOCK, FP8_DTYPE, QuantizedRows
 
 
 def quantizes(q: torch.Tensor) -> bool:
@@ -82,14 +79,6 @@ def paged_attention_quantized(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def quantize_merged(rows: torch.Tensor, q8: torch.Tensor, s8: torch.Tensor) -> None:
     """A split-parallel step's merged 16-bit rows [T, Hq, 128] quantized into q8 (the same shape, fp8) and s8
-    [T, Hq] in one launch (`quantize_activations_kernel`: `quantize_activations`' bits)."""
+    [T, Hq] in one launch (`quantize_activations_gpu` writing into them: `quantize_activations`' bits)."""
     t, width = rows.shape[0], rows.shape[1] * rows.shape[2]
-    if interpreting():  # its fp8 cast is not the GPU's (module doc): the definition itself
-        q, s = quantize_activations(rows.reshape(t, width))
-        q8.view(t, width).copy_(q)
-        s8.copy_(s)
-        return
-    pdl, per_program = use_pdl(rows.device), 16
-    quantize_activations_kernel[(triton.cdiv(t, per_program), s8.shape[1])](
-        rows, q8, s8, t, t, width, width, width, s8.stride(0), s8.stride(1), ROWS=per_program, BLOCK_K=BLOCK,
-        USE_PDL=pdl, num_warps=4, **launch_options(pdl))
+    quantize_activations_gpu(rows.reshape(t, width), out=(q8.view(t, width), s8))

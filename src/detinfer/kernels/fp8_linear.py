@@ -261,12 +261,14 @@ def _tensor_descriptor():
     return TensorDescriptor
 
 
-def quantize_activations_gpu(x2: torch.Tensor, rows: int | None = None,
-                             scales_outer: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activations_gpu(x2: torch.Tensor, rows: int | None = None, scales_outer: bool = False,
+                             out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_activations` in one Triton launch (same bits: kernels/fp8_tiles.py): x [M, K] -> (fp8 [R, K],
     fp32 scales [R, ceil(K/128)]) with R = `rows` (default M; rows past M come back as a zero row quantizes,
     the padding cuBLASLt's blockwise GEMM wants) and the scales outer-dim-major (stride (1, R)) if
-    `scales_outer`: the layouts fast mode's scaled_mm reads, without a copy or a concatenation per call."""
+    `scales_outer`: the layouts fast mode's scaled_mm reads, without a copy or a concatenation per call.
+    out: the (values, scales) buffers to write instead of new ones (a CUDA graph's fixed buffers; values with a
+    unit inner stride), returned."""
     import triton
 
     from detinfer.kernels._pdl import launch_options, use_pdl
@@ -276,18 +278,28 @@ def quantize_activations_gpu(x2: torch.Tensor, rows: int | None = None,
     r = m if rows is None else rows
     if r < m:
         raise ValueError(f"quantize_activations_gpu: rows={r} is below the input's {m} rows")
+    kb = num_blocks(k)
+    if out is not None and (tuple(out[0].shape) != (r, k) or out[0].dtype != FP8_DTYPE or out[0].stride(1) != 1
+                            or tuple(out[1].shape) != (r, kb) or out[1].dtype != torch.float32):
+        raise ValueError(f"quantize_activations_gpu: out must be fp8 values [{r}, {k}] (unit inner stride) and "
+                         f"fp32 scales [{r}, {kb}], got {out[0].dtype} {tuple(out[0].shape)} and {out[1].dtype} "
+                         f"{tuple(out[1].shape)}")
     if interpreting():  # the CPU interpreter's fp32 -> e4m3 cast mis-rounds values that round up to a
         q, s = quantize_activations(x2)  # power of two (124.3 -> 64): the GPU's cast is checked on the GPU
         if r > m:
             pq, ps = quantize_activations(x2.new_zeros(r - m, k))
             q, s = torch.cat((q, pq)), torch.cat((s, ps))
+        if out is not None:
+            return out[0].copy_(q), out[1].copy_(s)
         return q, (torch.empty_strided(s.shape, (1, r), dtype=s.dtype).copy_(s) if scales_outer else s)
     x2 = x2.contiguous()
-    kb = num_blocks(k)
-    q = torch.empty((r, k), dtype=FP8_DTYPE, device=x2.device)
-    if scales_outer:
+    if out is not None:
+        q, s = out
+    elif scales_outer:
+        q = torch.empty((r, k), dtype=FP8_DTYPE, device=x2.device)
         s = torch.empty_strided((r, kb), (1, r), dtype=torch.float32, device=x2.device)
     else:
+        q = torch.empty((r, k), dtype=FP8_DTYPE, device=x2.device)
         s = torch.empty((r, kb), dtype=torch.float32, device=x2.device)
     if r and k:
         pdl, per_program = use_pdl(x2.device), 16

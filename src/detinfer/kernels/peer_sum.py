@@ -70,21 +70,30 @@ def _trap(x):
 
 
 @triton.jit
+def _give_up_if_late_or_aborted(start, spins, timeout_ns, abort_ptr, why, HAS_TIMER: tl.constexpr):
+    """One poll loop's give-up check: trap (with `why` as the asm operand) once timeout_ns have passed since
+    `start` (globaltimer) or, with no clock, after timeout_ns / 100 polls (each at least ~100 ns of an L2 round
+    trip), or as soon as the host raised the abort word."""
+    if HAS_TIMER:
+        late = (tl.extra.cuda.globaltimer() - start) > timeout_ns
+    else:
+        late = spins > timeout_ns // 100
+    stop = tl.load(abort_ptr, volatile=True) != 0
+    if late | stop:
+        _trap(why)
+
+
+@triton.jit
 def _wait_for_peer(flag_ptr, ep, abort_ptr, timeout_ns, HW_WAIT: tl.constexpr, HAS_TIMER: tl.constexpr):
     seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     if HW_WAIT:
         spins = 0
+        start = 0
         if HAS_TIMER:
             start = tl.extra.cuda.globaltimer()
         while seen < ep:
             spins += 1
-            if HAS_TIMER:
-                late = (tl.extra.cuda.globaltimer() - start) > timeout_ns
-            else:  # no clock: count polls (each is at least ~100 ns of an L2 round trip)
-                late = spins > timeout_ns // 100
-            stop = tl.load(abort_ptr, volatile=True) != 0
-            if late | stop:
-                _trap(seen)
+            _give_up_if_late_or_aborted(start, spins, timeout_ns, abort_ptr, seen, HAS_TIMER)
             seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     else:
         tl.device_assert(seen >= ep, "peer_sum: the peer has not sent (interpreter: run SEND on both first)")
@@ -159,17 +168,12 @@ def _receive_tagged(mask, box, mail0_addr, mail1_addr, ep, abort_ptr, timeout_ns
     missing = _missing_words(words, mask, tag)
     if HW_WAIT:
         spins = 0
+        start = 0
         if HAS_TIMER:
             start = tl.extra.cuda.globaltimer()
         while missing > 0:
             spins += 1
-            if HAS_TIMER:
-                late = (tl.extra.cuda.globaltimer() - start) > timeout_ns
-            else:  # no clock: count polls (each is at least ~100 ns of an L2 round trip)
-                late = spins > timeout_ns // 100
-            stop = tl.load(abort_ptr, volatile=True) != 0
-            if late | stop:
-                _trap(missing.to(tl.int64))
+            _give_up_if_late_or_aborted(start, spins, timeout_ns, abort_ptr, missing.to(tl.int64), HAS_TIMER)
             words = tl.load(own, mask=mask, other=0, volatile=True)
             missing = _missing_words(words, mask, tag)
     else:
