@@ -13,6 +13,8 @@ kernels/silu_mul.py), rounds them to the model dtype as that kernel's store woul
 16-bit kernel's output, asserted bitwise on the GPU (tests/kernels/test_fp8_act_quant.py). Both are row-wise
 (a row's values and group scales depend on that row only): batch-invariant as the kernels they extend.
 
+`quantize_activations_gpu` is the same quantization as its own launch, for rows no kernel quantized before.
+
 Where the kernels do not run (CPU, the interpreter, a norm narrower than one 128-column group, a weight of
 another dtype than x) the same `QuantizedRows` come from the 16-bit op then `QuantizedRows.of`.
 """
@@ -26,8 +28,8 @@ import triton.language as tl
 from detinfer.kernels._direct import LaunchCache
 from detinfer.kernels._launch import interpreting
 from detinfer.kernels._pdl import launch_options, pdl_start, use_pdl
-from detinfer.kernels.fp8_quant import BLOCK, FP8_DTYPE, QuantizedRows, num_blocks
-from detinfer.kernels.fp8_tiles import quantize_tile
+from detinfer.kernels.fp8_quant import BLOCK, FP8_DTYPE, QuantizedRows, num_blocks, quantize_activations
+from detinfer.kernels.fp8_tiles import quantize_activations_kernel, quantize_tile
 from detinfer.kernels.rmsnorm import _layout_for, rms_norm, rms_norm_values
 from detinfer.kernels.silu_mul import _rows, silu_mul, silu_mul_values
 
@@ -76,7 +78,7 @@ _SILU_GROUPS = 8  # 128-column groups per program (1024 values, silu_mul.py's ti
 
 def _kernels_run(*tensors: torch.Tensor | None) -> bool:
     """CUDA tensors, or CPU ones under Triton's interpreter (tests of the indexing: its fp8 cast is not the
-    GPU's, fp8_linear.quantize_activations_gpu says why)."""
+    GPU's, `quantize_activations_gpu` says why)."""
     on = [t.is_cuda for t in tensors if t is not None]
     return all(on) or (interpreting() and not any(on))
 
@@ -140,3 +142,46 @@ def silu_mul_quantized(gate: torch.Tensor, up: torch.Tensor) -> QuantizedRows:
                                   dict(GROUPS=_SILU_GROUPS, USE_PDL=pdl, LIBDEVICE=not interpreting()),
                                   num_warps=4, **launch_options(pdl))
     return QuantizedRows(q, s, gate.dtype)
+
+
+def quantize_activations_gpu(x2: torch.Tensor, rows: int | None = None, scales_outer: bool = False,
+                             out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_activations` in one Triton launch (same bits: kernels/fp8_tiles.py): x [M, K] -> (fp8 [R, K],
+    fp32 scales [R, ceil(K/128)]) with R = `rows` (default M; rows past M come back as a zero row quantizes,
+    the padding cuBLASLt's blockwise GEMM wants) and the scales outer-dim-major (stride (1, R)) if
+    `scales_outer`: the layouts fast mode's scaled_mm reads, without a copy or a concatenation per call.
+    out: the (values, scales) buffers to write instead of new ones (a CUDA graph's fixed buffers; values with a
+    unit inner stride), returned."""
+    m, k = x2.shape
+    r = m if rows is None else rows
+    if r < m:
+        raise ValueError(f"quantize_activations_gpu: rows={r} is below the input's {m} rows")
+    kb = num_blocks(k)
+    if out is not None and (tuple(out[0].shape) != (r, k) or out[0].dtype != FP8_DTYPE or out[0].stride(1) != 1
+                            or tuple(out[1].shape) != (r, kb) or out[1].dtype != torch.float32):
+        raise ValueError(f"quantize_activations_gpu: out must be fp8 values [{r}, {k}] (unit inner stride) and "
+                         f"fp32 scales [{r}, {kb}], got {out[0].dtype} {tuple(out[0].shape)} and {out[1].dtype} "
+                         f"{tuple(out[1].shape)}")
+    if interpreting():  # the CPU interpreter's fp32 -> e4m3 cast mis-rounds values that round up to a
+        q, s = quantize_activations(x2)  # power of two (124.3 -> 64): the GPU's cast is checked on the GPU
+        if r > m:
+            pq, ps = quantize_activations(x2.new_zeros(r - m, k))
+            q, s = torch.cat((q, pq)), torch.cat((s, ps))
+        if out is not None:
+            return out[0].copy_(q), out[1].copy_(s)
+        return q, (torch.empty_strided(s.shape, (1, r), dtype=s.dtype).copy_(s) if scales_outer else s)
+    x2 = x2.contiguous()
+    if out is not None:
+        q, s = out
+    elif scales_outer:
+        q = torch.empty((r, k), dtype=FP8_DTYPE, device=x2.device)
+        s = torch.empty_strided((r, kb), (1, r), dtype=torch.float32, device=x2.device)
+    else:
+        q = torch.empty((r, k), dtype=FP8_DTYPE, device=x2.device)
+        s = torch.empty((r, kb), dtype=torch.float32, device=x2.device)
+    if r and k:
+        pdl, per_program = use_pdl(x2.device), 16
+        quantize_activations_kernel[(triton.cdiv(r, per_program), kb)](
+            x2, q, s, m, r, k, x2.stride(0), q.stride(0), s.stride(0), s.stride(1), ROWS=per_program,
+            BLOCK_K=BLOCK, USE_PDL=pdl, num_warps=4, **launch_options(pdl))
+    return q, s

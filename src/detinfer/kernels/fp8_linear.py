@@ -45,7 +45,9 @@ import math
 
 import torch
 
+from detinfer.kernels import fp8_prefill_gemm
 from detinfer.kernels._launch import interpreting
+from detinfer.kernels.fp8_act_quant import quantize_activations_gpu  # noqa: F401 - part of this module's API
 from detinfer.kernels.fp8_quant import (
     BLOCK,
     FP8_DTYPE,
@@ -261,54 +263,6 @@ def _tensor_descriptor():
     return TensorDescriptor
 
 
-def quantize_activations_gpu(x2: torch.Tensor, rows: int | None = None, scales_outer: bool = False,
-                             out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_activations` in one Triton launch (same bits: kernels/fp8_tiles.py): x [M, K] -> (fp8 [R, K],
-    fp32 scales [R, ceil(K/128)]) with R = `rows` (default M; rows past M come back as a zero row quantizes,
-    the padding cuBLASLt's blockwise GEMM wants) and the scales outer-dim-major (stride (1, R)) if
-    `scales_outer`: the layouts fast mode's scaled_mm reads, without a copy or a concatenation per call.
-    out: the (values, scales) buffers to write instead of new ones (a CUDA graph's fixed buffers; values with a
-    unit inner stride), returned."""
-    import triton
-
-    from detinfer.kernels._pdl import launch_options, use_pdl
-    from detinfer.kernels.fp8_tiles import quantize_activations_kernel
-
-    m, k = x2.shape
-    r = m if rows is None else rows
-    if r < m:
-        raise ValueError(f"quantize_activations_gpu: rows={r} is below the input's {m} rows")
-    kb = num_blocks(k)
-    if out is not None and (tuple(out[0].shape) != (r, k) or out[0].dtype != FP8_DTYPE or out[0].stride(1) != 1
-                            or tuple(out[1].shape) != (r, kb) or out[1].dtype != torch.float32):
-        raise ValueError(f"quantize_activations_gpu: out must be fp8 values [{r}, {k}] (unit inner stride) and "
-                         f"fp32 scales [{r}, {kb}], got {out[0].dtype} {tuple(out[0].shape)} and {out[1].dtype} "
-                         f"{tuple(out[1].shape)}")
-    if interpreting():  # the CPU interpreter's fp32 -> e4m3 cast mis-rounds values that round up to a
-        q, s = quantize_activations(x2)  # power of two (124.3 -> 64): the GPU's cast is checked on the GPU
-        if r > m:
-            pq, ps = quantize_activations(x2.new_zeros(r - m, k))
-            q, s = torch.cat((q, pq)), torch.cat((s, ps))
-        if out is not None:
-            return out[0].copy_(q), out[1].copy_(s)
-        return q, (torch.empty_strided(s.shape, (1, r), dtype=s.dtype).copy_(s) if scales_outer else s)
-    x2 = x2.contiguous()
-    if out is not None:
-        q, s = out
-    elif scales_outer:
-        q = torch.empty((r, k), dtype=FP8_DTYPE, device=x2.device)
-        s = torch.empty_strided((r, kb), (1, r), dtype=torch.float32, device=x2.device)
-    else:
-        q = torch.empty((r, k), dtype=FP8_DTYPE, device=x2.device)
-        s = torch.empty((r, kb), dtype=torch.float32, device=x2.device)
-    if r and k:
-        pdl, per_program = use_pdl(x2.device), 16
-        quantize_activations_kernel[(triton.cdiv(r, per_program), kb)](
-            x2, q, s, m, r, k, x2.stride(0), q.stride(0), s.stride(0), s.stride(1), ROWS=per_program,
-            BLOCK_K=BLOCK, USE_PDL=pdl, num_warps=4, **launch_options(pdl))
-    return q, s
-
-
 def linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None, config: dict | None = None,
                uniform: bool | None = None) -> torch.Tensor:
@@ -357,6 +311,10 @@ def linear_fp8_quantized(a: torch.Tensor, sa: torch.Tensor, w_q: torch.Tensor, w
     else:
         w_q = w_q if w_q.stride(1) == 1 else w_q.contiguous()  # a K slice keeps its row stride
     w_scale = w_scale if w_scale.stride(1) == 1 else w_scale.contiguous()
+    kb = num_blocks(k)
+    h = second_run_start(kb)
+    if config is None and fp8_prefill_gemm.takes(a, w_q, y, kb, uniform):  # prefill sizes: the same bits
+        return fp8_prefill_gemm.gemm(a, sa, w_q, w_scale, bias, y, kb, h)
     many = tiled and config is None and -(-n // _SMALL["BLOCK_N"]) > _num_sms(a.device)
     cfg, pdl = dict(config or kernel_config(m, tiled, many)), use_pdl(a.device)
     block = dict(BLOCK_M=cfg.pop("BLOCK_M"), BLOCK_N=cfg.pop("BLOCK_N"), BLOCK_K=cfg.pop("BLOCK_K", BLOCK))
@@ -368,8 +326,6 @@ def linear_fp8_quantized(a: torch.Tensor, sa: torch.Tensor, w_q: torch.Tensor, w
     descs = (_tensor_descriptor().from_tensor(a, [block["BLOCK_M"], BLOCK]),
              _weight_descriptor(w_q, block["BLOCK_N"])) if tma else (a, w_q)
     grid = (triton.cdiv(m, block["BLOCK_M"]), triton.cdiv(n, block["BLOCK_N"]))
-    kb = num_blocks(k)
-    h = second_run_start(kb)
     split = (cfg.get("SPLIT") or _split_mode(m, n, grid, a.device)) if h < kb else 0
     if split not in (0, 1, 2) or (split == 2 and m * n >= 2 ** 31):
         raise ValueError(f"linear_fp8: config SPLIT={split} is not 1 or 2, or a program per K run at M x N = "
