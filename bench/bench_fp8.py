@@ -6,7 +6,9 @@ paths a serving stack has on this GPU, Qwen3-8B shapes, side by side in one proc
 
 Columns (microseconds per call, CUDA-graph timer of bench_ops.py, weights rotated past L2):
   ours       linear_fp8 on the tiled weight (what a deterministic CUDA engine holds: fp8_quant.tile_weight):
-             activations quantized per token per 128-group + the block-scaled GEMM
+             activations quantized per token per 128-group + the block-scaled GEMM (from 512 rows the
+             warp-specialized kernel of kernels/fp8_prefill_gemm.py where it applies; --sweep configs are
+             explicit, so they time the Triton kernel)
   gemm       ours without the quantization (linear_fp8_quantized on activations quantized beforehand)
   nk         ours on the weight in the [N, K] layout (shapes that do not tile; the previous layout)
   quant      the activation quantization's launch alone (ours - gemm: what fusing it elsewhere could save)

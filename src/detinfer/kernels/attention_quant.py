@@ -16,7 +16,7 @@ Bits: the kernel rounds each row to the model dtype exactly as its 16-bit store 
 `quantize_tile` (kernels/fp8_tiles.py, which `quantize_activations` matches bitwise on the GPU), so the
 result == `QuantizedRows.of(paged_attention(...).reshape(T, -1))`, asserted bitwise on the GPU
 (tests/kernels/test_attention_quant.py). A row still depends on its own query's keys only: batch-invariant
-as `paged_attention`. Under Triton's CPU interpreter the fp8 cast is not the GPU's (fp8_linear.py
+as `paged_attention`. Under Triton's CPU interpreter the fp8 cast is not the GPU's (kernels/fp8_act_quant.py
 `quantize_activations_gpu`): there the scales are exact and the values close, which the CPU tests check.
 """
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from detinfer.kernels import attention
-from detinfer.kernels.fp8_linear import quantize_activations_gpu
+from detinfer.kernels.fp8_act_quant import quantize_activations_gpu
 from detinfer.kernels.fp8_quant import BLOCK, FP8_DTYPE, QuantizedRows
 
 

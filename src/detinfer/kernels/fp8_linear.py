@@ -30,8 +30,9 @@ does not depend on the batch it is in.
   internal fp8 accumulation is not documented to be exact, so the kernel matches the ref within
   a tolerance, not bitwise; it is batch-invariant on its own: BLOCK_K is the scale block whatever the config,
   and the tile config (picked from M for speed, `kernel_config`) changes no element's operations (asserted
-  bitwise across every config on the GPU). A GPU kernel; Triton's CPU interpreter also runs it on CPU tensors
-  (tests only).
+  bitwise across every config on the GPU). From 512 rows a warp-specialized Gluon kernel computes the same
+  operations where it applies (kernels/fp8_prefill_gemm.py: the same bits, faster at prefill sizes). A GPU
+  kernel; Triton's CPU interpreter also runs it on CPU tensors (tests only).
 Every path takes the weight [N, K] or in fp8_quant's tiled layout (the same values: the same bits; the
 kernel reads tiles faster at decode, the reference and fast mode untile).
 - `linear_fp8_stock` (fast mode, kernels/fp8_stock.py): what a serving stack runs: torch's block-scaled
