@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from detinfer.server import protocol as P
+from detinfer.server import responses as R
 from detinfer.server.admin import ADMIN_ROUTES, add_admin_routes
 from detinfer.server.async_engine import AsyncEngine
 from detinfer.server.chat import chat_completions
@@ -48,14 +49,14 @@ async def metrics(request: Request):
                     media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def _card(state: ServerState) -> P.ModelCard:
-    return P.ModelCard(id=state.model.name, created=state.created, max_model_len=state.model.max_model_len)
+def _card(state: ServerState) -> R.ModelCard:
+    return R.ModelCard(id=state.model.name, created=state.created, max_model_len=state.model.max_model_len)
 
 
 async def list_models(request: Request):
     state = state_of(request)
     check_auth(request, state.config.api_key)
-    return json_response(P.ModelList(data=[_card(state)]))
+    return json_response(R.ModelList(data=[_card(state)]))
 
 
 async def get_model(request: Request, model_id: str):

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import Request
 
 from detinfer.server import protocol as P
+from detinfer.server import responses as R
 from detinfer.server.generation import Generation
 from detinfer.server.handling import (
     count_finishes,
@@ -39,13 +40,13 @@ async def chat_completions(request: Request):
         return _stream(state, req, gen, created, logprobs, headers)
     (out,) = await run_to_end(gen, request)
     fmt = state.formatter
-    choices = [P.ChatChoice(index=o.index, message=P.AssistantMessage(content=o.text),
+    choices = [R.ChatChoice(index=o.index, message=R.AssistantMessage(content=o.text),
                             logprobs=fmt.chat_logprobs(o.logprobs) if logprobs is not None else None,
                             finish_reason=o.finish_reason,
                             token_ids=list(o.token_ids) if req.return_token_ids else None) for o in out.outputs]
     count_finishes(state, [c.finish_reason for c in choices])
     prompt_lp = fmt.prompt_logprobs(out.prompt_logprobs or ()) if req.prompt_logprobs is not None else None
-    return json_response(P.ChatCompletionResponse(id=gen.request_id, created=created, model=state.model.name,
+    return json_response(R.ChatCompletionResponse(id=gen.request_id, created=created, model=state.model.name,
                                                   system_fingerprint=state.model.fingerprint, choices=choices,
                                                   usage=usage(gen), prompt_logprobs=prompt_lp,
                                                   prompt_token_ids=list(ids) if req.return_token_ids else None),
@@ -56,8 +57,8 @@ def _stream(state, req: P.ChatCompletionRequest, gen: Generation, created: int, 
             headers: dict[str, str]):
     started: set[int] = set()
 
-    def chunk(choices, usage_: P.Usage | None = None) -> P.ChatCompletionChunk:
-        return P.ChatCompletionChunk(id=gen.request_id, created=created, model=state.model.name,
+    def chunk(choices, usage_: R.Usage | None = None) -> R.ChatCompletionChunk:
+        return R.ChatCompletionChunk(id=gen.request_id, created=created, model=state.model.name,
                                      system_fingerprint=state.model.fingerprint, choices=choices, usage=usage_)
 
     def emit(i: int, out: Any, c: int, text: str, entries: Any, finish: str | None, new_ids: list[int]):
@@ -65,7 +66,7 @@ def _stream(state, req: P.ChatCompletionRequest, gen: Generation, created: int, 
         if c not in started:  # OpenAI opens each choice with the role
             first = not started
             started.add(c)
-            opening = chunk([P.ChatChunkChoice(index=c, delta=P.DeltaMessage(role="assistant", content=""))])
+            opening = chunk([R.ChatChunkChoice(index=c, delta=R.DeltaMessage(role="assistant", content=""))])
             if first and req.return_token_ids:  # the templated prompt's ids, once per response
                 opening.prompt_token_ids = list(gen.prompts[0])
             if first and req.prompt_logprobs is not None:  # once per response, with the first chunk
@@ -73,14 +74,14 @@ def _stream(state, req: P.ChatCompletionRequest, gen: Generation, created: int, 
             yield opening
         lp = state.formatter.chat_logprobs(entries) if entries and logprobs is not None else None
         if text or lp:
-            yield chunk([P.ChatChunkChoice(index=c, delta=P.DeltaMessage(content=text), logprobs=lp,
+            yield chunk([R.ChatChunkChoice(index=c, delta=R.DeltaMessage(content=text), logprobs=lp,
                                            token_ids=new_ids)])
             new_ids = [] if new_ids is not None else None
         if finish is not None:
-            yield chunk([P.ChatChunkChoice(index=c, delta=P.DeltaMessage(), finish_reason=finish,
+            yield chunk([R.ChatChunkChoice(index=c, delta=R.DeltaMessage(), finish_reason=finish,
                                            token_ids=new_ids)])
 
-    def aborted(c: int) -> P.ChatCompletionChunk:
-        return chunk([P.ChatChunkChoice(index=c, delta=P.DeltaMessage(), finish_reason="abort")])
+    def aborted(c: int) -> R.ChatCompletionChunk:
+        return chunk([R.ChatChunkChoice(index=c, delta=R.DeltaMessage(), finish_reason="abort")])
 
     return stream_response(gen, req, emit, aborted, lambda u: chunk([], u), headers)

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Request
 
 from detinfer.server import protocol as P
+from detinfer.server import responses as R
 from detinfer.server.generation import Generation
 from detinfer.server.handling import (
     count_finishes,
@@ -44,7 +45,7 @@ class _Choices:
         self.offsets: dict[int, TextOffsets] = {}
 
     def choice(self, out: Any, i: int, o: Any, text: str, entries: Any, finish: str | None,
-               ids: Any = None) -> P.CompletionChoice:
+               ids: Any = None) -> R.CompletionChoice:
         c = i * self.n + o.index
         first = c not in self.offsets
         if first:
@@ -62,15 +63,15 @@ class _Choices:
         prompt_lp = None
         if first and self.req.prompt_logprobs is not None:
             prompt_lp = self.state.formatter.prompt_logprobs(out.prompt_logprobs or ())
-        choice = P.CompletionChoice(index=c, text=text, logprobs=lp, finish_reason=finish, prompt_logprobs=prompt_lp)
+        choice = R.CompletionChoice(index=c, text=text, logprobs=lp, finish_reason=finish, prompt_logprobs=prompt_lp)
         if self.req.return_token_ids:  # vLLM's shape: the prompt's ids with the choice's first chunk
             choice.token_ids = list(o.token_ids if ids is None else ids)
             choice.prompt_token_ids = list(self.prompts[i]) if first else None
         return choice
 
 
-def _concat(a: P.CompletionLogprobs, b: P.CompletionLogprobs) -> P.CompletionLogprobs:
-    return P.CompletionLogprobs(tokens=a.tokens + b.tokens, token_logprobs=a.token_logprobs + b.token_logprobs,
+def _concat(a: R.CompletionLogprobs, b: R.CompletionLogprobs) -> R.CompletionLogprobs:
+    return R.CompletionLogprobs(tokens=a.tokens + b.tokens, token_logprobs=a.token_logprobs + b.token_logprobs,
                                 top_logprobs=a.top_logprobs + b.top_logprobs, text_offset=a.text_offset + b.text_offset)
 
 
@@ -91,8 +92,8 @@ async def completions(request: Request):
     created = int(time.time())
     choices = _Choices(state, req, prompts, prompt_text)
 
-    def resp(items, usage_=None) -> P.CompletionResponse:
-        return P.CompletionResponse(id=gen.request_id, created=created, model=state.model.name,
+    def resp(items, usage_=None) -> R.CompletionResponse:
+        return R.CompletionResponse(id=gen.request_id, created=created, model=state.model.name,
                                     system_fingerprint=state.model.fingerprint, choices=items, usage=usage_)
 
     if req.stream:
@@ -110,7 +111,7 @@ def _stream(req: P.CompletionRequest, gen: Generation, choices: _Choices, resp, 
         text = (choices.prompt_text[i] if c not in choices.offsets else "") + text
         yield resp([choices.choice(out, i, o, text, entries, finish, ids)])
 
-    def aborted(c: int) -> P.CompletionResponse:
-        return resp([P.CompletionChoice(index=c, text="", finish_reason="abort")])
+    def aborted(c: int) -> R.CompletionResponse:
+        return resp([R.CompletionChoice(index=c, text="", finish_reason="abort")])
 
     return stream_response(gen, req, emit, aborted, lambda u: resp([], u), headers)

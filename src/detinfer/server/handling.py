@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Request
 
 from detinfer.server import protocol as P
+from detinfer.server import responses as R
 from detinfer.server.async_engine import (
     ClientDisconnected,
     EngineUnavailableError,
@@ -102,9 +103,9 @@ async def run_to_end(gen: Generation, request: Request) -> list[Any]:
         raise _ended_badly(e) from None
 
 
-def usage(gen: Generation) -> P.Usage:
+def usage(gen: Generation) -> R.Usage:
     prompt, completion = gen.token_counts()
-    return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return R.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 def count_finishes(state: ServerState, reasons: list[str | None]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from detinfer.server.protocol import ChatLogprobs, CompletionLogprobs, PromptLogprob, TokenLogprob, TopLogprob
+from detinfer.server.responses import ChatLogprobs, CompletionLogprobs, PromptLogprob, TokenLogprob, TopLogprob
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; a -inf logprob is reported as this (as vLLM does)
 
